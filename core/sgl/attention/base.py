@@ -1,0 +1,62 @@
+"""The interface every attention backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from sgl.engine.forward_batch import ForwardBatch
+    from sgl.kvcache.pool import KVPool, ReqToTokenPool
+
+__all__ = ["AttentionLayerSpec", "BaseAttentionBackend"]
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """The static shape of one attention layer, as the model declares it."""
+
+    layer_id: int
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # key/value heads on this rank
+    head_dim: int
+    scaling: float  # usually head_dim ** -0.5
+    sliding_window: int | None = None  # attend to at most this many previous tokens
+    logit_softcap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
+
+
+class BaseAttentionBackend(ABC):
+    """Computes attention over the paged KV pool for ragged batches.
+
+    The model runner builds one backend per process with the pools it owns, calls
+    :meth:`init_forward_metadata` once per forward pass (plan indices, masks, kernel work lists),
+    then every attention layer calls :meth:`forward`. ``forward`` must first write the new
+    ``k``/``v`` into the pool at ``batch.out_cache_loc`` and then attend each new query token to
+    its sequence's cached prefix plus the new tokens up to itself (causal).
+    """
+
+    #: short name, as registered
+    name: str = "base"
+
+    def __init__(self, *, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool,
+                 device: torch.device) -> None:
+        self.kv_pool = kv_pool
+        self.req_to_token_pool = req_to_token_pool
+        self.device = device
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:  # noqa: B027 - optional hook
+        """Prepare per-batch state before the first layer runs. Default: nothing."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        """Attention of one layer.
+
+        :param q: ``[num_tokens, num_heads * head_dim]``
+        :param k: ``[num_tokens, num_kv_heads * head_dim]`` for the new tokens
+        :param v: ``[num_tokens, num_kv_heads * head_dim]`` for the new tokens
+        :return: ``[num_tokens, num_heads * head_dim]``
+        """

@@ -1,0 +1,364 @@
+"""Server settings and where they come from.
+
+One frozen :class:`ServerSettings` holds every option of the server. Values come from four
+sources, highest precedence first: command-line flags, ``SGL_*`` environment variables, a config
+file (YAML or TOML, ``--config``) and the field defaults. Plugins add their own frozen dataclass
+through ``sgl_add_config``; its fields become ``--<id>-<field>`` flags, ``SGL_<ID>_<FIELD>``
+variables and keys of the file's ``plugins.<id>`` table. Every resolved value remembers its
+source, which ``sgl config show`` prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = [
+    "ConfigError",
+    "ServerSettings",
+    "coerce_value",
+    "env_var_name",
+    "load_settings",
+    "option_fields",
+    "read_config_file",
+    "settings_from_dict",
+]
+
+#: list-valued selections that add up across sources instead of overriding each other
+ADDITIVE_FIELDS = ("load_plugins", "disable_plugins")
+
+
+class ConfigError(ValueError):
+    """A setting is unknown or has a bad value; the message names the key, value and source."""
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    if isinstance(default, (list, tuple)):
+        return field(default=tuple(default), metadata={"help": help, **extra})
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything ``sgl serve`` and ``sgl.Engine`` can be told."""
+
+    model_path: str | None = _opt(
+        None, "Hugging Face model folder or .gguf file; default: the bundled SmolLM2-135M-Instruct.",
+        flags=("--model-path", "--model"))
+    served_model_name: str | None = _opt(
+        None, "Model name reported by the API; default: derived from the model path.")
+    host: str = _opt("127.0.0.1", "Address the HTTP server binds to.")
+    port: int = _opt(30000, "Port of the HTTP server.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(
+        "auto", "Data type of weights and activations; auto picks float32 on CPU.")
+    num_threads: int | None = _opt(
+        None, "torch intra-op threads of the scheduler; default: one less than the CPU count.")
+    max_total_tokens: int | None = _opt(
+        None, "Size of the KV pool in tokens; default: from --mem-fraction-static.")
+    mem_fraction_static: float = _opt(
+        0.1, "Fraction of available memory given to the KV pool when --max-total-tokens is unset.")
+    max_running_requests: int = _opt(64, "Most requests decoded together in one batch.")
+    context_length: int | None = _opt(
+        None, "Longest sequence (prompt + output); default: the model's own.")
+    page_size: int = _opt(1, "Tokens per page of the KV pool.")
+    attention_backend: str = _opt("torch", "Attention backend, by registered name.",
+                                  registry="attention")
+    cache_policy: str | None = _opt(None, "Prefix-cache policy by name; default: none.",
+                                    registry="cache")
+    grammar_backend: str | None = _opt(None, "Grammar backend for structured output, by name.",
+                                       registry="grammar")
+    speculative_algorithm: str | None = _opt(
+        None, "Speculative decoding algorithm by name; default: off.", registry="speculative")
+    kv_transfer_backend: str | None = _opt(
+        None, "KV transfer backend for prefill/decode disaggregation; default: none.",
+        registry="transfer")
+    frontends: tuple[str, ...] = _opt(
+        (), "HTTP frontends to mount (repeatable); default: every installed one.",
+        registry="frontends", flags=("--frontend",))
+    log_level: Literal["debug", "info", "warning", "error"] = _opt("info", "Log level.")
+    load_plugins: tuple[str, ...] = _opt(
+        (), "Load a plugin by entry-point name, module or .py file (repeatable); no:NAME disables.",
+        flags=("--plugin",))
+    disable_plugins: tuple[str, ...] = _opt(
+        (), "Leave out an installed plugin by name (repeatable).", flags=("--disable-plugin",))
+    # not options: filled by load_settings
+    plugin_settings: Mapping[str, Any] = field(default_factory=dict, compare=False,
+                                               metadata={"internal": True})
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False,
+                                       metadata={"internal": True})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (picklable without any plugin module), for child processes and JSON."""
+        out = {f.name: getattr(self, f.name) for f in option_fields(type(self))}
+        out["plugins"] = {pid: dataclasses.asdict(obj) for pid, obj in self.plugin_settings.items()}
+        return out
+
+
+def option_fields(cls: type) -> list[dataclasses.Field[Any]]:
+    """The user-settable fields of a settings dataclass."""
+    return [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+
+
+def env_var_name(field_name: str, plugin_id: str | None = None) -> str:
+    parts = ["SGL"] + ([plugin_id] if plugin_id else []) + [field_name]
+    return "_".join(parts).upper().replace("-", "_")
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    import sys
+
+    module = sys.modules.get(cls.__module__)
+    return typing.get_type_hints(cls, globalns=vars(module) if module else None)
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_describe(a) for a in args) + " (or null)"
+    if origin is tuple:
+        return "a list of strings"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        tp, str(tp))
+
+
+def coerce_value(value: Any, tp: Any, *, key: str, source: str) -> Any:
+    """Convert ``value`` (from a file, an env string or click) to type ``tp`` or raise
+    :class:`ConfigError` naming ``key``, the value and ``source``."""
+
+    def bad() -> ConfigError:
+        return ConfigError(f"{source}: invalid value {value!r} for {key!r}: expected {_describe(tp)}")
+
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+            return None
+        return coerce_value(value, args[0], key=key, source=source)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise bad()
+        return value
+    if origin is tuple:
+        if isinstance(value, str):
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise bad()
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+            return False
+        raise bad()
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                raise bad() from None
+        raise bad()
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise bad() from None
+        raise bad()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad()
+    return value
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a YAML (``.yaml``/``.yml``) or TOML (``.toml``) config file into a dict."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    text = p.read_text()
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".toml":
+            data = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml", ".json"):
+            import yaml
+
+            data = yaml.safe_load(text) if text.strip() else {}
+        else:
+            raise ConfigError(f"{p}: unsupported config format {suffix!r}; use .yaml, .yml or .toml")
+    except ConfigError:
+        raise
+    except Exception as exc:  # yaml.YAMLError, tomllib.TOMLDecodeError
+        raise ConfigError(f"{p}: cannot parse: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of settings at the top level")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def _unknown(key: str, valid: list[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"{where}: unknown key {key!r}{hint} (valid keys: {', '.join(valid)})")
+
+
+def _resolve(cls: type, *, cli: Mapping[str, Any], cli_flags: Mapping[str, str],
+             env: Mapping[str, str], file_data: Mapping[str, Any], file_label: str,
+             plugin_id: str | None) -> tuple[dict[str, Any], dict[str, str]]:
+    hints = _type_hints(cls)
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for f in option_fields(cls):
+        tp = hints[f.name]
+        layers: list[tuple[Any, str]] = []
+        if f.name in file_data:
+            layers.append((file_data[f.name], f"file {file_label}"))
+        var = env_var_name(f.name, plugin_id)
+        if var in env:
+            layers.append((env[var], f"env {var}"))
+        if f.name in cli:
+            layers.append((cli[f.name], f"flag {cli_flags.get(f.name, f.name)}"))
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        values[f.name], sources[f.name] = default, "default"
+        for raw, source in layers:
+            value = coerce_value(raw, tp, key=f.name, source=source)
+            if f.name in ADDITIVE_FIELDS and sources[f.name] != "default":
+                value = tuple(dict.fromkeys(values[f.name] + value))
+                source = f"{sources[f.name]} + {source}"
+            values[f.name], sources[f.name] = value, source
+    return values, sources
+
+
+def load_settings(
+    *,
+    cli: Mapping[str, Any] | None = None,
+    cli_flags: Mapping[str, str] | None = None,
+    plugin_cli: Mapping[str, Mapping[str, Any]] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: str | os.PathLike[str] | None = None,
+    file_data: Mapping[str, Any] | None = None,
+    plugin_classes: Mapping[str, type] | None = None,
+) -> ServerSettings:
+    """Merge defaults < config file < environment < command line into one :class:`ServerSettings`.
+
+    :param cli: server options given on the command line (only those the user typed).
+    :param cli_flags: the flag each CLI value came from, for messages (``{"port": "--port"}``).
+    :param plugin_cli: per plugin id, its options given on the command line.
+    :param env: environment (default ``os.environ``).
+    :param config_file: path of a YAML/TOML file, read with :func:`read_config_file`.
+    :param file_data: already-parsed file contents (instead of ``config_file``).
+    :param plugin_classes: plugin id -> settings dataclass, from ``sgl_add_config``.
+    """
+    env = os.environ if env is None else env
+    plugin_classes = plugin_classes or {}
+    label = str(config_file) if config_file else "<config>"
+    if file_data is None:
+        file_data = read_config_file(config_file) if config_file else {}
+    file_data = dict(file_data)
+    plugin_tables = file_data.pop("plugins", {}) or {}
+    valid = [f.name for f in option_fields(ServerSettings)] + ["plugins"]
+    for key in file_data:
+        if key not in valid:
+            raise _unknown(key, valid, label)
+    if not isinstance(plugin_tables, dict):
+        raise ConfigError(f"{label}: 'plugins' must be a table of plugin id -> options")
+    for pid, table in plugin_tables.items():
+        if pid not in plugin_classes:
+            known = ", ".join(sorted(plugin_classes)) or "no loaded plugin has options"
+            raise ConfigError(f"{label}: unknown plugin {pid!r} in 'plugins' ({known})")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{label}: 'plugins.{pid}' must be a table of options")
+        fields = [f.name for f in option_fields(plugin_classes[pid])]
+        for key in table:
+            if str(key).replace("-", "_") not in fields:
+                raise _unknown(str(key), fields, f"{label} [plugins.{pid}]")
+
+    values, sources = _resolve(ServerSettings, cli=cli or {}, cli_flags=cli_flags or {}, env=env,
+                               file_data=file_data, file_label=label, plugin_id=None)
+    plugin_settings: dict[str, Any] = {}
+    for pid, cls in plugin_classes.items():
+        table = {str(k).replace("-", "_"): v for k, v in (plugin_tables.get(pid) or {}).items()}
+        pvalues, psources = _resolve(
+            cls, cli=(plugin_cli or {}).get(pid, {}),
+            cli_flags={k: f"--{pid}-{k}".replace("_", "-") for k in (plugin_cli or {}).get(pid, {})},
+            env=env, file_data=table, file_label=f"{label} [plugins.{pid}]", plugin_id=pid)
+        try:
+            plugin_settings[pid] = cls(**pvalues)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"plugin {pid!r} settings: {exc}") from exc
+        sources.update({f"plugins.{pid}.{k}": v for k, v in psources.items()})
+    settings = ServerSettings(**values, plugin_settings=plugin_settings, sources=sources)
+    _check_ranges(settings)
+    return settings
+
+
+def _check_ranges(s: ServerSettings) -> None:
+    def fail(key: str, msg: str) -> None:
+        raise ConfigError(f"{s.sources.get(key, 'default')}: invalid value "
+                          f"{getattr(s, key)!r} for {key!r}: {msg}")
+
+    if not 0 < s.port < 65536:
+        fail("port", "expected 1-65535")
+    if s.num_threads is not None and s.num_threads < 1:
+        fail("num_threads", "expected at least 1")
+    if s.max_total_tokens is not None and s.max_total_tokens < 1:
+        fail("max_total_tokens", "expected at least 1")
+    if not 0 < s.mem_fraction_static <= 1:
+        fail("mem_fraction_static", "expected a fraction in (0, 1]")
+    if s.max_running_requests < 1:
+        fail("max_running_requests", "expected at least 1")
+    if s.context_length is not None and s.context_length < 2:
+        fail("context_length", "expected at least 2")
+    if s.page_size < 1:
+        fail("page_size", "expected at least 1")
+
+
+def settings_from_dict(data: Mapping[str, Any], plugin_classes: Mapping[str, type]) -> ServerSettings:
+    """Rebuild settings from :meth:`ServerSettings.to_dict` (in a child process)."""
+    data = dict(data)
+    tables = data.pop("plugins", {})
+    plugin_settings = {pid: plugin_classes[pid](**vals) for pid, vals in tables.items()
+                       if pid in plugin_classes}
+    return ServerSettings(**data, plugin_settings=plugin_settings)
+
+
+def format_settings(settings: ServerSettings, as_json: bool = False) -> str:
+    """The effective settings and the source of each, for ``sgl config show``."""
+    rows: list[tuple[str, Any, str]] = []
+    for f in option_fields(ServerSettings):
+        rows.append((f.name, getattr(settings, f.name), settings.sources.get(f.name, "default")))
+    for pid, obj in settings.plugin_settings.items():
+        for f in option_fields(type(obj)):
+            key = f"plugins.{pid}.{f.name}"
+            rows.append((key, getattr(obj, f.name), settings.sources.get(key, "default")))
+    if as_json:
+        return json.dumps({k: {"value": list(v) if isinstance(v, tuple) else v, "source": s}
+                           for k, v, s in rows}, indent=2)
+    width = max(len(k) for k, _, _ in rows)
+    vwidth = max(len(json.dumps(list(v) if isinstance(v, tuple) else v)) for _, v, _ in rows)
+    return "\n".join(
+        f"{k:<{width}}  {json.dumps(list(v) if isinstance(v, tuple) else v):<{vwidth}}  ({s})"
+        for k, v, s in rows)

@@ -1,0 +1,39 @@
+"""The hook specifications of sgl: one small module per concern.
+
+The public contract between the core and its plugins. See ``docs/hooks.md``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from sgl.hookspecs import (
+    attention,
+    cli,
+    config,
+    frontends,
+    grammar,
+    kvcache,
+    lifecycle,
+    models,
+    parallel,
+    speculative,
+    transfer,
+)
+from sgl.hookspecs._marker import PROJECT_NAME, hookimpl, hookspec
+
+__all__ = ["PROJECT_NAME", "SPEC_MODULES", "hookimpl", "hookspec"]
+
+SPEC_MODULES: tuple[ModuleType, ...] = (
+    lifecycle,
+    cli,
+    config,
+    attention,
+    models,
+    grammar,
+    kvcache,
+    speculative,
+    parallel,
+    transfer,
+    frontends,
+)

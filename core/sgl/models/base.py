@@ -1,0 +1,49 @@
+"""The interface every model architecture implements."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from sgl.engine.forward_batch import ForwardBatch
+
+__all__ = ["BaseCausalLM"]
+
+
+class BaseCausalLM(nn.Module):
+    """A decoder-only language model that runs on ragged batches over the paged KV pool.
+
+    Constructed as ``cls(config, dtype=..., device=...)`` on the target device with
+    uninitialised weights, then filled by :meth:`load_weights` tensor by tensor.
+    """
+
+    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+
+    @abstractmethod
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the decoder over ``batch.input_ids``; return hidden states ``[num_tokens, hidden]``
+        after the final norm. The runner picks the rows it needs and calls
+        :meth:`compute_logits` on them only."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden] -> [n, vocab]`` float32 logits (soft-capping applied, if any)."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy weights given under their Hugging Face names into the parameters.
+
+        Weights arrive one at a time (streamed from disk); an unknown name is an error, and so is
+        a parameter left unfilled at the end (except a tied ``lm_head``).
+        """

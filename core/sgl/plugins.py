@@ -1,0 +1,293 @@
+"""Finding, loading and inspecting plugins.
+
+Plugins are Python modules with ``@sgl.hookimpl`` functions. They come from the ``sgl``
+entry-point group of installed distributions, from ``--plugin NAME|module|path.py`` and from
+``load_plugins`` in a config file. Nothing is loaded at import time: call
+:func:`create_plugin_manager`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Iterator
+
+import pluggy
+
+from sgl.hookspecs import PROJECT_NAME, SPEC_MODULES
+from sgl.registry import DuplicateRegistrationError, Registry
+
+__all__ = [
+    "PluginError",
+    "PluginLoadError",
+    "PluginRecord",
+    "PluginSelection",
+    "Registries",
+    "SglPluginManager",
+    "create_plugin_manager",
+]
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = PROJECT_NAME
+
+
+class PluginError(RuntimeError):
+    """A plugin misbehaved while one of its hooks ran."""
+
+
+class PluginLoadError(PluginError):
+    """A plugin the user asked for explicitly could not be loaded."""
+
+
+@dataclass
+class PluginRecord:
+    """What ``sgl plugins`` reports about one plugin."""
+
+    name: str
+    source: str  # "entry point", "module" or "file"
+    target: str  # entry-point value, module path or file path
+    distribution: str | None = None
+    version: str | None = None
+    available: bool = True
+    reason: str | None = None
+    explicit: bool = False
+    hooks: list[str] = field(default_factory=list)
+
+
+def _split(value: str | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+@dataclass(frozen=True)
+class PluginSelection:
+    """Which plugins to load.
+
+    :param load: names the user asked for (entry-point name, dotted module or ``.py`` path);
+        any failure to load one of these is fatal.
+    :param disable: entry-point names to leave out (``--disable-plugin``, ``--plugin no:NAME``).
+    :param allowlist: when not None, only these entry points are auto-loaded (``SGL_PLUGINS``).
+    :param autoload: discover installed entry points at all (``SGL_DISABLE_PLUGIN_AUTOLOAD``).
+    :param exact: records handed down by a parent process: load exactly these, discover nothing.
+    """
+
+    load: tuple[str, ...] = ()
+    disable: tuple[str, ...] = ()
+    allowlist: tuple[str, ...] | None = None
+    autoload: bool = True
+    exact: tuple[PluginRecord, ...] | None = None
+
+    @classmethod
+    def from_args(
+        cls, plugins: tuple[str, ...] | list[str] = (), disable: tuple[str, ...] | list[str] = ()
+    ) -> PluginSelection:
+        """Build from ``--plugin`` / ``--disable-plugin`` values plus the ``SGL_*`` environment."""
+        load = [p for p in plugins if not p.startswith("no:")]
+        blocked = [p[3:] for p in plugins if p.startswith("no:")] + list(disable)
+        blocked += _split(os.environ.get("SGL_DISABLE_PLUGINS")) or ()
+        return cls(
+            load=tuple(dict.fromkeys(load)),
+            disable=tuple(dict.fromkeys(blocked)),
+            allowlist=_split(os.environ.get("SGL_PLUGINS")),
+            autoload=os.environ.get("SGL_DISABLE_PLUGIN_AUTOLOAD", "") in ("", "0", "false"),
+        )
+
+
+@dataclass
+class Registries:
+    """Every registry the core keeps, filled from the plugins' ``sgl_register_*`` hooks."""
+
+    attention: Registry[Any] = field(default_factory=lambda: Registry("attention backend"))
+    models: Registry[Any] = field(default_factory=lambda: Registry("model architecture"))
+    grammar: Registry[Any] = field(default_factory=lambda: Registry("grammar backend"))
+    cache: Registry[Any] = field(default_factory=lambda: Registry("cache policy"))
+    speculative: Registry[Any] = field(default_factory=lambda: Registry("speculative algorithm"))
+    parallel: Registry[Any] = field(default_factory=lambda: Registry("parallel strategy"))
+    transfer: Registry[Any] = field(default_factory=lambda: Registry("KV transfer backend"))
+    frontends: Registry[Any] = field(default_factory=lambda: Registry("frontend"))
+
+    HOOKS = {
+        "attention": "sgl_register_attention_backends",
+        "models": "sgl_register_model_archs",
+        "grammar": "sgl_register_grammar_backends",
+        "cache": "sgl_register_cache_policies",
+        "speculative": "sgl_register_speculative_algorithms",
+        "parallel": "sgl_register_parallel_strategies",
+        "transfer": "sgl_register_kv_transfer_backends",
+        "frontends": "sgl_register_frontends",
+    }
+
+
+class SglPluginManager(pluggy.PluginManager):
+    """A pluggy manager that also remembers what was loaded, from where, and what failed."""
+
+    def __init__(self) -> None:
+        super().__init__(PROJECT_NAME)
+        for module in SPEC_MODULES:
+            self.add_hookspecs(module)
+        self.records: dict[str, PluginRecord] = {}
+
+    def call_each(self, hook_name: str, **kwargs: Any) -> Iterator[tuple[str, Any]]:
+        """Call one hook plugin by plugin, in load order, yielding ``(plugin name, result)``.
+
+        ``per_plugin={"arg": factory}`` passes ``factory(plugin_name)`` as ``arg``, so that a
+        callback knows which plugin calls it.
+        """
+        per_plugin = kwargs.pop("per_plugin", {})
+        caller = getattr(self.hook, hook_name)
+        for impl in reversed(caller.get_hookimpls()):
+            name = self.get_name(impl.plugin) or repr(impl.plugin)
+            values = {**kwargs, **{key: make(name) for key, make in per_plugin.items()}}
+            try:
+                yield name, impl.function(**{arg: values[arg] for arg in impl.argnames})
+            except (DuplicateRegistrationError, PluginError):
+                raise
+            except Exception as exc:
+                raise PluginError(f"plugin {name!r} failed in {hook_name}: {exc}") from exc
+
+    @cached_property
+    def registries(self) -> Registries:
+        """Every registry, built once from the registration hooks of all loaded plugins."""
+        registries = Registries()
+        for attr, hook_name in Registries.HOOKS.items():
+            registry: Registry[Any] = getattr(registries, attr)
+
+            def register_for(owner: str, registry: Registry[Any] = registry) -> Any:
+                return lambda name, target: registry.register(name, target, owner=owner)
+
+            for _ in self.call_each(hook_name, per_plugin={"register": register_for}):
+                pass
+        return registries
+
+    def loaded_records(self) -> tuple[PluginRecord, ...]:
+        """The plugins a child process must load to match this one."""
+        return tuple(r for r in self.records.values() if r.available)
+
+
+def _import_file(path: Path) -> ModuleType:
+    module_name = f"sgl_file_plugin_{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    return module
+
+
+def _import_target(source: str, target: str) -> ModuleType:
+    if source == "file":
+        return _import_file(Path(target))
+    return importlib.import_module(target.partition(":")[0])
+
+
+def _missing_requirements(module: ModuleType) -> str | None:
+    missing = [
+        name
+        for name in getattr(module, "SGL_REQUIRES", ())
+        if importlib.util.find_spec(name.split(".")[0]) is None
+    ]
+    if missing:
+        return f"missing dependency: {', '.join(missing)} (pip install {' '.join(missing)})"
+    return None
+
+
+def _register_checked(pm: SglPluginManager, module: ModuleType, name: str) -> str | None:
+    """Register ``module``; on a hook that is misspelled or has wrong arguments, undo and
+    return why (``pm.check_pending`` fails fast instead of silently ignoring the hook)."""
+    try:
+        pm.register(module, name=name)
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        if pm.is_registered(module):
+            pm.unregister(module)
+        return f"invalid hook implementation: {exc}"
+    return None
+
+
+def _is_path(spec: str) -> bool:
+    return spec.endswith(".py") or os.sep in spec or spec.startswith(".")
+
+
+def create_plugin_manager(selection: PluginSelection | None = None) -> SglPluginManager:
+    """Build a plugin manager: discover, import and register plugins as ``selection`` says.
+
+    A plugin that fails to import or lacks a dependency is recorded as unavailable with the
+    reason, unless the user named it explicitly: then :class:`PluginLoadError` is raised.
+    """
+    selection = selection or PluginSelection.from_args()
+    pm = SglPluginManager()
+    if os.environ.get("SGL_TRACE_PLUGINS"):
+        pm.trace.root.setwriter(lambda msg: logger.info("%s", msg.rstrip()))
+        pm.enable_tracing()
+
+    candidates: list[PluginRecord] = []
+    if selection.exact is not None:
+        candidates = [PluginRecord(r.name, r.source, r.target, r.distribution, r.version,
+                                   explicit=True) for r in selection.exact]
+    else:
+        entry_points = {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+        for ep in entry_points.values():
+            wanted = ep.name in selection.load
+            if not wanted and (
+                not selection.autoload
+                or ep.name in selection.disable
+                or (selection.allowlist is not None and ep.name not in selection.allowlist)
+            ):
+                continue
+            dist = getattr(ep, "dist", None)
+            candidates.append(PluginRecord(
+                ep.name, "entry point", ep.value,
+                distribution=dist.name if dist else None,
+                version=dist.version if dist else None,
+                explicit=wanted,
+            ))
+        for spec in selection.load:
+            if spec in entry_points:
+                continue
+            if _is_path(spec):
+                path = Path(spec).expanduser().resolve()
+                if not path.is_file():
+                    raise PluginLoadError(f"--plugin {spec}: no such file {path}")
+                candidates.append(PluginRecord(path.stem, "file", str(path), explicit=True))
+            else:
+                candidates.append(PluginRecord(spec, "module", spec, explicit=True))
+
+    for record in candidates:
+        if record.name in pm.records:
+            raise PluginLoadError(
+                f"two plugins are named {record.name!r}: {pm.records[record.name].target} and "
+                f"{record.target}"
+            )
+        pm.records[record.name] = record
+        try:
+            module = _import_target(record.source, record.target)
+            record.reason = _missing_requirements(module)
+        except Exception as exc:  # a broken plugin must not stop the others
+            record.reason = f"{type(exc).__name__}: {exc}"
+        if record.reason is None:
+            record.reason = _register_checked(pm, module, record.name)
+        if record.reason is not None:
+            record.available = False
+            if record.explicit:
+                raise PluginLoadError(f"plugin {record.name!r} could not be loaded: {record.reason}")
+            logger.warning("plugin %r is unavailable: %s", record.name, record.reason)
+
+    for name, plugin in pm.list_name_plugin():
+        if name in pm.records:
+            pm.records[name].hooks = sorted(c.name for c in pm.get_hookcallers(plugin) or ())
+    return pm

@@ -1,0 +1,106 @@
+"""``sgl serve``: start the scheduler, build the app, run uvicorn, clean up."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+
+from sgl.engine.launch import SchedulerStartError, start_scheduler
+from sgl.log import setup_logging
+
+if TYPE_CHECKING:
+    from sgl.config import ServerSettings
+    from sgl.plugins import SglPluginManager
+
+__all__ = ["run_server"]
+
+logger = logging.getLogger("sgl.server")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus the one line that says sgl is ready."""
+
+    ready_message = ""
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            logger.info("%s", self.ready_message)
+
+
+def _check_port(host: str, port: int) -> str | None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} on {host} is already in use; choose another with --port"
+            return f"cannot listen on {host}:{port}: {exc.strerror}; check --host and --port"
+    return None
+
+
+def run_server(settings: ServerSettings, pm: SglPluginManager) -> int:
+    """Serve until interrupted; return the process exit code."""
+    from sgl.model_loader import load_tokenizer, resolve_model_path
+    from sgl.server.app import create_app
+    from sgl.server.context import ServerContext
+    from sgl.server.tokenizer_manager import TokenizerManager
+
+    setup_logging(settings.log_level, process="server")
+    problem = _check_port(settings.host, settings.port)
+    if problem:
+        logger.error("%s", problem)
+        return 2
+    for record in pm.records.values():
+        if record.available:
+            logger.info("plugin %s (%s) loaded", record.name, record.distribution or record.source)
+        else:
+            logger.warning("plugin %s unavailable: %s", record.name, record.reason)
+
+    try:
+        model_path = resolve_model_path(settings.model_path)
+    except Exception as exc:
+        logger.error("%s", exc)
+        return 2
+    logger.info("model %s; starting the scheduler process", model_path)
+    handle = start_scheduler(settings, pm)
+    try:
+        tokenizer = load_tokenizer(model_path)
+        info = handle.wait_ready()
+    except (SchedulerStartError, Exception) as exc:
+        logger.error("%s", exc)
+        handle.stop(timeout=1)
+        return 1
+    mib = info.kv_pool_bytes / 2**20
+    logger.info("model %s (%s), dtype %s, %d torch thread(s), attention %s",
+                info.architecture, info.model_path, info.dtype, info.num_threads,
+                info.attention_backend)
+    logger.info("KV pool: %d tokens (%.0f MiB), context length %d", info.max_total_tokens, mib,
+                info.context_length)
+
+    tm = TokenizerManager(tokenizer, handle.endpoints, info)
+    ctx = ServerContext(settings=settings, plugin_manager=pm, scheduler=handle, info=info,
+                        tokenizer_manager=tm)
+    app = create_app(ctx)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
+                            log_level=settings.log_level, timeout_graceful_shutdown=30)
+    server = _Server(config)
+    server.ready_message = (f"sgl is ready: serving {ctx.model_name} at "
+                            f"http://{settings.host}:{settings.port}")
+    ctx.uvicorn_server = server
+    try:
+        server.run()
+    finally:
+        handle.stop()
+        try:
+            pm.hook.sgl_on_shutdown(settings=settings, process="server")
+        except Exception:
+            logger.exception("a plugin failed in sgl_on_shutdown")
+    if not server.started and ctx.exit_code == 0:
+        return 1
+    return ctx.exit_code

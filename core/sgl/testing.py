@@ -1,0 +1,138 @@
+"""pytest helpers for sgl and its plugins (registered through the ``pytest11`` entry point).
+
+Fixtures:
+
+* ``plugin_manager`` -- a fresh plugin manager with every installed plugin loaded.
+* ``register_plugin`` -- ``register_plugin(obj, name=None)`` adds an inline plugin (a module or
+  an object with ``@sgl.hookimpl`` methods) to ``plugin_manager`` for the test's duration.
+* ``tiny_llama_config`` -- a tiny random-weight ``transformers.LlamaConfig``.
+* ``cpu_device`` -- ``torch.device("cpu")``.
+
+And :class:`ServerProcess`, which runs ``sgl serve`` on a free loopback port for a test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    import torch
+
+    from sgl.plugins import SglPluginManager
+
+__all__ = ["ServerProcess", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    """``sgl serve`` in a subprocess on a free port of 127.0.0.1; stopped by :meth:`stop`."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None,
+                 log_path: Path | None = None, startup_timeout: float = 300.0) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.args = [sys.executable, "-m", "sgl", "serve", "--host", "127.0.0.1",
+                     "--port", str(self.port), *args]
+        self._log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(self.args, env={**os.environ, **(env or {})},
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        self._wait_healthy(startup_timeout)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sgl serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"sgl serve not healthy after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path and self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@pytest.fixture
+def plugin_manager() -> SglPluginManager:
+    from sgl.plugins import create_plugin_manager
+
+    return create_plugin_manager()
+
+
+@pytest.fixture
+def register_plugin(plugin_manager: SglPluginManager) -> Iterator[Any]:
+    registered: list[Any] = []
+
+    def register(obj: Any, name: str | None = None) -> Any:
+        plugin_manager.register(obj, name=name)
+        registered.append(obj)
+        plugin_manager.__dict__.pop("registries", None)  # rebuild on next access
+        return obj
+
+    yield register
+    for obj in registered:
+        plugin_manager.unregister(obj)
+    plugin_manager.__dict__.pop("registries", None)
+
+
+@pytest.fixture
+def tiny_llama_config() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=512, tie_word_embeddings=False)
+
+
+@pytest.fixture
+def cpu_device() -> torch.device:
+    import torch
+
+    return torch.device("cpu")
+
+
+def run_cli(args: Sequence[str], env: dict[str, str] | None = None,
+            timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """Run ``sgl ARGS`` in a fresh interpreter (plugins are discovered anew each time)."""
+    return subprocess.run([sys.executable, "-m", "sgl", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)

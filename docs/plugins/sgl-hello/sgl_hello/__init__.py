@@ -1,0 +1,3 @@
+"""An example sgl plugin."""
+
+__all__: list[str] = []

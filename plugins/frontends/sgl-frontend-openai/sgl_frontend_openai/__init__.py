@@ -1,0 +1,3 @@
+"""The OpenAI-compatible frontend of sgl."""
+
+__all__: list[str] = []

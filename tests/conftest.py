@@ -1,0 +1,72 @@
+"""Shared fixtures: one real server for the whole session, started with a route plugin loaded
+from a temporary file (``--plugin path.py``), so the end-to-end tests and the plugin tests talk
+to the same process."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sgl.testing import ServerProcess
+
+ROUTE_PLUGIN = textwrap.dedent('''
+    """A plugin in a single file: one route, and start-up notes written to a file."""
+    import os
+
+    from fastapi import APIRouter
+
+    from sgl import hookimpl
+
+
+    def make_router(server):
+        router = APIRouter()
+
+        @router.get("/from-file-plugin")
+        async def from_file_plugin():
+            return {"plugin": "file", "model": server.model_name}
+
+        return router
+
+
+    @hookimpl
+    def sgl_register_frontends(register):
+        register("file-route", make_router)
+
+
+    @hookimpl
+    def sgl_on_startup(settings, process, context):
+        with open(os.environ["SGL_TEST_MARKERS"], "a") as f:
+            f.write(f"startup {process}\\n")
+
+
+    @hookimpl
+    def sgl_on_shutdown(settings, process):
+        with open(os.environ["SGL_TEST_MARKERS"], "a") as f:
+            f.write(f"shutdown {process}\\n")
+''')
+
+
+@pytest.fixture(scope="session")
+def route_plugin_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("plugin") / "file_route_plugin.py"
+    path.write_text(ROUTE_PLUGIN)
+    return path
+
+
+@pytest.fixture(scope="session")
+def markers_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("markers") / "markers.txt"
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory, route_plugin_file: Path,
+           markers_file: Path) -> Iterator[ServerProcess]:
+    """The bundled SmolLM2 behind a real `sgl serve` on a free loopback port."""
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    proc = ServerProcess("--plugin", str(route_plugin_file), "--max-total-tokens", "16384",
+                         env={"SGL_TEST_MARKERS": str(markers_file)}, log_path=log)
+    yield proc
+    proc.stop()

@@ -1,0 +1,158 @@
+"""One test per hook: an inline plugin implements it and the core uses what it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from sgl import hookimpl
+from sgl.cli import build_cli, plugin_config_classes, settings_options
+from sgl.plugins import PluginError
+
+
+def registering(hook: str, name: str, target: Any) -> object:
+    """An inline plugin whose ``hook`` registers ``name``."""
+
+    class Plugin:
+        pass
+
+    def impl(self: Any, register: Any) -> None:
+        register(name, target)
+
+    impl.__name__ = hook
+    setattr(Plugin, hook, hookimpl(impl))
+    return Plugin()
+
+
+@pytest.mark.parametrize("hook,registry", [
+    ("sgl_register_attention_backends", "attention"),
+    ("sgl_register_model_archs", "models"),
+    ("sgl_register_grammar_backends", "grammar"),
+    ("sgl_register_cache_policies", "cache"),
+    ("sgl_register_speculative_algorithms", "speculative"),
+    ("sgl_register_parallel_strategies", "parallel"),
+    ("sgl_register_kv_transfer_backends", "transfer"),
+    ("sgl_register_frontends", "frontends"),
+])
+def test_registry_hook(plugin_manager, register_plugin, hook: str, registry: str) -> None:
+    register_plugin(registering(hook, "inline-thing", "collections:OrderedDict"), name="inline")
+    entry = getattr(plugin_manager.registries, registry).entry("inline-thing")
+    assert entry.owner == "inline"
+    import collections
+
+    assert entry.load() is collections.OrderedDict
+
+
+def test_hook_sgl_register_attention_backends(plugin_manager, register_plugin) -> None:
+    register_plugin(registering("sgl_register_attention_backends", "inline-attn", "a:B"), "p")
+    assert "inline-attn" in plugin_manager.registries.attention.names()
+    assert "torch" in plugin_manager.registries.attention.names()  # the default plugin's
+
+
+def test_hook_sgl_register_model_archs(plugin_manager, register_plugin) -> None:
+    register_plugin(registering("sgl_register_model_archs", "ToyForCausalLM", "a:B"), "p")
+    assert {"ToyForCausalLM", "LlamaForCausalLM"} <= set(plugin_manager.registries.models.names())
+
+
+def test_hook_sgl_register_grammar_backends(plugin_manager, register_plugin) -> None:
+    register_plugin(registering("sgl_register_grammar_backends", "toy-grammar", "a:B"), "p")
+    assert plugin_manager.registries.grammar.entry("toy-grammar").owner == "p"
+
+
+def test_hook_sgl_register_cache_policies(plugin_manager, register_plugin) -> None:
+    register_plugin(registering("sgl_register_cache_policies", "toy-cache", "a:B"), "p")
+    assert plugin_manager.registries.cache.entry("toy-cache").owner == "p"
+
+
+def test_hook_sgl_register_speculative_algorithms(plugin_manager, register_plugin) -> None:
+    register_plugin(registering("sgl_register_speculative_algorithms", "toy-spec", "a:B"), "p")
+    assert plugin_manager.registries.speculative.entry("toy-spec").owner == "p"
+
+
+def test_hook_sgl_register_parallel_strategies(plugin_manager, register_plugin) -> None:
+    register_plugin(registering("sgl_register_parallel_strategies", "toy-par", "a:B"), "p")
+    assert plugin_manager.registries.parallel.entry("toy-par").owner == "p"
+
+
+def test_hook_sgl_register_kv_transfer_backends(plugin_manager, register_plugin) -> None:
+    register_plugin(registering("sgl_register_kv_transfer_backends", "toy-xfer", "a:B"), "p")
+    assert plugin_manager.registries.transfer.entry("toy-xfer").owner == "p"
+
+
+def test_hook_sgl_register_frontends(plugin_manager, register_plugin) -> None:
+    register_plugin(registering("sgl_register_frontends", "toy-front", "a:make"), "p")
+    assert {"toy-front", "openai"} <= set(plugin_manager.registries.frontends.names())
+
+
+def test_hook_sgl_resolve_model_arch(plugin_manager, register_plugin, tiny_llama_config) -> None:
+    class Claims:
+        @hookimpl
+        def sgl_resolve_model_arch(self, hf_config: Any) -> str | None:
+            return "LlamaForCausalLM" if hf_config.architectures == ["MyLlama"] else None
+
+    register_plugin(Claims(), name="claims")
+    tiny_llama_config.architectures = ["MyLlama"]
+    assert plugin_manager.hook.sgl_resolve_model_arch(hf_config=tiny_llama_config) \
+        == "LlamaForCausalLM"
+    tiny_llama_config.architectures = ["Other"]
+    assert plugin_manager.hook.sgl_resolve_model_arch(hf_config=tiny_llama_config) is None
+
+
+def test_hook_sgl_register_commands(plugin_manager, register_plugin) -> None:
+    class Commands:
+        @hookimpl
+        def sgl_register_commands(self, cli: click.Group) -> None:
+            @cli.command("greet")
+            @click.argument("who")
+            def greet(who: str) -> None:
+                """Say hello."""
+                click.echo(f"hello {who}")
+
+    register_plugin(Commands(), name="greeter")
+    cli = build_cli(plugin_manager)
+    result = CliRunner().invoke(cli, ["greet", "sgl"])
+    assert result.exit_code == 0 and result.output == "hello sgl\n"
+    assert "greet" in CliRunner().invoke(cli, ["--help"]).output
+
+
+def test_hook_sgl_add_config(plugin_manager, register_plugin) -> None:
+    @dataclass(frozen=True)
+    class Settings:
+        depth: int = field(default=3, metadata={"help": "How deep."})
+        fast: bool = False
+
+    class Configured:
+        @hookimpl
+        def sgl_add_config(self) -> type:
+            return Settings
+
+    register_plugin(Configured(), name="deep")
+    assert plugin_config_classes(plugin_manager)["deep"] is Settings
+    flags = {opt for o in settings_options(plugin_manager) for opt in o.opts}
+    assert {"--deep-depth", "--deep-fast"} <= flags
+
+
+def test_add_config_must_return_a_dataclass(plugin_manager, register_plugin) -> None:
+    class Wrong:
+        @hookimpl
+        def sgl_add_config(self) -> Any:
+            return {"depth": 3}
+
+    register_plugin(Wrong(), name="wrong")
+    with pytest.raises(PluginError, match="plugin 'wrong'.*dataclass"):
+        plugin_config_classes(plugin_manager)
+
+
+def test_failing_hook_names_the_plugin(plugin_manager, register_plugin) -> None:
+    class Crashes:
+        @hookimpl
+        def sgl_register_cache_policies(self, register: Any) -> None:
+            raise RuntimeError("kaboom")
+
+    register_plugin(Crashes(), name="crashy")
+    with pytest.raises(PluginError, match="plugin 'crashy' failed in sgl_register_cache_policies"):
+        plugin_manager.registries  # noqa: B018
