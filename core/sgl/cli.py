@@ -88,7 +88,7 @@ def settings_options(pm: SglPluginManager) -> list[click.Option]:
     hints = _type_hints(ServerSettings)
     for f in option_fields(ServerSettings):
         registry = f.metadata.get("registry")
-        choices = getattr(pm.registries, registry).names() if registry else None
+        choices = _registry_names(pm, registry) if registry else None
         flags = f.metadata.get("flags") or (f"--{f.name.replace('_', '-')}",)
         options.append(_option_for(f, hints[f.name], dest=f.name, flags=flags,
                                    group="Server options", env=env_var_name(f.name),
@@ -96,11 +96,20 @@ def settings_options(pm: SglPluginManager) -> list[click.Option]:
     for pid, cls in plugin_config_classes(pm).items():
         phints = _type_hints(cls)
         for f in option_fields(cls):
-            flag = f"--{pid}-{f.name}".replace("_", "-")
+            flag = f"--{pid}-{f.name}".replace("_", "-").replace(".", "-")
             options.append(_option_for(f, phints[f.name], dest=f"plugin__{pid}__{f.name}",
                                        flags=(flag,), group=f"Options of plugin {pid}",
                                        env=env_var_name(f.name, pid)))
     return options
+
+
+def _registry_names(pm: SglPluginManager, registry: str) -> list[str] | None:
+    """Names for ``--help``; None when the registries cannot be built (the error surfaces when
+    a command needs them, so that ``sgl plugins`` still works to diagnose it)."""
+    try:
+        return getattr(pm.registries, registry).names()
+    except (DuplicateRegistrationError, PluginError):
+        return None
 
 
 def plugin_config_classes(pm: SglPluginManager) -> dict[str, type]:
@@ -185,6 +194,10 @@ def build_cli(pm: SglPluginManager) -> click.Group:
     def plugins_cmd(as_json: bool, **_: Any) -> None:
         """List plugins: name, distribution, version, hooks and availability."""
         rows = [dataclasses.asdict(r) for r in pm.records.values()]
+        try:
+            pm.registries  # noqa: B018 - report clashes between plugins, but still list them
+        except (DuplicateRegistrationError, PluginError) as exc:
+            click.echo(f"Error: {exc}", err=True)
         if as_json:
             click.echo(json.dumps(rows, indent=2))
             return
@@ -212,9 +225,22 @@ def build_cli(pm: SglPluginManager) -> click.Group:
 
     config_show.params.extend(settings_options(pm))
 
-    for pid, _ in pm.call_each("sgl_register_commands", cli=cli):
-        pass
+    _add_plugin_commands(cli, pm)
     return cli
+
+
+def _add_plugin_commands(cli: click.Group, pm: SglPluginManager) -> None:
+    owners = {name: "sgl" for name in cli.commands}
+    before = dict(cli.commands)
+    for pid, _ in pm.call_each("sgl_register_commands", cli=cli):
+        for name, command in cli.commands.items():
+            if before.get(name) is command:
+                continue
+            if name in owners:
+                raise PluginError(f"plugin {pid!r} registered the command {name!r}, which "
+                                  f"{owners[name]!r} already provides")
+            owners[name] = pid
+        before = dict(cli.commands)
 
 
 def _settings_or_exit(ctx: click.Context, pm: SglPluginManager,
@@ -223,7 +249,7 @@ def _settings_or_exit(ctx: click.Context, pm: SglPluginManager,
         settings = settings_from_click(ctx, pm)
         if check:
             check_backends(settings, pm)
-    except ConfigError as exc:
+    except (ConfigError, DuplicateRegistrationError, PluginError) as exc:
         raise click.UsageError(str(exc), ctx) from None
     return settings
 

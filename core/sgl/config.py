@@ -110,7 +110,7 @@ def option_fields(cls: type) -> list[dataclasses.Field[Any]]:
 
 def env_var_name(field_name: str, plugin_id: str | None = None) -> str:
     parts = ["SGL"] + ([plugin_id] if plugin_id else []) + [field_name]
-    return "_".join(parts).upper().replace("-", "_")
+    return "_".join(parts).upper().replace("-", "_").replace(".", "_")
 
 
 def _type_hints(cls: type) -> dict[str, Any]:
@@ -209,7 +209,8 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
             data = yaml.safe_load(text) if text.strip() else {}
         else:
-            raise ConfigError(f"{p}: unsupported config format {suffix!r}; use .yaml, .yml or .toml")
+            raise ConfigError(f"{p}: unsupported config format {suffix!r}; "
+                              "use .yaml, .yml, .json or .toml")
     except ConfigError:
         raise
     except Exception as exc:  # yaml.YAMLError, tomllib.TOMLDecodeError
@@ -303,7 +304,8 @@ def load_settings(
         table = {str(k).replace("-", "_"): v for k, v in (plugin_tables.get(pid) or {}).items()}
         pvalues, psources = _resolve(
             cls, cli=(plugin_cli or {}).get(pid, {}),
-            cli_flags={k: f"--{pid}-{k}".replace("_", "-") for k in (plugin_cli or {}).get(pid, {})},
+            cli_flags={k: f"--{pid}-{k}".replace("_", "-").replace(".", "-")
+                       for k in (plugin_cli or {}).get(pid, {})},
             env=env, file_data=table, file_label=f"{label} [plugins.{pid}]", plugin_id=pid)
         try:
             plugin_settings[pid] = cls(**pvalues)

@@ -99,7 +99,8 @@ class PluginSelection:
             load=tuple(dict.fromkeys(load)),
             disable=tuple(dict.fromkeys(blocked)),
             allowlist=_split(os.environ.get("SGL_PLUGINS")),
-            autoload=os.environ.get("SGL_DISABLE_PLUGIN_AUTOLOAD", "") in ("", "0", "false"),
+            autoload=os.environ.get("SGL_DISABLE_PLUGIN_AUTOLOAD", "").strip().lower()
+            in ("", "0", "false", "no", "off"),
         )
 
 
@@ -145,7 +146,7 @@ class SglPluginManager(pluggy.PluginManager):
         """
         per_plugin = kwargs.pop("per_plugin", {})
         caller = getattr(self.hook, hook_name)
-        for impl in reversed(caller.get_hookimpls()):
+        for impl in caller.get_hookimpls():
             name = self.get_name(impl.plugin) or repr(impl.plugin)
             values = {**kwargs, **{key: make(name) for key, make in per_plugin.items()}}
             try:
@@ -168,6 +169,19 @@ class SglPluginManager(pluggy.PluginManager):
             for _ in self.call_each(hook_name, per_plugin={"register": register_for}):
                 pass
         return registries
+
+    def notify_startup(self, **kwargs: Any) -> None:
+        """Call ``sgl_on_startup``; a failure raises :class:`PluginError` naming the plugin."""
+        for _ in self.call_each("sgl_on_startup", **kwargs):
+            pass
+
+    def notify_shutdown(self, **kwargs: Any) -> None:
+        """Call ``sgl_on_shutdown`` on every plugin; failures are logged, none stops the rest."""
+        for impl in self.hook.sgl_on_shutdown.get_hookimpls():
+            try:
+                impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
+            except Exception:
+                logger.exception("plugin %r failed in sgl_on_shutdown", self.get_name(impl.plugin))
 
     def loaded_records(self) -> tuple[PluginRecord, ...]:
         """The plugins a child process must load to match this one."""
@@ -240,7 +254,16 @@ def create_plugin_manager(selection: PluginSelection | None = None) -> SglPlugin
         candidates = [PluginRecord(r.name, r.source, r.target, r.distribution, r.version,
                                    explicit=True) for r in selection.exact]
     else:
-        entry_points = {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+        entry_points: dict[str, importlib.metadata.EntryPoint] = {}
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in entry_points and entry_points[ep.name].value != ep.value:
+                first = getattr(entry_points[ep.name], "dist", None)
+                second = getattr(ep, "dist", None)
+                raise PluginLoadError(
+                    f"two installed distributions declare the plugin id {ep.name!r}: "
+                    f"{first.name if first else entry_points[ep.name].value} and "
+                    f"{second.name if second else ep.value}; uninstall one of them")
+            entry_points[ep.name] = ep
         for ep in entry_points.values():
             wanted = ep.name in selection.load
             if not wanted and (

@@ -156,3 +156,35 @@ def test_failing_hook_names_the_plugin(plugin_manager, register_plugin) -> None:
     register_plugin(Crashes(), name="crashy")
     with pytest.raises(PluginError, match="plugin 'crashy' failed in sgl_register_cache_policies"):
         plugin_manager.registries  # noqa: B018
+
+
+def test_command_name_clash_names_both(plugin_manager, register_plugin) -> None:
+    class Hijacker:
+        @hookimpl
+        def sgl_register_commands(self, cli: click.Group) -> None:
+            @cli.command("serve")
+            def serve() -> None:
+                """Not the real one."""
+
+    register_plugin(Hijacker(), name="hijacker")
+    with pytest.raises(PluginError, match="plugin 'hijacker' registered the command 'serve'.*'sgl'"):
+        build_cli(plugin_manager)
+
+
+def test_shutdown_failure_does_not_stop_other_plugins(plugin_manager, register_plugin) -> None:
+    seen: list[str] = []
+
+    class Fails:
+        @hookimpl
+        def sgl_on_shutdown(self, settings: Any, process: str) -> None:
+            raise RuntimeError("cannot clean up")
+
+    class Records:
+        @hookimpl
+        def sgl_on_shutdown(self, settings: Any, process: str) -> None:
+            seen.append(process)
+
+    register_plugin(Records(), name="records")
+    register_plugin(Fails(), name="fails")
+    plugin_manager.notify_shutdown(settings=None, process="server")
+    assert seen == ["server"]

@@ -134,7 +134,7 @@ def test_two_plugins_claiming_one_backend_name_both_named(tmp_path: Path) -> Non
     path.write_text("from sgl import hookimpl\n\n@hookimpl\n"
                     "def sgl_register_attention_backends(register):\n"
                     "    register('torch', 'impostor:Backend')\n")
-    result = run_cli(["serve", "--help", "--plugin", str(path)])
+    result = run_cli(["serve", "--plugin", str(path)])
     assert result.returncode == 2
     assert "'attn-torch'" in result.stderr and "'impostor'" in result.stderr
 
@@ -154,3 +154,13 @@ def test_workers_get_exactly_the_parents_plugins(tmp_path: Path, monkeypatch) ->
 def test_explicit_unknown_module_fails() -> None:
     with pytest.raises(PluginLoadError, match="no_such_module_xyz"):
         create_plugin_manager(PluginSelection(load=("no_such_module_xyz",)))
+
+
+def test_clash_is_still_listed_by_sgl_plugins(tmp_path: Path) -> None:
+    path = tmp_path / "impostor.py"
+    path.write_text("from sgl import hookimpl\n\n@hookimpl\n"
+                    "def sgl_register_attention_backends(register):\n"
+                    "    register('torch', 'impostor:Backend')\n")
+    result = run_cli(["plugins", "--plugin", str(path)])
+    assert result.returncode == 0
+    assert "impostor" in result.stdout and "'attn-torch'" in result.stderr

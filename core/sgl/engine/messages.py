@@ -48,6 +48,7 @@ class TokenOutput:
     completion_tokens: int
     finish_reason: dict[str, Any] | None = None  # SGLang shape: {"type": "stop"|"length"|"abort", ...}
     error: str | None = None  # set when the request failed; finish_reason is then "abort"
+    error_status: int = 400  # HTTP status for the error: 400 bad request, 500 internal"
 
 
 @dataclass

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import zmq
 
-from sgl.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl.engine.batch_builder import BatchSeq, make_forward_batch, release_sequence
+from sgl.engine.forward_batch import ForwardMode
 from sgl.engine.messages import (
     AbortRequest,
     GenerateRequest,
@@ -100,6 +101,7 @@ class Scheduler:
                 logger.error("batch of %d failed:\n%s", len(batch), traceback.format_exc())
                 for req in batch:
                     req.error = f"internal error while running the model: {exc}"
+                    req.error_status = 500
                     req.finish_reason = {"type": "abort", "message": req.error}
             self.send_outputs(batch)
             self.release_finished()
@@ -167,15 +169,13 @@ class Scheduler:
 
     def run_batch(self, mode: ForwardMode, reqs: Sequence[Req]) -> None:
         if mode is ForwardMode.EXTEND:
-            new_tokens = [r.input_ids[r.kv_len:] for r in reqs]
+            seqs = [BatchSeq(r.row, r.kv_len, r.input_ids[r.kv_len:]) for r in reqs]
         else:
-            new_tokens = [[r.output_ids[-1]] for r in reqs]
-        batch = self.build_batch(mode, reqs, new_tokens)
-        hidden = self.runner.forward(batch)
-        last = torch.cumsum(batch.extend_seq_lens, 0) - 1
-        logits = self.runner.compute_logits(hidden[last])
-        for req, n in zip(reqs, (len(t) for t in new_tokens)):
-            req.kv_len += n
+            seqs = [BatchSeq(r.row, r.kv_len, [r.output_ids[-1]]) for r in reqs]
+        batch = make_forward_batch(self.runner, mode, seqs)
+        for req, seq in zip(reqs, seqs):
+            req.kv_len += len(seq.token_ids)
+        logits = self.runner.forward_logits(batch)
         next_ids = sample(logits, [r.sampling for r in reqs]).tolist()
         for req, token in zip(reqs, next_ids):
             if req.sampling.max_new_tokens == 0:
@@ -183,32 +183,6 @@ class Scheduler:
                 continue
             req.output_ids.append(int(token))
             self.check_finished(req)
-
-    def build_batch(self, mode: ForwardMode, reqs: Sequence[Req],
-                    new_tokens: list[list[int]]) -> ForwardBatch:
-        runner = self.runner
-        prefix = [r.kv_len for r in reqs]
-        lens = [len(t) for t in new_tokens]
-        total = sum(lens)
-        slots = runner.kv_pool.alloc(total)
-        table = runner.req_to_token_pool.req_to_token
-        offset = 0
-        for req, start, n in zip(reqs, prefix, lens):
-            table[req.row, start:start + n] = slots[offset:offset + n]
-            offset += n
-        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, lens)])
-        flat = [t for toks in new_tokens for t in toks]
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-        batch = ForwardBatch(
-            mode=mode, input_ids=as_tensor(flat), positions=positions,
-            req_pool_indices=as_tensor([r.row for r in reqs]),
-            seq_lens=as_tensor([p + n for p, n in zip(prefix, lens)]),
-            extend_prefix_lens=as_tensor(prefix), extend_seq_lens=as_tensor(lens),
-            out_cache_loc=slots, req_to_token_pool=runner.req_to_token_pool,
-            kv_pool=runner.kv_pool, attn_backend=runner.attn_backend,
-            seq_lens_cpu=[p + n for p, n in zip(prefix, lens)],
-            extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=lens)
-        return batch
 
     def check_finished(self, req: Req) -> None:
         token, params = req.output_ids[-1], req.sampling
@@ -223,7 +197,7 @@ class Scheduler:
         outputs = [
             TokenOutput(rid=r.rid, new_token_ids=r.unsent(), prompt_tokens=len(r.input_ids),
                         completion_tokens=len(r.output_ids), finish_reason=r.finish_reason,
-                        error=r.error)
+                        error=r.error, error_status=r.error_status)
             for r in reqs
         ]
         if outputs:
@@ -237,9 +211,7 @@ class Scheduler:
                 still_running.append(req)
                 continue
             if req.row is not None:
-                table = self.runner.req_to_token_pool.req_to_token
-                self.runner.kv_pool.free(table[req.row, :req.kv_len].clone())
-                self.runner.req_to_token_pool.free(req.row)
+                release_sequence(self.runner, req.row, req.kv_len)
                 req.row, req.kv_len = None, 0
         self.running = still_running
 
@@ -270,7 +242,7 @@ def run_scheduler_process(settings_data: dict[str, Any], records: tuple[Any, ...
         pm = create_plugin_manager(PluginSelection(exact=tuple(records)))
         settings = settings_from_dict(settings_data, plugin_config_classes(pm))
         scheduler = Scheduler(settings, pm, endpoints)
-        pm.hook.sgl_on_startup(settings=settings, process="scheduler", context=scheduler)
+        pm.notify_startup(settings=settings, process="scheduler", context=scheduler)
     except BaseException as exc:  # report why, then exit non-zero
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
         ready_conn.send(SchedulerInfo(ok=False, error=f"{type(exc).__name__}: {exc}"))
@@ -280,7 +252,5 @@ def run_scheduler_process(settings_data: dict[str, Any], records: tuple[Any, ...
     try:
         scheduler.event_loop()
     finally:
-        try:
-            pm.hook.sgl_on_shutdown(settings=settings, process="scheduler")
-        finally:
-            scheduler.close()
+        pm.notify_shutdown(settings=settings, process="scheduler")
+        scheduler.close()

@@ -21,6 +21,7 @@ class Req:
     reserved: int = 0  # KV slots reserved for this request at admission
     finish_reason: dict[str, Any] | None = None
     error: str | None = None
+    error_status: int = 400
     sent: int = 0  # output tokens already sent to the server
 
     @property

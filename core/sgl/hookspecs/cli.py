@@ -15,7 +15,8 @@ def sgl_register_commands(cli: click.Group) -> None:
     """Add sub-commands (for example ``sgl router`` or ``sgl bench``) to the ``sgl`` group.
 
     :param cli: the top-level :class:`click.Group`; call ``cli.add_command(cmd)`` or decorate
-        with ``@cli.command()``. A name that is already taken is an error naming both plugins.
+        with ``@cli.command()``. Taking a name that the core or another plugin already uses is an
+        error naming both.
     :return: nothing.
 
     Runs in: the process running the ``sgl`` command, before the command line is parsed.

@@ -20,7 +20,9 @@ def sgl_add_config() -> type | None:
 
     :return: a dataclass type, or None when the plugin has no options.
 
-    Runs in: every process, when the plugin manager is built.
+    Runs in: the process running the ``sgl`` command, when the command line is built and again
+    when settings are resolved; every scheduler process, to rebuild the settings it is handed.
+    Must return the same class each time.
 
     .. versionadded:: 0.1
     """

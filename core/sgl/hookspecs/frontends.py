@@ -23,7 +23,8 @@ def sgl_register_frontends(register: RegisterFn) -> None:
     :param register: ``register(name: str, target: str | Callable) -> None``.
     :return: nothing.
 
-    Runs in: the server process, when the FastAPI app is built.
+    Runs in: every process when the registries are built; ``make_router`` is called only in the
+    server process, when the FastAPI app is built.
 
     .. versionadded:: 0.1
     """

@@ -16,11 +16,11 @@ def sgl_on_startup(settings: ServerSettings, process: str, context: Any) -> None
 
     :param settings: the effective, validated server settings.
     :param process: which process is starting: ``"server"`` (the HTTP server, once the scheduler
-        reported ready and before the first request is accepted) or ``"scheduler"`` (each
+        reported ready and the app is built, before the port is opened) or ``"scheduler"`` (each
         scheduler process, once the model is loaded and before the first batch runs).
-    :param context: the process's runtime object: the :class:`sgl.server.app.ServerContext` in the
-        server process, the :class:`sgl.engine.scheduler.Scheduler` in a scheduler process.
-    :return: nothing. An exception aborts start-up with the plugin named in the error.
+    :param context: the process's runtime object: the :class:`sgl.server.context.ServerContext`
+        in the server process, the :class:`sgl.engine.scheduler.Scheduler` in a scheduler process.
+    :return: nothing. An exception aborts start-up; the error names the plugin.
 
     Runs in: the server process and every scheduler process.
 

@@ -26,8 +26,6 @@ def create_app(server: ServerContext) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await server.tokenizer_manager.start()
         watchdog = asyncio.create_task(_watch_scheduler(server), name="sgl-watchdog")
-        server.plugin_manager.hook.sgl_on_startup(settings=server.settings, process="server",
-                                                  context=server)
         try:
             yield
         finally:

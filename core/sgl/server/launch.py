@@ -86,7 +86,14 @@ def run_server(settings: ServerSettings, pm: SglPluginManager) -> int:
     tm = TokenizerManager(tokenizer, handle.endpoints, info)
     ctx = ServerContext(settings=settings, plugin_manager=pm, scheduler=handle, info=info,
                         tokenizer_manager=tm)
-    app = create_app(ctx)
+    try:
+        app = create_app(ctx)
+        pm.notify_startup(settings=settings, process="server", context=ctx)
+    except Exception as exc:  # a plugin's router or start-up hook failed
+        logger.error("%s", exc)
+        handle.process.terminate()
+        handle.stop(timeout=5)
+        return 1
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
                             log_level=settings.log_level, timeout_graceful_shutdown=30)
     server = _Server(config)
@@ -97,10 +104,7 @@ def run_server(settings: ServerSettings, pm: SglPluginManager) -> int:
         server.run()
     finally:
         handle.stop()
-        try:
-            pm.hook.sgl_on_shutdown(settings=settings, process="server")
-        except Exception:
-            logger.exception("a plugin failed in sgl_on_shutdown")
+        pm.notify_shutdown(settings=settings, process="server")
     if not server.started and ctx.exit_code == 0:
         return 1
     return ctx.exit_code

@@ -94,7 +94,8 @@ class TokenizerManager:
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of a chat, formatted by the model's chat template, ready for the reply."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise GenerateError("this model has no chat template; use /v1/completions instead")
+            raise GenerateError("this model has no chat template, so chat messages cannot be "
+                                "formatted for it; send a plain prompt instead")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                      tokenize=True)
@@ -167,7 +168,7 @@ class TokenizerManager:
                     continue  # aborted by the client meanwhile
                 state.output_ids.extend(out.new_token_ids)
                 state.finish_reason = out.finish_reason
-                state.error = out.error
+                state.error, state.status = out.error, out.error_status
                 state.updated.set()
 
     def fail_all(self, reason: str) -> None:
