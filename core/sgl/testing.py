@@ -75,7 +75,7 @@ class ServerProcess:
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import signal
 import socket
+import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -22,9 +26,23 @@ logger = logging.getLogger("sgl.server")
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, plus the one line that says sgl is ready."""
+    """uvicorn's server, plus the one line that says sgl is ready, and SIGINT/SIGTERM treated
+    as a request for a clean shutdown (exit 0) rather than re-raised after it."""
 
     ready_message = ""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        signals = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets=sockets)
@@ -102,6 +120,8 @@ def run_server(settings: ServerSettings, pm: SglPluginManager) -> int:
     ctx.uvicorn_server = server
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the signal it handled; the shutdown was clean
+        pass
     finally:
         handle.stop()
         pm.notify_shutdown(settings=settings, process="server")
