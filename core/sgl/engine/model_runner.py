@@ -1,0 +1,218 @@
+"""``ModelRunner``: owns the model, its KV memory and the attention backend of one process.
+
+It turns a model path into a loaded :class:`~sgl.models.BaseCausalLM` (architecture chosen
+from the registries that plugins filled), sizes the KV pool, and runs forward passes on
+:class:`~sgl.engine.forward_batch.ForwardBatch` objects built with
+:func:`~sgl.engine.batch_builder.make_forward_batch`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sgl.engine.memory import available_memory_bytes, kv_pool_tokens
+from sgl.kvcache.pool import KVPool, ReqToTokenPool
+from sgl.layers.attention import Attention
+from sgl.model_loader import ModelLoadError, load_hf_config, open_weights, resolve_model_path
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from sgl.attention.base import BaseAttentionBackend
+    from sgl.engine.forward_batch import ForwardBatch
+    from sgl.models.base import BaseCausalLM
+    from sgl.plugins import Registries
+
+__all__ = ["SUPPORTED_DTYPES", "ModelRunner", "resolve_architecture", "resolve_dtype",
+           "resolve_model_class"]
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                    "float16": torch.float16}
+
+
+def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """``"auto"``: float32 on CPU; on accelerators the checkpoint's half type (else bfloat16)."""
+    if name in SUPPORTED_DTYPES:
+        return SUPPORTED_DTYPES[name]
+    if name != "auto":
+        raise ValueError(f"unsupported dtype {name!r}; supported: auto, {', '.join(SUPPORTED_DTYPES)}")
+    if device.type == "cpu":
+        return torch.float32
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return stored if stored in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def resolve_architecture(config: PretrainedConfig, registries: Registries,
+                         plugin_manager: Any = None) -> str:
+    """The registered architecture name for ``config.architectures``, else the one a plugin
+    claims through ``sgl_resolve_model_arch``; :class:`ModelLoadError` naming the supported
+    ones otherwise."""
+    archs = list(getattr(config, "architectures", None) or [])
+    supported = ", ".join(registries.models.names()) or "none (install sgl-model-llama)"
+    name = next((a for a in archs if a in registries.models), None)
+    if name is None and plugin_manager is not None:
+        name = plugin_manager.hook.sgl_resolve_model_arch(hf_config=config)
+        if name is not None and name not in registries.models:
+            raise ModelLoadError(f"a plugin resolved the model to {name!r}, which is not a "
+                                 f"registered architecture; supported architectures: {supported}")
+    if name is None:
+        wanted = ", ".join(archs) or f"(none; model_type {getattr(config, 'model_type', '?')!r})"
+        raise ModelLoadError(
+            f"model architecture {wanted} is not provided by any installed plugin; supported "
+            f"architectures: {supported}"
+        )
+    return name
+
+
+def resolve_model_class(config: PretrainedConfig, registries: Registries,
+                        plugin_manager: Any = None) -> type[BaseCausalLM]:
+    """The model class :func:`resolve_architecture` picks, imported."""
+    return _import_model_class(resolve_architecture(config, registries, plugin_manager),
+                               registries)
+
+
+def _import_model_class(name: str, registries: Registries) -> type[BaseCausalLM]:
+    entry = registries.models.entry(name)
+    try:
+        return entry.load()
+    except Exception as exc:
+        raise ModelLoadError(
+            f"plugin {entry.owner!r} registered {name!r} as {entry.target!r}, which failed to "
+            f"import: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _kv_layout(model: BaseCausalLM, config: PretrainedConfig) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` from the model's attention layers."""
+    specs = [m.spec for m in model.modules() if isinstance(m, Attention)]
+    if specs:
+        shapes = {(s.num_kv_heads, s.head_dim) for s in specs}
+        if len(shapes) > 1:
+            raise ModelLoadError(f"attention layers differ in KV shape {sorted(shapes)}; "
+                                 "the KV pool needs one shape")
+        (kv_heads, head_dim), = shapes
+        return max(s.layer_id for s in specs) + 1, kv_heads, head_dim
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim
+
+
+class ModelRunner:
+    """The model, the KV pool, the request table and the attention backend of one process.
+
+    :param model_path: Hugging Face folder or ``.gguf`` file; None for the bundled SmolLM2.
+    :param dtype: ``"auto"`` (float32 on CPU), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+    :param attention_backend: a name registered by an attention plugin (``"torch"``).
+    :param registries: the plugin manager's registries (models, attention backends).
+    :param plugin_manager: asked through ``sgl_resolve_model_arch`` when no registered class
+        matches ``config.architectures``; may be None.
+    :param max_total_tokens: KV pool size in tokens; None sizes it from free memory.
+    :param mem_fraction: share of free memory (after loading weights) the KV pool may take.
+    :param max_running_requests: rows of ``req_to_token`` (concurrent requests).
+    :param context_length: longest sequence; None uses ``max_position_embeddings``.
+    :param page_size: KV page size passed to the pool.
+    :param device: where the model and KV live.
+    :param show_progress: draw a progress bar while loading weights.
+    """
+
+    def __init__(self, *, model_path: str | None = None, dtype: str = "auto",
+                 attention_backend: str = "torch", registries: Registries,
+                 plugin_manager: Any = None, max_total_tokens: int | None = None,
+                 mem_fraction: float = 0.5, max_running_requests: int = 64,
+                 context_length: int | None = None, page_size: int = 1,
+                 device: str | torch.device = "cpu", show_progress: bool = True) -> None:
+        self.device = torch.device(device)
+        self.model_path = resolve_model_path(model_path)
+        self.hf_config = load_hf_config(self.model_path)
+        self.dtype = resolve_dtype(dtype, self.hf_config, self.device)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.context_length = self._context_length(context_length)
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be at least 1, got {max_running_requests}")
+
+        self.architecture = resolve_architecture(self.hf_config, registries, plugin_manager)
+        model_cls = _import_model_class(self.architecture, registries)
+        backend_cls = registries.attention.load(attention_backend)  # fail before loading weights
+        self.model: BaseCausalLM = model_cls(self.hf_config, dtype=self.dtype, device=self.device)
+        self.model.eval()
+        self._load_weights(show_progress)
+
+        num_layers, kv_heads, head_dim = _kv_layout(self.model, self.hf_config)
+        per_token = KVPool.bytes_per_token(num_layers=num_layers, num_kv_heads=kv_heads,
+                                           head_dim=head_dim, dtype=self.dtype)
+        size = self._pool_size(max_total_tokens, mem_fraction, per_token,
+                               max_running_requests * self.context_length)
+        self.kv_pool = KVPool(size=size, num_layers=num_layers, num_kv_heads=kv_heads,
+                              head_dim=head_dim, dtype=self.dtype, device=self.device,
+                              page_size=page_size)
+        self.kv_pool_bytes = size * per_token
+        self.req_to_token_pool = ReqToTokenPool(max_requests=max_running_requests,
+                                                max_context_len=self.context_length,
+                                                device=self.device)
+        self.attn_backend: BaseAttentionBackend = backend_cls(
+            kv_pool=self.kv_pool, req_to_token_pool=self.req_to_token_pool, device=self.device)
+        logger.info("model %s (%s, %s): KV pool of %d tokens (%.1f MiB), backend %s",
+                    self.model_path.name, model_cls.__name__, self.dtype, size,
+                    self.kv_pool_bytes / 2**20, attention_backend)
+
+    def _context_length(self, requested: int | None) -> int:
+        limit = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
+        if requested is None:
+            if not limit:
+                raise ModelLoadError("the model config has no max_position_embeddings; "
+                                     "pass a context length")
+            return limit
+        if requested < 1 or (limit and requested > limit):
+            raise ValueError(f"context_length must be between 1 and the model's "
+                             f"max_position_embeddings ({limit}), got {requested}")
+        return requested
+
+    def _load_weights(self, show_progress: bool) -> None:
+        from tqdm.auto import tqdm
+
+        source = open_weights(self.model_path, self.dtype)
+        stream = tqdm(source, total=len(source), desc="Loading weights", unit="tensor",
+                      disable=not show_progress)
+        self.model.load_weights((name, t.to(self.device)) for name, t in stream)
+
+    def _pool_size(self, max_total_tokens: int | None, mem_fraction: float, per_token: int,
+                   cap: int) -> int:
+        if max_total_tokens is not None:
+            if max_total_tokens < 1:
+                raise ValueError(f"max_total_tokens must be positive, got {max_total_tokens}")
+            return max_total_tokens
+        free = available_memory_bytes(self.device)
+        size = kv_pool_tokens(bytes_per_token=per_token, mem_fraction=mem_fraction,
+                              available_bytes=free, cap_tokens=cap)
+        if size < 1:
+            raise ModelLoadError(
+                f"no memory left for the KV cache ({free / 2**20:.0f} MiB free, "
+                f"{per_token} bytes per token); pass max_total_tokens or raise mem_fraction"
+            )
+        if size < self.context_length:
+            logger.warning("the KV pool holds %d tokens, less than one full context (%d)",
+                           size, self.context_length)
+        return size
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the model; hidden states ``[num_tokens, hidden]`` of every new token."""
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch)
+
+    @torch.inference_mode()
+    def logits_at(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[len(indices), vocab]`` of the chosen token rows of ``hidden``."""
+        return self.model.compute_logits(hidden.index_select(0, indices.to(hidden.device)))
+
+    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the model; float32 logits ``[batch_size, vocab]`` of each sequence's last new
+        token (the next-token distribution)."""
+        hidden = self.forward(batch)
+        last = torch.cumsum(batch.extend_seq_lens, dim=0) - 1
+        return self.logits_at(hidden, last)

@@ -1,0 +1,43 @@
+"""Building blocks shared by model families, ready to be split over tensor-parallel ranks."""
+
+from __future__ import annotations
+
+from sgl.layers.activation import SUPPORTED_GATED_ACTIVATIONS, GatedActivation
+from sgl.layers.attention import Attention
+from sgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from sgl.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from sgl.layers.norm import RMSNorm
+from sgl.layers.rotary import (
+    SUPPORTED_ROPE_TYPES,
+    RotaryEmbedding,
+    get_rope,
+    rope_inv_freq,
+    rope_parameters,
+)
+from sgl.layers.tp import TPGroup, get_tp_group, set_tp_group
+
+__all__ = [
+    "SUPPORTED_GATED_ACTIVATIONS",
+    "SUPPORTED_ROPE_TYPES",
+    "Attention",
+    "ColumnParallelLinear",
+    "GatedActivation",
+    "MergedColumnParallelLinear",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "TPGroup",
+    "VocabParallelEmbedding",
+    "get_rope",
+    "get_tp_group",
+    "rope_inv_freq",
+    "rope_parameters",
+    "set_tp_group",
+]

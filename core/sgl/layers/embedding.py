@@ -1,0 +1,70 @@
+"""Token embedding and LM head, split over tensor-parallel ranks along the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sgl.layers.tp import get_tp_group, tp_all_gather, tp_all_reduce
+
+__all__ = ["ParallelLMHead", "VocabParallelEmbedding"]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank ``r`` holds rows ``[r * per_rank, (r + 1) * per_rank)`` of the embedding table
+    (the last rank's tail is zero padding when the vocabulary does not divide evenly)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *,
+                 dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.tp = get_tp_group()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.per_rank = -(-num_embeddings // self.tp.size)
+        self.vocab_start = self.tp.rank * self.per_rank
+        self.vocab_end = min(self.vocab_start + self.per_rank, num_embeddings)
+        self.weight = nn.Parameter(
+            torch.empty((self.per_rank, embedding_dim), dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        if loaded.shape != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"embedding: expected shape {(self.num_embeddings, self.embedding_dim)}, got "
+                f"{tuple(loaded.shape)}"
+            )
+        rows = self.vocab_end - self.vocab_start
+        param.data[:rows].copy_(loaded[self.vocab_start:self.vocab_end])
+        param.data[rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local = torch.where(outside, 0, input_ids - self.vocab_start)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        return tp_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection ``hidden -> logits``; may share its weight with the embedding."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *,
+                 dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, dtype=dtype, device=device)
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Use ``embedding``'s weight (tied input and output embeddings)."""
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """``[n, hidden] -> [n, vocab]`` float32 logits over the full vocabulary."""
+        logits = F.linear(hidden, self.weight)
+        logits = tp_all_gather(logits, dim=-1)[..., :self.num_embeddings]
+        return logits.float()

@@ -1,0 +1,181 @@
+"""Linear layers that can be split over tensor-parallel ranks.
+
+Each parameter carries a ``weight_loader(param, loaded_weight, shard_id=None)`` that copies this
+rank's slice of a full Hugging Face tensor into it, so a model's ``load_weights`` needs no
+knowledge of the split. Fused layers (``qkv_proj``, ``gate_up_proj``) take a ``shard_id`` naming
+which of the original tensors arrives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sgl.layers.tp import divide, get_tp_group, tp_all_gather, tp_all_reduce
+
+__all__ = [
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+    "RowParallelLinear",
+]
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype | None,
+           device: torch.device | str | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _check_full(loaded: torch.Tensor, rows: int, cols: int | None, what: str) -> None:
+    """Validate the unsplit checkpoint tensor (``cols`` None: a bias)."""
+    expected = (rows,) if cols is None else (rows, cols)
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"{what}: expected shape {expected}, got {tuple(loaded.shape)}")
+
+
+def _in_features(param: torch.Tensor) -> int | None:
+    return None if param.dim() == 1 else param.shape[1]
+
+
+def _copy(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"{what}: expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
+    param.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with the output features split over ranks (rank r holds rows
+    ``[r * out / tp, (r + 1) * out / tp)`` of ``W``)."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False,
+                 gather_output: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.tp = get_tp_group()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_partition = divide(output_size, self.tp.size, "output size")
+        self.gather_output = gather_output
+        self.weight = _param((self.output_size_per_partition, input_size), dtype, device)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias: nn.Parameter | None = _param((self.output_size_per_partition,), dtype, device)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        _check_full(loaded, self.output_size, _in_features(param), "column-parallel linear")
+        size = param.shape[0]
+        _copy(param.data, loaded.narrow(0, self.tp.rank * size, size), "column-parallel linear")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return tp_all_gather(out, dim=-1) if self.gather_output else out
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul
+    (``gate_up_proj``); ``shard_id`` is the index into ``output_sizes``."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], *, bias: bool = False,
+                 dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias=bias, dtype=dtype, device=device)
+        for size in self.output_sizes:
+            divide(size, self.tp.size, "fused output size")
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(
+                f"shard_id must be one of {list(range(len(self.output_sizes)))}, got {shard_id!r}"
+            )
+        _check_full(loaded, self.output_sizes[shard_id], _in_features(param),
+                    f"fused shard {shard_id}")
+        size = self.output_sizes[shard_id] // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size),
+              f"fused shard {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The q, k and v projections fused, split by heads; ``shard_id`` is ``"q"``, ``"k"`` or
+    ``"v"``. With fewer key/value heads than ranks, key/value heads are replicated."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
+                 total_num_kv_heads: int, *, bias: bool = False,
+                 dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        tp = get_tp_group()
+        self.head_dim = head_dim
+        self.num_heads = divide(total_num_heads, tp.size, "number of attention heads")
+        if total_num_kv_heads >= tp.size:
+            self.num_kv_heads = divide(total_num_kv_heads, tp.size, "number of key/value heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(tp.size, total_num_kv_heads, "tensor-parallel size")
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.size
+        super().__init__(hidden_size, output_size, bias=bias, dtype=dtype, device=device)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp.rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, rank = self.kv_size, self.tp.rank // self.kv_replicas
+        else:
+            raise ValueError(f"shard_id must be one of 'q', 'k', 'v', got {shard_id!r}")
+        heads = self.num_heads * self.tp.size if shard_id == "q" else (
+            self.num_kv_heads * self.tp.size // self.kv_replicas)
+        _check_full(loaded, heads * self.head_dim, _in_features(param), f"{shard_id}_proj")
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size),
+              f"{shard_id}_proj")
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[T, q + 2 kv] -> q [T, q], k [T, kv], v [T, kv]`` (views)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with the input features split over ranks; the partial products are
+    summed across ranks, then the (unsplit) bias is added once."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False,
+                 dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.tp = get_tp_group()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_size_per_partition = divide(input_size, self.tp.size, "input size")
+        self.weight = _param((output_size, self.input_size_per_partition), dtype, device)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias: nn.Parameter | None = _param((output_size,), dtype, device)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        if param.dim() == 1:  # bias: not split
+            _copy(param.data, loaded, "row-parallel bias")
+            return
+        _check_full(loaded, self.output_size, self.input_size, "row-parallel linear")
+        size = param.shape[1]
+        _copy(param.data, loaded.narrow(1, self.tp.rank * size, size), "row-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = tp_all_reduce(F.linear(x, self.weight))
+        return out + self.bias if self.bias is not None else out

@@ -1,0 +1,115 @@
+"""Rotary position embedding (rotate-half / NeoX layout) with the common frequency schemes.
+
+The parameters come from ``config.rope_parameters`` (transformers >= 5) or from
+``config.rope_theta`` plus ``config.rope_scaling`` (older configs).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+__all__ = ["SUPPORTED_ROPE_TYPES", "RotaryEmbedding", "get_rope", "rope_inv_freq",
+           "rope_parameters"]
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
+    """The rope settings of ``config`` as one dict with at least ``rope_type`` and
+    ``rope_theta``, whichever transformers version wrote the config."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params and "full_attention" in params:
+        params = params["full_attention"]  # per-layer-type form; the full layers' settings
+    if isinstance(params, dict) and params:
+        out = dict(params)
+    else:
+        out = dict(getattr(config, "rope_scaling", None) or {})
+    out["rope_type"] = out.get("rope_type", out.get("type")) or "default"
+    if out.get("rope_theta") is None:
+        out["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    return out
+
+
+def rope_inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """Inverse frequencies ``[rotary_dim / 2]`` (float32) for ``params`` (see
+    :func:`rope_parameters`)."""
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    base = float(params["rope_theta"])
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (base ** exponents)
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths are slowed by ``factor``, short ones kept, and the
+    band between ``high_freq_factor`` and ``low_freq_factor`` interpolated."""
+    factor = float(params["factor"])
+    low = float(params.get("low_freq_factor", 1.0))
+    high = float(params.get("high_freq_factor", 4.0))
+    original = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    long_wave = wavelen > original / low
+    short_wave = wavelen < original / high
+    smooth = (original / wavelen - low) / (high - low)
+    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(long_wave, inv_freq / factor, interpolated)
+    return torch.where(short_wave, inv_freq, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the first ``rotary_dim`` features of every head of flat ``q``/``k`` tensors."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int,
+                 params: dict[str, Any], *, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if rotary_dim % 2 or rotary_dim > head_dim:
+            raise ValueError(f"rotary_dim {rotary_dim} must be even and at most head_dim {head_dim}")
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        inv_freq = rope_inv_freq(rotary_dim, params)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        # float32 cache [max_position, rotary_dim]: cos | sin
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device),
+                             persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
+        x = x.view(tokens, -1, self.head_dim)
+        half = self.rotary_dim // 2
+        x1 = x[..., :half].float()
+        x2 = x[..., half:self.rotary_dim].float()
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        if self.rotary_dim < self.head_dim:
+            rotated = torch.cat([rotated, x[..., self.rotary_dim:]], dim=-1)
+        return rotated.reshape(tokens, -1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q [T, Hq * head_dim]``, ``k [T, Hk * head_dim]`` -> rotated copies, same shapes."""
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+def get_rope(config: PretrainedConfig, head_dim: int, *,
+             device: torch.device | str | None = None) -> RotaryEmbedding:
+    """The rotary embedding ``config`` describes, cached for ``max_position_embeddings``."""
+    params = rope_parameters(config)
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * float(partial or 1.0))
+    return RotaryEmbedding(head_dim, rotary_dim, int(config.max_position_embeddings), params,
+                           device=device)

@@ -1,0 +1,69 @@
+"""Tensor-parallel state seen by the layers: this rank, the group size and the collectives.
+
+World size is 1 unless a parallel strategy calls :func:`set_tp_group` in each worker before the
+model is built; with size 1 the collectives are no-ops, so nothing here needs
+``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["TPGroup", "divide", "get_tp_group", "set_tp_group", "tp_all_gather", "tp_all_reduce"]
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+    process_group: Any = None  # a torch.distributed ProcessGroup when size > 1
+
+
+_current = TPGroup()
+
+
+def get_tp_group() -> TPGroup:
+    return _current
+
+
+def set_tp_group(group: TPGroup) -> None:
+    """Set this process's tensor-parallel rank and group (before building the model)."""
+    global _current
+    if not 0 <= group.rank < group.size:
+        raise ValueError(f"tensor-parallel rank {group.rank} is outside [0, {group.size})")
+    _current = group
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """``numerator / denominator``, or a clear error when the split is uneven."""
+    if numerator % denominator:
+        raise ValueError(
+            f"{what} ({numerator}) is not divisible by the tensor-parallel size {denominator}"
+        )
+    return numerator // denominator
+
+
+def tp_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over the tensor-parallel group (in place when size > 1)."""
+    group = get_tp_group()
+    if group.size == 1:
+        return tensor
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor, group=group.process_group)
+    return tensor
+
+
+def tp_all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim``, in rank order."""
+    group = get_tp_group()
+    if group.size == 1:
+        return tensor
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(tensor) for _ in range(group.size)]
+    dist.all_gather(parts, tensor.contiguous(), group=group.process_group)
+    return torch.cat(parts, dim=dim)

@@ -1,0 +1,51 @@
+"""Reading a model's Hugging Face config, from a folder or from GGUF metadata."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sgl.model_loader.errors import ModelLoadError
+from sgl.model_loader.paths import is_gguf, resolve_model_path
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+__all__ = ["load_hf_config"]
+
+
+def _default_architecture(model_type: str) -> str | None:
+    """The causal-LM class transformers would use for ``model_type`` (GGUF carries none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+
+
+def load_hf_config(path: str | Path | None) -> PretrainedConfig:
+    """The :class:`transformers.PretrainedConfig` of a model folder or ``.gguf`` file.
+
+    GGUF files store no ``architectures``; it is filled in from the model type
+    (``llama`` -> ``LlamaForCausalLM``) so that the runner can pick the model class.
+
+    :param path: as for :func:`~sgl.model_loader.resolve_model_path` (None: the bundled model).
+    :raises ModelLoadError: when the path is missing or the config cannot be read.
+    """
+    from transformers import AutoConfig
+
+    resolved = resolve_model_path(path)
+    try:
+        if is_gguf(resolved):
+            config = AutoConfig.from_pretrained(str(resolved.parent), gguf_file=resolved.name)
+        else:
+            config = AutoConfig.from_pretrained(str(resolved))
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # transformers raises many types for unreadable files
+        raise ModelLoadError(
+            f"cannot read the model config from {str(resolved)!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not getattr(config, "architectures", None):
+        arch = _default_architecture(getattr(config, "model_type", ""))
+        if arch is not None:
+            config.architectures = [arch]
+    return config

@@ -1,0 +1,147 @@
+"""Weights of a GGUF file, dequantized tensor by tensor and renamed to Hugging Face names.
+
+llama.cpp stores tensor shapes innermost-first (reversed against torch) and, for the
+``llama`` architecture, permutes the rows of ``attn_q``/``attn_k`` so that rotary pairs are
+interleaved; that permutation is undone here so the weights work with the usual rotate-half
+rotary embedding.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sgl.model_loader.errors import ModelLoadError
+from sgl.model_loader.source import WeightSource
+
+__all__ = ["GGUFWeights", "gguf_to_hf_name", "unpermute_rotary_rows"]
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# tensors llama.cpp derives from the config; Hugging Face models recompute them
+_SKIPPED = frozenset({"rope_freqs.weight"})
+# architectures whose q/k rows llama.cpp's converter permuted
+_PERMUTED_ARCHS = frozenset({"llama"})
+
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+_GLOBAL_TENSOR = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None if unknown."""
+    match = _LAYER_TENSOR.match(name)
+    if match:
+        layer, kind, suffix = match.groups()
+        hf = _LAYER_NAMES.get(kind)
+        return None if hf is None else f"model.layers.{layer}.{hf}.{suffix}"
+    match = _GLOBAL_TENSOR.match(name)
+    if match:
+        hf = _GLOBAL_NAMES.get(match.group(1))
+        return None if hf is None else f"{hf}.{match.group(2)}"
+    return None
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row interleaving of a q/k projection (weight or bias)."""
+    rows = weight.shape[0]
+    if rows % (2 * num_heads):
+        raise ModelLoadError(f"cannot un-permute {rows} rows over {num_heads} heads")
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(
+        weight.shape)
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+class GGUFWeights(WeightSource):
+    """Streams the tensors of a ``.gguf`` file via a memory-mapped ``gguf.GGUFReader``."""
+
+    def __init__(self, path: Path, dtype: torch.dtype) -> None:
+        super().__init__(path, dtype)
+        import gguf
+
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+        except Exception as exc:  # ValueError (bad magic), struct errors, OSError
+            raise ModelLoadError(
+                f"cannot read GGUF file {str(path)!r} (corrupt or not GGUF): {exc}"
+            ) from exc
+        self.arch = str(_field(self.reader, "general.architecture") or "")
+        self.num_heads = _field(self.reader, f"{self.arch}.attention.head_count")
+        self.num_kv_heads = _field(self.reader, f"{self.arch}.attention.head_count_kv")
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        self.tensors = [t for t in self.reader.tensors if t.name not in _SKIPPED]
+        unknown = [t.name for t in self.tensors if gguf_to_hf_name(t.name) is None]
+        if unknown:
+            raise ModelLoadError(
+                f"GGUF file {str(path)!r} (architecture {self.arch!r}) has tensors sgl cannot "
+                f"map to Hugging Face names: {', '.join(unknown[:5])}; supported GGUF tensors: "
+                f"{', '.join(sorted(_GLOBAL_NAMES) + sorted('blk.N.' + k for k in _LAYER_NAMES))}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def _rotary_heads(self, hf_name: str) -> int | None:
+        if self.arch not in _PERMUTED_ARCHS:
+            return None
+        if ".self_attn.q_proj." in hf_name:
+            return int(self.num_heads)
+        if ".self_attn.k_proj." in hf_name:
+            return int(self.num_kv_heads)
+        return None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from gguf.quants import dequantize
+
+        for tensor in self.tensors:
+            hf_name = gguf_to_hf_name(tensor.name)
+            if hf_name is None:  # checked in __init__
+                raise ModelLoadError(f"unmapped GGUF tensor {tensor.name!r}")
+            try:
+                array = dequantize(tensor.data, tensor.tensor_type)
+            except NotImplementedError as exc:
+                raise ModelLoadError(
+                    f"GGUF tensor {tensor.name!r} uses quantization {tensor.tensor_type.name}, "
+                    f"which gguf {_gguf_version()} cannot dequantize: {exc}"
+                ) from exc
+            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)
+            heads = self._rotary_heads(hf_name)
+            if heads is not None:
+                weight = unpermute_rotary_rows(weight, heads)
+            yield hf_name, self._cast(weight)
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "(unknown version)"

@@ -1,0 +1,34 @@
+"""Choosing the weight reader for a model path."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from sgl.model_loader.gguf_weights import GGUFWeights
+from sgl.model_loader.paths import is_gguf, resolve_model_path
+from sgl.model_loader.safetensors_weights import SafetensorsWeights
+from sgl.model_loader.source import WeightSource
+
+__all__ = ["iter_weights", "open_weights"]
+
+
+def open_weights(path: str | Path | None, dtype: torch.dtype = torch.float32) -> WeightSource:
+    """A sized stream of ``(hf_name, tensor)`` for a model folder or ``.gguf`` file.
+
+    :param path: as for :func:`~sgl.model_loader.resolve_model_path` (None: the bundled model).
+    :param dtype: floating-point tensors are cast to this dtype.
+    :raises ModelLoadError: missing path, no weights, corrupt file.
+    """
+    resolved = resolve_model_path(path)
+    if is_gguf(resolved):
+        return GGUFWeights(resolved, dtype)
+    return SafetensorsWeights(resolved, dtype)
+
+
+def iter_weights(path: str | Path | None,
+                 dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream the tensors one by one under Hugging Face names (see :func:`open_weights`)."""
+    return iter(open_weights(path, dtype))

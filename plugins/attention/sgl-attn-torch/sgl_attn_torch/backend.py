@@ -1,0 +1,186 @@
+"""``TorchAttentionBackend``: attention over the paged KV pool with plain PyTorch.
+
+Extend runs one SDPA call per sequence over its cached prefix plus its new tokens, so there is
+no padding to the longest sequence. When a sequence has no cached prefix its new keys are used
+directly and SDPA's causal mode does the masking.
+
+Decode gathers the KV of several sequences at once into a padded block (``index_select``
+through ``req_to_token``) with a key-padding mask, in chunks of at most
+``DECODE_CHUNK_TOKENS`` padded keys so that the gathered block stays in cache.
+
+Measured for one SmolLM2-135M layer's decode attention (9 query heads, 3 KV heads, head_dim 64,
+float32, KV slots scattered over the pool, 1 torch thread on a 2-core VM), microseconds per
+layer call including the KV write and the planning:
+
+===============  =============  ===================  ================
+batch x context  per-sequence   one padded block     chunked (used)
+===============  =============  ===================  ================
+1 x 512          347            211                  217
+1 x 2048         1094           762                  748
+32 x 512         7741           13160                4474
+32 x 2048        35654          69563                29938
+===============  =============  ===================  ================
+
+"per-sequence" is one ``index_select`` + SDPA call per sequence; "one padded block" gathers the
+whole batch at once, which falls out of cache at batch 32. Gathering with ``index_select`` is
+3-6x faster than advanced indexing (``pool[idx]``) on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from sgl.attention.base import AttentionLayerSpec, BaseAttentionBackend
+from sgl.engine.forward_batch import ForwardMode
+from sgl_attn_torch.kernels import attend, decode_mask, extend_mask
+
+if TYPE_CHECKING:
+    from sgl.engine.forward_batch import ForwardBatch
+
+__all__ = ["DECODE_CHUNK_TOKENS", "TorchAttentionBackend", "TorchAttentionMetadata"]
+
+DECODE_CHUNK_TOKENS = 8192
+
+
+@dataclass
+class _ExtendSeq:
+    q_start: int
+    q_end: int
+    prefix_len: int
+    kv_indices: torch.Tensor | None  # [seq_len] pool slots, when there is a cached prefix
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+
+@dataclass
+class _DecodeChunk:
+    start: int  # first batch row
+    end: int
+    max_len: int
+    kv_indices: torch.Tensor  # [(end - start) * max_len] pool slots, row-major
+    seq_lens: torch.Tensor  # [end - start]
+    padded: bool  # some sequence is shorter than max_len
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+
+@dataclass
+class TorchAttentionMetadata:
+    """What :meth:`TorchAttentionBackend.init_forward_metadata` plans once per batch."""
+
+    mode: ForwardMode
+    extend: list[_ExtendSeq] = field(default_factory=list)
+    decode: list[_DecodeChunk] = field(default_factory=list)
+
+
+def _cpu_list(values: list[int], tensor: torch.Tensor) -> list[int]:
+    return values if values else [int(x) for x in tensor.tolist()]
+
+
+class TorchAttentionBackend(BaseAttentionBackend):
+    """Extend and decode attention for ragged batches, GQA, sliding window and soft-capping."""
+
+    name = "torch"
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        seq_lens = _cpu_list(batch.seq_lens_cpu, batch.seq_lens)
+        if batch.mode == ForwardMode.DECODE:
+            batch.attn_metadata = self._plan_decode(batch, seq_lens)
+        else:
+            batch.attn_metadata = self._plan_extend(batch, seq_lens)
+
+    def _plan_extend(self, batch: ForwardBatch, seq_lens: list[int]) -> TorchAttentionMetadata:
+        prefix_lens = _cpu_list(batch.extend_prefix_lens_cpu, batch.extend_prefix_lens)
+        table = self.req_to_token_pool.req_to_token
+        rows = batch.req_pool_indices.tolist()
+        plan = TorchAttentionMetadata(ForwardMode.EXTEND)
+        start = 0
+        for row, prefix, total in zip(rows, prefix_lens, seq_lens):
+            end = start + total - prefix
+            indices = table[row, :total] if prefix > 0 else None
+            plan.extend.append(_ExtendSeq(start, end, prefix, indices))
+            start = end
+        return plan
+
+    def _plan_decode(self, batch: ForwardBatch, seq_lens: list[int]) -> TorchAttentionMetadata:
+        table = self.req_to_token_pool.req_to_token
+        plan = TorchAttentionMetadata(ForwardMode.DECODE)
+        start = 0
+        while start < len(seq_lens):
+            end, longest = start + 1, seq_lens[start]
+            while end < len(seq_lens):
+                longer = max(longest, seq_lens[end])
+                if longer * (end + 1 - start) > DECODE_CHUNK_TOKENS:
+                    break
+                end, longest = end + 1, longer
+            rows = batch.req_pool_indices[start:end]
+            indices = table.index_select(0, rows)[:, :longest].reshape(-1)
+            lens = batch.seq_lens[start:end]
+            padded = any(n != longest for n in seq_lens[start:end])
+            plan.decode.append(_DecodeChunk(start, end, longest, indices, lens, padded))
+            start = end
+        return plan
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        tokens, head_dim = q.shape[0], layer.head_dim
+        k = k.view(tokens, layer.num_kv_heads, head_dim)
+        v = v.view(tokens, layer.num_kv_heads, -1)
+        self.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        plan = batch.attn_metadata
+        if not isinstance(plan, TorchAttentionMetadata):
+            raise RuntimeError("init_forward_metadata(batch) must run before the first layer")
+        q = q.view(tokens, layer.num_heads, head_dim)
+        out = q.new_empty(tokens, layer.num_heads, v.shape[-1])
+        if plan.mode == ForwardMode.DECODE:
+            self._decode(q, out, layer, plan)
+        else:
+            self._extend(q, k, v, out, layer, plan)
+        return out.view(tokens, -1)
+
+    def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                layer: AttentionLayerSpec, plan: TorchAttentionMetadata) -> None:
+        k_pool = self.kv_pool.k_buffer[layer.layer_id]
+        v_pool = self.kv_pool.v_buffer[layer.layer_id]
+        window = layer.sliding_window
+        for seq in plan.extend:
+            if seq.q_end == seq.q_start:
+                continue
+            if seq.kv_indices is None:
+                keys, values = k[seq.q_start:seq.q_end], v[seq.q_start:seq.q_end]
+            else:
+                keys = k_pool.index_select(0, seq.kv_indices)
+                values = v_pool.index_select(0, seq.kv_indices)
+            if window not in seq.masks:
+                seq.masks[window] = extend_mask(seq.prefix_len, seq.q_end - seq.q_start, window,
+                                                q.device)
+            mask = seq.masks[window]
+            result = attend(
+                q[seq.q_start:seq.q_end].transpose(0, 1).unsqueeze(0),
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
+                mask=mask, causal=mask is None, scale=layer.scaling, softcap=layer.logit_softcap,
+            )
+            out[seq.q_start:seq.q_end] = result[0].transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayerSpec,
+                plan: TorchAttentionMetadata) -> None:
+        k_pool = self.kv_pool.k_buffer[layer.layer_id]
+        v_pool = self.kv_pool.v_buffer[layer.layer_id]
+        kv_heads = layer.num_kv_heads
+        group = layer.num_heads // kv_heads
+        window = layer.sliding_window
+        for chunk in plan.decode:
+            n = chunk.end - chunk.start
+            keys = k_pool.index_select(0, chunk.kv_indices).view(n, chunk.max_len, kv_heads, -1)
+            values = v_pool.index_select(0, chunk.kv_indices).view(n, chunk.max_len, kv_heads, -1)
+            if window not in chunk.masks:
+                chunk.masks[window] = decode_mask(chunk.seq_lens, chunk.max_len, window,
+                                                   padded=chunk.padded)
+            # the query heads sharing a KV head act as that head's query rows: no KV repeat
+            queries = q[chunk.start:chunk.end].view(n, kv_heads, group, -1)
+            result = attend(queries, keys.transpose(1, 2), values.transpose(1, 2),
+                            mask=chunk.masks[window], causal=False, scale=layer.scaling,
+                            softcap=layer.logit_softcap)
+            out[chunk.start:chunk.end] = result.reshape(n, layer.num_heads, -1)
