@@ -70,6 +70,9 @@ class ServerSettings:
     context_length: int | None = _opt(
         None, "Longest sequence (prompt + output); default: the model's own.")
     page_size: int = _opt(1, "Tokens per page of the KV pool.")
+    chunked_prefill_size: int = _opt(
+        512, "Most prompt tokens prefilled in one forward pass; longer prompts are split into "
+        "chunks interleaved with decoding. -1 turns chunking off.")
     attention_backend: str = _opt("torch", "Attention backend, by registered name.",
                                   registry="attention")
     cache_policy: str | None = _opt(None, "Prefix-cache policy by name; default: none.",
@@ -336,6 +339,8 @@ def _check_ranges(s: ServerSettings) -> None:
         fail("context_length", "expected at least 2")
     if s.page_size < 1:
         fail("page_size", "expected at least 1")
+    if s.chunked_prefill_size != -1 and s.chunked_prefill_size < 1:
+        fail("chunked_prefill_size", "expected -1 (off) or at least 1")
 
 
 def settings_from_dict(data: Mapping[str, Any], plugin_classes: Mapping[str, type]) -> ServerSettings:

@@ -1,86 +1,126 @@
-"""Sampling parameters of a request and the batched sampler."""
+"""Sampling parameters of a request.
+
+Names and meanings follow SGLang's ``sampling_params`` so that clients move over unchanged.
+The batched sampler that applies them lives in :mod:`sgl.engine.sampler`.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = ["SamplingParams", "SamplingParamsError", "sample"]
+__all__ = ["SamplingParams", "SamplingParamsError"]
 
 
 class SamplingParamsError(ValueError):
-    """A sampling parameter is unknown or out of range; the message names it."""
+    """A sampling parameter is unknown, of the wrong type or out of range; the message names it."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop. Names follow SGLang's ``sampling_params``."""
+    """How to pick tokens and when to stop."""
 
     max_new_tokens: int = 128
+    min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    no_stop_trim: bool = False
     ignore_eos: bool = False
+    seed: int | None = None
+    n: int = 1
+    logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> SamplingParams:
-        data = dict(data or {})
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(data) - set(known))
+        """Validate a JSON ``sampling_params`` object; raise :class:`SamplingParamsError`."""
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise SamplingParamsError(f"sampling_params must be an object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
         if unknown:
             raise SamplingParamsError(
                 f"unknown sampling parameter(s): {', '.join(unknown)}; supported: "
-                f"{', '.join(known)}")
-        params = cls(**{k: v for k, v in data.items() if v is not None})
+                f"{', '.join(sorted(known))}")
+        values = {k: v for k, v in data.items() if v is not None}
+        if isinstance(values.get("stop"), str):
+            values["stop"] = [values["stop"]]
+        if isinstance(values.get("logit_bias"), dict):
+            try:
+                values["logit_bias"] = {int(k): v for k, v in values["logit_bias"].items()}
+            except (TypeError, ValueError):
+                raise SamplingParamsError("logit_bias keys must be token ids (integers)") from None
+        params = cls(**values)
         params.validate()
         return params
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
         def need(ok: bool, name: str, what: str) -> None:
             if not ok:
                 raise SamplingParamsError(f"{name} must be {what}, got {getattr(self, name)!r}")
 
-        need(isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool)
-             and self.max_new_tokens >= 0, "max_new_tokens", "an integer >= 0")
-        need(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-             "temperature", "a number >= 0")
-        need(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
-             "top_p", "a number in (0, 1]")
-        need(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+        need(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
+             "max_new_tokens", "an integer >= 0")
+        need(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens,
+             "min_new_tokens", "an integer >= 0")
+        need(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+             f"at most max_new_tokens ({self.max_new_tokens})")
+        need(_is_num(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0")
+        need(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
+        need(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
              "top_k", "-1 (off) or an integer >= 1")
-        need(isinstance(self.stop_token_ids, list)
-             and all(isinstance(t, int) for t in self.stop_token_ids),
-             "stop_token_ids", "a list of integers")
+        need(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]")
+        need(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+             "repetition_penalty", "a number > 0")
+        need(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "frequency_penalty", "a number in [-2, 2]")
+        need(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             "presence_penalty", "a number in [-2, 2]")
+        need(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+             "stop", "a string or a list of non-empty strings")
+        need(isinstance(self.stop_token_ids, list) and all(_is_int(t) and t >= 0
+                                                           for t in self.stop_token_ids),
+             "stop_token_ids", "a list of token ids")
+        for name in ("no_stop_trim", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            need(isinstance(getattr(self, name), bool), name, "true or false")
+        need(self.seed is None or _is_int(self.seed), "seed", "an integer")
+        need(_is_int(self.n) and 1 <= self.n <= 128, "n", "an integer in [1, 128]")
+        need(isinstance(self.logit_bias, dict)
+             and all(_is_int(k) and k >= 0 and _is_num(v) for k, v in self.logit_bias.items()),
+             "logit_bias", "an object of token id -> number")
+        if vocab_size is not None:
+            for name, ids in (("stop_token_ids", self.stop_token_ids),
+                              ("logit_bias", list(self.logit_bias))):
+                bad = [t for t in ids if t >= vocab_size]
+                if bad:
+                    raise SamplingParamsError(
+                        f"{name} has token id {bad[0]}, outside the vocabulary (size {vocab_size})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
 
-
-def sample(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Pick one token per row of ``logits`` ``[batch, vocab]``; returns ``[batch]`` int64."""
-    import torch
-
-    greedy_ids = logits.argmax(dim=-1)
-    if all(p.greedy for p in params):
-        return greedy_ids
-    device = logits.device
-    temps = torch.tensor([max(p.temperature, 1e-5) for p in params], device=device)
-    probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
-    top_ks = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[-1] for p in params],
-                          device=device)
-    top_ps = torch.tensor([p.top_p for p in params], device=device)
-    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=device)[None, :]
-    cumulative = sorted_probs.cumsum(dim=-1)
-    drop = (ranks >= top_ks[:, None]) | ((cumulative - sorted_probs) > top_ps[:, None])
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    choice = torch.multinomial(sorted_probs, num_samples=1).squeeze(-1)
-    sampled = sorted_idx.gather(-1, choice[:, None]).squeeze(-1)
-    is_greedy = torch.tensor([p.greedy for p in params], device=device)
-    return torch.where(is_greedy, greedy_ids, sampled)
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)

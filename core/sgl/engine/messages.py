@@ -1,4 +1,9 @@
-"""The typed messages the server process and the scheduler process exchange over ZMQ."""
+"""The typed messages the server process and the scheduler process exchange over ZMQ.
+
+Logprob entries use SGLang's layout: ``(logprob, token_id, None)``; the server fills in the
+token text when ``return_text_in_logprobs`` is set. The first prompt position has no logprob
+(``None``) because nothing predicts it.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,28 @@ from sgl.sampling import SamplingParams
 
 __all__ = [
     "AbortRequest",
+    "FlushCacheRequest",
     "GenerateRequest",
+    "LogprobOptions",
     "SchedulerInfo",
+    "ServerInfoRequest",
     "ShutdownRequest",
     "TokenBatch",
     "TokenOutput",
 ]
+
+#: one logprob entry: (logprob or None, token id, text or None)
+LogprobEntry = tuple[float | None, int, str | None]
+
+
+@dataclass
+class LogprobOptions:
+    """What logprobs a request wants (SGLang's names)."""
+
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position to report; -1: output tokens only
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
 
 
 @dataclass
@@ -24,11 +45,27 @@ class GenerateRequest:
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
+    logprobs: LogprobOptions = field(default_factory=LogprobOptions)
+    arrival_time: float = 0.0  # time.time() when the server received it
 
 
 @dataclass
 class AbortRequest:
     """Server -> scheduler: stop a request and free its memory."""
+
+    rid: str
+
+
+@dataclass
+class FlushCacheRequest:
+    """Server -> scheduler: drop cached prefixes (answered with a :class:`TokenBatch` ack)."""
+
+    rid: str
+
+
+@dataclass
+class ServerInfoRequest:
+    """Server -> scheduler: report load and memory (answered in :attr:`TokenBatch.info`)."""
 
     rid: str
 
@@ -40,22 +77,37 @@ class ShutdownRequest:
 
 @dataclass
 class TokenOutput:
-    """New tokens of one request since the previous message, and whether it finished."""
+    """What happened to one request since the previous message.
+
+    ``new_token_ids`` and the logprob lists carry only the entries that are new; the server
+    appends them.
+    """
 
     rid: str
     new_token_ids: list[int]
     prompt_tokens: int
     completion_tokens: int
-    finish_reason: dict[str, Any] | None = None  # SGLang shape: {"type": "stop"|"length"|"abort", ...}
+    cached_tokens: int = 0
+    finish_reason: dict[str, Any] | None = None  # {"type": "stop"|"length"|"abort", ...}
     error: str | None = None  # set when the request failed; finish_reason is then "abort"
-    error_status: int = 400  # HTTP status for the error: 400 bad request, 500 internal"
+    error_status: int = 400  # HTTP status for the error: 400 bad request, 500 internal
+    input_token_logprobs: list[LogprobEntry] = field(default_factory=list)
+    output_token_logprobs: list[LogprobEntry] = field(default_factory=list)
+    input_top_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
+    output_top_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
+    first_token_time: float | None = None  # scheduler's time.time() of the first output token
+    queue_time: float | None = None  # seconds between arrival and first scheduling
 
 
 @dataclass
 class TokenBatch:
-    """Scheduler -> server: the outputs of one scheduler step."""
+    """Scheduler -> server: the outputs of one scheduler step, or the answer to a request."""
 
     outputs: list[TokenOutput] = field(default_factory=list)
+    info: dict[str, Any] | None = None  # answer to ServerInfoRequest / FlushCacheRequest
+    info_rid: str | None = None
 
 
 @dataclass
@@ -73,4 +125,6 @@ class SchedulerInfo:
     max_total_tokens: int = 0
     kv_pool_bytes: int = 0
     attention_backend: str = ""
+    max_running_requests: int = 0
+    chunked_prefill_size: int = 0
     eos_token_ids: list[int] = field(default_factory=list)

@@ -1,17 +1,21 @@
 """The scheduler process: owns the model, batches requests, samples tokens.
 
-One step of :meth:`Scheduler.event_loop` is the whole cycle: take new requests, pick a batch
-(admit waiting prompts as one prefill, otherwise decode everything running), run one forward,
-sample, send the new tokens back, and free finished requests.
+One step of :meth:`Scheduler.event_loop` is the whole cycle: take new requests, make room for
+the running decodes (retracting requests when KV memory runs out), fill the rest of the token
+budget with prefill chunks of waiting prompts, run one forward over the mixed batch, sample,
+send the new tokens back, and free finished requests.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import random
+import time
 import traceback
 from collections import deque
-from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,16 +23,19 @@ import zmq
 
 from sgl.engine.batch_builder import BatchSeq, make_forward_batch, release_sequence
 from sgl.engine.forward_batch import ForwardMode
+from sgl.engine.logprobs import LogprobRows
 from sgl.engine.messages import (
     AbortRequest,
+    FlushCacheRequest,
     GenerateRequest,
     SchedulerInfo,
+    ServerInfoRequest,
     ShutdownRequest,
     TokenBatch,
     TokenOutput,
 )
+from sgl.engine.sampler import SamplingInput, sample_next_tokens
 from sgl.engine.sequence import Req
-from sgl.sampling import sample
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
@@ -38,6 +45,11 @@ if TYPE_CHECKING:
 __all__ = ["Scheduler", "default_num_threads"]
 
 logger = logging.getLogger("sgl.scheduler")
+
+#: share of a running request's remaining max_new_tokens that admission expects it to use
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.002
 
 
 def default_num_threads() -> int:
@@ -49,33 +61,44 @@ class Scheduler:
     def __init__(self, settings: ServerSettings, pm: SglPluginManager,
                  endpoints: dict[str, str]) -> None:
         from sgl.engine.model_runner import ModelRunner
+        from sgl.model_loader import load_tokenizer, resolve_model_path
 
         self.settings = settings
         self.num_threads = settings.num_threads or default_num_threads()
         torch.set_num_threads(self.num_threads)
+        # the tokenizer (for stop strings) loads while the model does; transformers' lazy
+        # module is not safe to import from two threads at once, so import it here first
+        from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+
+        self._tokenizer: Future[Any] = ThreadPoolExecutor(1).submit(
+            load_tokenizer, resolve_model_path(settings.model_path))
         self.runner: ModelRunner = ModelRunner(
-            model_path=settings.model_path,
-            dtype=settings.dtype,
-            attention_backend=settings.attention_backend,
-            registries=pm.registries,
-            plugin_manager=pm,
-            max_total_tokens=settings.max_total_tokens,
+            model_path=settings.model_path, dtype=settings.dtype,
+            attention_backend=settings.attention_backend, registries=pm.registries,
+            plugin_manager=pm, max_total_tokens=settings.max_total_tokens,
             mem_fraction=settings.mem_fraction_static,
             max_running_requests=settings.max_running_requests,
-            context_length=settings.context_length,
-            page_size=settings.page_size,
-        )
+            context_length=settings.context_length, page_size=settings.page_size)
         self.eos_token_ids = _eos_ids(self.runner.hf_config)
+        self.chunk_size = (settings.chunked_prefill_size if settings.chunked_prefill_size > 0
+                           else self.runner.context_length)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.num_retractions = 0
         self.stopping = False
         self.parent_pid = os.getppid()
+        self._replies: list[TokenOutput] = []  # outputs of requests rejected or aborted
 
         self.zmq = zmq.Context()
         self.recv_sock = self.zmq.socket(zmq.PULL)
         self.recv_sock.connect(endpoints["requests"])
         self.send_sock = self.zmq.socket(zmq.PUSH)
         self.send_sock.connect(endpoints["outputs"])
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer.result()
 
     def info(self) -> SchedulerInfo:
         r = self.runner
@@ -84,27 +107,189 @@ class Scheduler:
             dtype=str(r.dtype).removeprefix("torch."), num_threads=self.num_threads,
             context_length=r.context_length, vocab_size=r.vocab_size,
             max_total_tokens=r.kv_pool.size, kv_pool_bytes=r.kv_pool_bytes,
-            attention_backend=self.settings.attention_backend, eos_token_ids=self.eos_token_ids)
+            attention_backend=self.settings.attention_backend,
+            max_running_requests=self.settings.max_running_requests,
+            chunked_prefill_size=self.chunk_size, eos_token_ids=self.eos_token_ids)
 
-    # the loop ----------------------------------------------------------------------------
+    # the loop --------------------------------------------------------------------------------
 
     def event_loop(self) -> None:
         while not self.stopping:
-            self.recv_requests(block=not (self.waiting or self.running))
-            batch = self.admit_waiting() or self.running
-            if not batch:
-                continue
-            mode = ForwardMode.EXTEND if batch is not self.running else ForwardMode.DECODE
+            self.recv_requests(block=self.idle)
+            self.step()
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.running)
+
+    def step(self) -> None:
+        """Schedule, run one forward, send what changed, free what finished."""
+        step = self.schedule()
+        if step:
             try:
-                self.run_batch(mode, batch)
+                self.run_step(step)
             except Exception as exc:  # a failing batch must not take the others down
-                logger.error("batch of %d failed:\n%s", len(batch), traceback.format_exc())
-                for req in batch:
-                    req.error = f"internal error while running the model: {exc}"
-                    req.error_status = 500
-                    req.finish_reason = {"type": "abort", "message": req.error}
-            self.send_outputs(batch)
-            self.release_finished()
+                logger.error("a batch of %d failed:\n%s", len(step), traceback.format_exc())
+                for req, _ in step:
+                    self.fail(req, f"internal error while running the model: {exc}", 500)
+        self.send_outputs([req for req, _ in step])
+        self.release_finished()
+
+    def schedule(self) -> list[tuple[Req, int]]:
+        """Pick this step's work: ``(request, number of new tokens)`` pairs."""
+        decodes = [r for r in self.running if r.pending == 1]
+        while decodes and self.runner.kv_pool.num_free < len(decodes):
+            self.retract(decodes.pop())
+        if decodes:
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
+                                       self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        step = [(r, 1) for r in decodes]
+        budget = self.chunk_size
+        free = self.runner.kv_pool.num_free - len(decodes)
+        for req in self.running:  # a prompt whose earlier chunks already ran
+            if req.pending > 1 and budget > 0 and free > 0:
+                n = min(req.pending, budget, free)
+                step.append((req, n))
+                budget, free = budget - n, free - n
+        reserved = sum(math.ceil(r.remaining_new_tokens() * self.new_token_ratio)
+                       + r.pending for r in self.running) - len(decodes)
+        rows = self.runner.req_to_token_pool
+        while (self.waiting and budget > 0 and rows.num_free > 0
+               and len(self.running) < self.settings.max_running_requests):
+            req = self.waiting[0]
+            need = req.pending + math.ceil(req.remaining_new_tokens() * self.new_token_ratio)
+            if need > self.runner.kv_pool.num_free - reserved and self.running:
+                break
+            if req.pending > self.runner.kv_pool.num_free:
+                break  # not even the prompt fits; wait for memory to come back
+            self.waiting.popleft()
+            req.row = rows.alloc()
+            req.scheduled_time = req.scheduled_time or time.time()
+            self.running.append(req)
+            n = min(req.pending, budget, free)
+            if n > 0:
+                step.append((req, n))
+                budget, free = budget - n, free - n
+            reserved += need
+        return step
+
+    def retract(self, req: Req) -> None:
+        """Give a running request's KV memory back; it waits again and resumes from its tokens."""
+        if len(self.running) == 1:  # alone and still out of memory: it can never continue
+            req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+            return
+        self.running.remove(req)
+        self.free_memory(req)
+        req.retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+        logger.info("retracted request %s (%d tokens) to free KV memory", req.rid, req.seq_len)
+
+    def run_step(self, step: list[tuple[Req, int]]) -> None:
+        """One forward over the step's tokens, then sampling for every sequence that reached
+        its end, and logprobs for whoever asked."""
+        mode = ForwardMode.DECODE if all(r.pending == 1 for r, _ in step) else ForwardMode.EXTEND
+        seqs = [BatchSeq(r.row, r.kv_len, r.token_slice(r.kv_len, r.kv_len + n)) for r, n in step]
+        batch = make_forward_batch(self.runner, mode, seqs)
+        hidden = self.runner.forward(batch)
+        offsets = [0]
+        for _, n in step:
+            offsets.append(offsets[-1] + n)
+        for (req, n), start in zip(step, offsets):
+            self.input_logprobs(req, req.kv_len, n, hidden, start)
+            req.kv_len += n
+        sampling = [(req, offsets[i + 1] - 1) for i, (req, _) in enumerate(step)
+                    if req.pending == 0 and not req.finished]
+        to_sample = [(r, row) for r, row in sampling if r.sampling.max_new_tokens > 0]
+        for req, _ in sampling:
+            if req.sampling.max_new_tokens == 0:
+                req.finish_reason = {"type": "length", "length": 0}
+        if not to_sample:
+            return
+        rows = torch.tensor([row for _, row in to_sample], dtype=torch.int64)
+        logits = self.runner.logits_at(hidden, rows)
+        reqs = [r for r, _ in to_sample]
+        wants = [i for i, r in enumerate(reqs) if r.logprobs.return_logprob]
+        lp = LogprobRows(logits[wants]) if wants else None
+        next_ids = sample_next_tokens(logits, SamplingInput(
+            params=[r.sampling for r in reqs], seeds=[r.seed for r in reqs],
+            steps=[len(r.output_ids) for r in reqs], output_ids=[r.output_ids for r in reqs],
+            prompt_ids=[r.input_ids for r in reqs], banned=[self.banned(r) for r in reqs],
+        )).tolist()
+        now = time.time()
+        for i, (req, token) in enumerate(zip(reqs, next_ids)):
+            req.output_ids.append(int(token))
+            req.first_token_time = req.first_token_time or now
+            if lp is not None and i in wants:
+                j = wants.index(i)
+                opts = req.logprobs
+                req.output_token_logprobs.append(lp.token(j, token))
+                if opts.top_logprobs_num > 0:
+                    req.output_top_logprobs.append(lp.top(j, opts.top_logprobs_num))
+                if opts.token_ids_logprob:
+                    req.output_token_ids_logprobs.append(lp.of_ids(j, opts.token_ids_logprob))
+            self.check_finished(req)
+
+    def input_logprobs(self, req: Req, start: int, n: int, hidden: torch.Tensor,
+                       offset: int) -> None:
+        """Prompt logprobs for the positions this chunk lets us compute (row ``p - 1`` predicts
+        position ``p``; position 0 has no prediction)."""
+        opts = req.logprobs
+        if not opts.return_logprob or req.next_input_logprob >= len(req.input_ids):
+            return
+        first = req.next_input_logprob
+        if first == 0:
+            req.input_token_logprobs.append((None, req.input_ids[0], None))
+            if opts.top_logprobs_num > 0:
+                req.input_top_logprobs.append(None)
+            if opts.token_ids_logprob:
+                req.input_token_ids_logprobs.append(None)
+            first = 1
+        last = min(start + n, len(req.input_ids) - 1)  # predicted positions up to here
+        positions = list(range(max(first, start + 1), last + 1))
+        req.next_input_logprob = max(first, last + 1)
+        if not positions:
+            return
+        rows = torch.tensor([offset + p - 1 - start for p in positions], dtype=torch.int64)
+        lp = LogprobRows(self.runner.logits_at(hidden, rows))
+        for j, p in enumerate(positions):
+            req.input_token_logprobs.append(lp.token(j, req.input_ids[p]))
+            if opts.top_logprobs_num > 0:
+                req.input_top_logprobs.append(lp.top(j, opts.top_logprobs_num))
+            if opts.token_ids_logprob:
+                req.input_token_ids_logprobs.append(lp.of_ids(j, opts.token_ids_logprob))
+
+    def banned(self, req: Req) -> list[int]:
+        """EOS and stop tokens may not end the output before min_new_tokens."""
+        if len(req.output_ids) >= req.sampling.min_new_tokens:
+            return []
+        return sorted(set(req.sampling.stop_token_ids) | set(self.eos_token_ids))
+
+    def check_finished(self, req: Req) -> None:
+        token, params = req.output_ids[-1], req.sampling
+        if len(req.output_ids) >= params.min_new_tokens and (
+                token in params.stop_token_ids
+                or (not params.ignore_eos and token in self.eos_token_ids)):
+            req.finish_reason = {"type": "stop", "matched": token}
+        elif params.stop and (matched := self.matched_stop_string(req)) is not None:
+            req.finish_reason = {"type": "stop", "matched": matched}
+        elif len(req.output_ids) >= params.max_new_tokens:
+            req.finish_reason = {"type": "length", "length": params.max_new_tokens}
+        elif req.seq_len >= self.runner.context_length:
+            req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+
+    def matched_stop_string(self, req: Req) -> str | None:
+        if len(req.output_ids) < req.sampling.min_new_tokens:
+            return None
+        window = max(len(s) for s in req.sampling.stop) + 4
+        tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False)
+        for stop in req.sampling.stop:
+            if stop in tail:
+                return stop
+        return None
+
+    # messages --------------------------------------------------------------------------------
 
     def recv_requests(self, block: bool) -> None:
         timeout = 1000 if block else 0
@@ -115,6 +300,10 @@ class Scheduler:
                 self.add_request(msg)
             elif isinstance(msg, AbortRequest):
                 self.abort(msg.rid)
+            elif isinstance(msg, FlushCacheRequest):
+                self.reply_info(msg.rid, self.flush_cache())
+            elif isinstance(msg, ServerInfoRequest):
+                self.reply_info(msg.rid, self.load_info())
             elif isinstance(msg, ShutdownRequest):
                 self.stopping = True
         if block and os.getppid() != self.parent_pid:
@@ -122,23 +311,29 @@ class Scheduler:
             self.stopping = True
 
     def add_request(self, msg: GenerateRequest) -> None:
-        req = Req(msg.rid, list(msg.input_ids), msg.sampling)
-        need = len(req.input_ids) + req.sampling.max_new_tokens
+        seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(62)
+        req = Req(msg.rid, list(msg.input_ids), msg.sampling, msg.logprobs, seed=seed,
+                  arrival_time=msg.arrival_time or time.time())
+        limit = self.runner.context_length
         error = None
         if not req.input_ids:
             error = "the prompt is empty"
-        elif len(req.input_ids) >= self.runner.context_length:
-            error = (f"the prompt has {len(req.input_ids)} tokens; the context length is "
-                     f"{self.runner.context_length}")
-        elif need > self.runner.kv_pool.size:
-            error = (f"prompt ({len(req.input_ids)} tokens) plus max_new_tokens "
-                     f"({req.sampling.max_new_tokens}) needs {need} KV slots; the pool has "
+        elif len(req.input_ids) >= limit:
+            error = f"the prompt has {len(req.input_ids)} tokens; the context length is {limit}"
+        elif len(req.input_ids) + 1 > self.runner.kv_pool.size:
+            error = (f"the prompt has {len(req.input_ids)} tokens; the KV pool holds "
                      f"{self.runner.kv_pool.size} (raise --max-total-tokens)")
+        elif max(req.input_ids) >= self.runner.vocab_size or min(req.input_ids) < 0:
+            error = f"input_ids must be token ids below the vocabulary size {self.runner.vocab_size}"
         if error is not None:
-            req.error, req.finish_reason = error, {"type": "abort", "message": error}
-            self.send_outputs([req])
+            self.fail(req, error, 400)
+            self._replies.append(self.output_of(req))
             return
         self.waiting.append(req)
+
+    def fail(self, req: Req, message: str, status: int) -> None:
+        req.error, req.error_status = message, status
+        req.finish_reason = {"type": "abort", "message": message}
 
     def abort(self, rid: str) -> None:
         for req in list(self.waiting):
@@ -149,70 +344,66 @@ class Scheduler:
                 req.finish_reason = {"type": "abort", "message": "aborted"}
         self.release_finished()
 
-    def admit_waiting(self) -> list[Req]:
-        """Move waiting requests that fit (rows, reserved KV) into the running set."""
-        admitted: list[Req] = []
-        pool, rows = self.runner.kv_pool, self.runner.req_to_token_pool
-        reserved = sum(r.reserved for r in self.running)
-        while (self.waiting and rows.num_free > 0
-               and len(self.running) + len(admitted) < self.settings.max_running_requests):
-            req = self.waiting[0]
-            need = min(len(req.input_ids) + req.sampling.max_new_tokens, self.runner.context_length)
-            if reserved + need > pool.size:
-                break
-            self.waiting.popleft()
-            req.row, req.reserved = rows.alloc(), need
-            reserved += need
-            admitted.append(req)
-        self.running.extend(admitted)
-        return admitted
+    def flush_cache(self) -> dict[str, Any]:
+        if self.running or self.waiting:
+            return {"success": False, "message": f"cannot flush while {len(self.running)} "
+                    f"running and {len(self.waiting)} waiting requests use the cache"}
+        return {"success": True, "message": "nothing is cached across requests without a "
+                "cache policy plugin", "kv_free": self.runner.kv_pool.num_free}
 
-    def run_batch(self, mode: ForwardMode, reqs: Sequence[Req]) -> None:
-        if mode is ForwardMode.EXTEND:
-            seqs = [BatchSeq(r.row, r.kv_len, r.input_ids[r.kv_len:]) for r in reqs]
-        else:
-            seqs = [BatchSeq(r.row, r.kv_len, [r.output_ids[-1]]) for r in reqs]
-        batch = make_forward_batch(self.runner, mode, seqs)
-        for req, seq in zip(reqs, seqs):
-            req.kv_len += len(seq.token_ids)
-        logits = self.runner.forward_logits(batch)
-        next_ids = sample(logits, [r.sampling for r in reqs]).tolist()
-        for req, token in zip(reqs, next_ids):
-            if req.sampling.max_new_tokens == 0:
-                req.finish_reason = {"type": "length", "length": 0}
+    def load_info(self) -> dict[str, Any]:
+        pool = self.runner.kv_pool
+        return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
+                "kv_used_tokens": pool.num_used, "kv_total_tokens": pool.size,
+                "kv_free_tokens": pool.num_free, "new_token_ratio": self.new_token_ratio,
+                "num_retractions": self.num_retractions,
+                "req_rows_free": self.runner.req_to_token_pool.num_free}
+
+    def reply_info(self, rid: str, info: dict[str, Any]) -> None:
+        self.send_sock.send_pyobj(TokenBatch(info=info, info_rid=rid))
+
+    def output_of(self, r: Req) -> TokenOutput:
+        out = TokenOutput(
+            rid=r.rid, new_token_ids=r.unsent(), prompt_tokens=len(r.input_ids),
+            completion_tokens=len(r.output_ids), finish_reason=r.finish_reason, error=r.error,
+            error_status=r.error_status, input_token_logprobs=r.input_token_logprobs,
+            output_token_logprobs=r.output_token_logprobs,
+            input_top_logprobs=r.input_top_logprobs, output_top_logprobs=r.output_top_logprobs,
+            input_token_ids_logprobs=r.input_token_ids_logprobs,
+            output_token_ids_logprobs=r.output_token_ids_logprobs,
+            first_token_time=r.first_token_time,
+            queue_time=(r.scheduled_time - r.arrival_time) if r.scheduled_time else None)
+        r.input_token_logprobs, r.output_token_logprobs = [], []
+        r.input_top_logprobs, r.output_top_logprobs = [], []
+        r.input_token_ids_logprobs, r.output_token_ids_logprobs = [], []
+        return out
+
+    def send_outputs(self, reqs: list[Req]) -> None:
+        seen: set[str] = set()
+        outputs = self._replies
+        self._replies = []
+        for r in [*reqs, *(r for r in self.running if r.finished)]:
+            if r.rid in seen:
                 continue
-            req.output_ids.append(int(token))
-            self.check_finished(req)
-
-    def check_finished(self, req: Req) -> None:
-        token, params = req.output_ids[-1], req.sampling
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            req.finish_reason = {"type": "stop", "matched": token}
-        elif len(req.output_ids) >= params.max_new_tokens:
-            req.finish_reason = {"type": "length", "length": params.max_new_tokens}
-        elif req.seq_len >= self.runner.context_length:
-            req.finish_reason = {"type": "length", "length": len(req.output_ids)}
-
-    def send_outputs(self, reqs: Sequence[Req]) -> None:
-        outputs = [
-            TokenOutput(rid=r.rid, new_token_ids=r.unsent(), prompt_tokens=len(r.input_ids),
-                        completion_tokens=len(r.output_ids), finish_reason=r.finish_reason,
-                        error=r.error, error_status=r.error_status)
-            for r in reqs
-        ]
+            seen.add(r.rid)
+            if r.sent < len(r.output_ids) or r.finished or r.input_token_logprobs:
+                outputs.append(self.output_of(r))
         if outputs:
             self.send_sock.send_pyobj(TokenBatch(outputs))
+
+    def free_memory(self, req: Req) -> None:
+        if req.row is not None:
+            release_sequence(self.runner, req.row, req.kv_len)
+            req.row, req.kv_len = None, 0
 
     def release_finished(self) -> None:
         """Free the KV slots and table rows of finished requests."""
         still_running = []
         for req in self.running:
-            if not req.finished:
+            if req.finished:
+                self.free_memory(req)
+            else:
                 still_running.append(req)
-                continue
-            if req.row is not None:
-                release_sequence(self.runner, req.row, req.kv_len)
-                req.row, req.kv_len = None, 0
         self.running = still_running
 
     def close(self) -> None:
@@ -237,7 +428,6 @@ def run_scheduler_process(settings_data: dict[str, Any], records: tuple[Any, ...
     from sgl.plugins import PluginSelection, create_plugin_manager
 
     setup_logging(settings_data.get("log_level", "info"), process="scheduler")
-    scheduler = None
     try:
         pm = create_plugin_manager(PluginSelection(exact=tuple(records)))
         settings = settings_from_dict(settings_data, plugin_config_classes(pm))
@@ -250,7 +440,8 @@ def run_scheduler_process(settings_data: dict[str, Any], records: tuple[Any, ...
     ready_conn.send(scheduler.info())
     ready_conn.close()
     try:
-        scheduler.event_loop()
+        with torch.inference_mode():
+            scheduler.event_loop()
     finally:
         pm.notify_shutdown(settings=settings, process="scheduler")
         scheduler.close()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from sgl.engine.messages import LogprobEntry, LogprobOptions
 from sgl.sampling import SamplingParams
 
 __all__ = ["Req"]
@@ -15,14 +17,31 @@ class Req:
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
+    logprobs: LogprobOptions = field(default_factory=LogprobOptions)
+    seed: int = 0
+    arrival_time: float = field(default_factory=time.time)
     output_ids: list[int] = field(default_factory=list)
     row: int | None = None  # row in req_to_token while the request holds KV memory
-    kv_len: int = 0  # tokens whose K/V are in the pool
-    reserved: int = 0  # KV slots reserved for this request at admission
+    kv_len: int = 0  # tokens of input_ids + output_ids whose K/V are in the pool
     finish_reason: dict[str, Any] | None = None
     error: str | None = None
     error_status: int = 400
     sent: int = 0  # output tokens already sent to the server
+    retractions: int = 0
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    next_input_logprob: int = 0  # next prompt position whose logprob is still to be computed
+    # logprob entries computed but not yet sent
+    input_token_logprobs: list[LogprobEntry] = field(default_factory=list)
+    input_top_logprobs: list[Any] = field(default_factory=list)
+    input_token_ids_logprobs: list[Any] = field(default_factory=list)
+    output_token_logprobs: list[LogprobEntry] = field(default_factory=list)
+    output_top_logprobs: list[Any] = field(default_factory=list)
+    output_token_ids_logprobs: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        start = self.logprobs.logprob_start_len
+        self.next_input_logprob = len(self.input_ids) if start < 0 else min(start, len(self.input_ids))
 
     @property
     def finished(self) -> bool:
@@ -31,6 +50,19 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def pending(self) -> int:
+        """Tokens of the sequence whose K/V are not in the pool yet (1 for a decode)."""
+        return self.seq_len - self.kv_len
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        n_in = len(self.input_ids)
+        return (self.input_ids[start:min(stop, n_in)]
+                + self.output_ids[max(start - n_in, 0):max(stop - n_in, 0)])
+
+    def remaining_new_tokens(self) -> int:
+        return max(self.sampling.max_new_tokens - len(self.output_ids), 0)
 
     def unsent(self) -> list[int]:
         new = self.output_ids[self.sent:]
