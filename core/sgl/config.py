@@ -56,6 +56,8 @@ class ServerSettings:
         flags=("--model-path", "--model"))
     served_model_name: str | None = _opt(
         None, "Model name reported by the API; default: derived from the model path.")
+    chat_template: str | None = _opt(
+        None, "Jinja chat template file used instead of the model's own.")
     host: str = _opt("127.0.0.1", "Address the HTTP server binds to.")
     port: int = _opt(30000, "Port of the HTTP server.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(
@@ -231,7 +233,8 @@ def _unknown(key: str, valid: list[str], where: str) -> ConfigError:
 
 def _resolve(cls: type, *, cli: Mapping[str, Any], cli_flags: Mapping[str, str],
              env: Mapping[str, str], file_data: Mapping[str, Any], file_label: str,
-             plugin_id: str | None) -> tuple[dict[str, Any], dict[str, str]]:
+             plugin_id: str | None, cli_source: str | None = None
+             ) -> tuple[dict[str, Any], dict[str, str]]:
     hints = _type_hints(cls)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -244,7 +247,7 @@ def _resolve(cls: type, *, cli: Mapping[str, Any], cli_flags: Mapping[str, str],
         if var in env:
             layers.append((env[var], f"env {var}"))
         if f.name in cli:
-            layers.append((cli[f.name], f"flag {cli_flags.get(f.name, f.name)}"))
+            layers.append((cli[f.name], cli_source or f"flag {cli_flags.get(f.name, f.name)}"))
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         values[f.name], sources[f.name] = default, "default"
         for raw, source in layers:
@@ -265,6 +268,7 @@ def load_settings(
     config_file: str | os.PathLike[str] | None = None,
     file_data: Mapping[str, Any] | None = None,
     plugin_classes: Mapping[str, type] | None = None,
+    cli_source: str | None = None,
 ) -> ServerSettings:
     """Merge defaults < config file < environment < command line into one :class:`ServerSettings`.
 
@@ -275,6 +279,8 @@ def load_settings(
     :param config_file: path of a YAML/TOML file, read with :func:`read_config_file`.
     :param file_data: already-parsed file contents (instead of ``config_file``).
     :param plugin_classes: plugin id -> settings dataclass, from ``sgl_add_config``.
+    :param cli_source: label of the ``cli`` values in ``sources`` and messages when they do not
+        come from flags (``"Engine(...)"`` for keyword arguments of :class:`sgl.Engine`).
     """
     env = os.environ if env is None else env
     plugin_classes = plugin_classes or {}
@@ -301,7 +307,8 @@ def load_settings(
                 raise _unknown(str(key), fields, f"{label} [plugins.{pid}]")
 
     values, sources = _resolve(ServerSettings, cli=cli or {}, cli_flags=cli_flags or {}, env=env,
-                               file_data=file_data, file_label=label, plugin_id=None)
+                               file_data=file_data, file_label=label, plugin_id=None,
+                               cli_source=cli_source)
     plugin_settings: dict[str, Any] = {}
     for pid, cls in plugin_classes.items():
         table = {str(k).replace("-", "_"): v for k, v in (plugin_tables.get(pid) or {}).items()}
@@ -341,6 +348,9 @@ def _check_ranges(s: ServerSettings) -> None:
         fail("page_size", "expected at least 1")
     if s.chunked_prefill_size != -1 and s.chunked_prefill_size < 1:
         fail("chunked_prefill_size", "expected -1 (off) or at least 1")
+    if s.chat_template and not Path(s.chat_template).expanduser().is_file() \
+            and "{{" not in s.chat_template and "{%" not in s.chat_template:
+        fail("chat_template", "no such file (expected a Jinja template file)")
 
 
 def settings_from_dict(data: Mapping[str, Any], plugin_classes: Mapping[str, type]) -> ServerSettings:
