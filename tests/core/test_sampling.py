@@ -1,0 +1,86 @@
+"""Sampling parameters and the batched sampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl.engine.sampler import SamplingInput, sample_next_tokens, uniform_noise
+from sgl.sampling import SamplingParams, SamplingParamsError
+
+
+@pytest.mark.parametrize("data,needle", [
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"max_new_tokens": -1}, "max_new_tokens"),
+    ({"max_new_tokens": "ten"}, "max_new_tokens"),
+    ({"top_k": 0}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"frequency_penalty": 5}, "frequency_penalty"),
+    ({"stop": [""]}, "stop"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"n": 0}, "n"),
+    ({"seed": 1.5}, "seed"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"temprature": 0.5}, "temprature"),
+    ({"min_new_tokens": 5, "max_new_tokens": 2}, "min_new_tokens"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+])
+def test_bad_sampling_params_name_the_field(data: dict, needle: str) -> None:
+    with pytest.raises(SamplingParamsError, match=needle):
+        SamplingParams.from_dict(data)
+
+
+def test_out_of_vocabulary_ids_rejected() -> None:
+    params = SamplingParams.from_dict({"stop_token_ids": [5, 999]})
+    with pytest.raises(SamplingParamsError, match="999.*vocabulary"):
+        params.validate(vocab_size=100)
+
+
+def test_stop_string_and_logit_bias_normalised() -> None:
+    params = SamplingParams.from_dict({"stop": "END", "logit_bias": {"3": -100}})
+    assert params.stop == ["END"] and params.logit_bias == {3: -100}
+
+
+def inputs(params: list[SamplingParams], seeds=None, outputs=None, prompts=None, banned=None):
+    n = len(params)
+    return SamplingInput(params, seeds or list(range(n)), [0] * n, outputs or [[] for _ in params],
+                         prompts or [[] for _ in params], banned or [[] for _ in params])
+
+
+def test_noise_is_uniform_and_keyed_by_seed_and_step() -> None:
+    u = uniform_noise(torch.tensor([3, 3, 4]), torch.tensor([0, 1, 0]), 50000)
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.01
+    again = uniform_noise(torch.tensor([3]), torch.tensor([0]), 50000)
+    assert torch.equal(u[0], again[0])
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+
+
+def test_draws_follow_the_distribution() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    params = [SamplingParams(temperature=1.0)] * 4000
+    got = sample_next_tokens(logits.repeat(4000, 1), inputs(params, seeds=list(range(4000))))
+    freq = torch.bincount(got, minlength=3).float() / 4000
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2]), atol=0.03)
+
+
+def test_top_k_top_p_min_p_and_greedy() -> None:
+    logits = torch.log(torch.tensor([[0.4, 0.35, 0.25]] * 4))
+    params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=0.1),
+              SamplingParams(temperature=1.0, min_p=0.95), SamplingParams(temperature=0.0)]
+    for seed in range(50):
+        got = sample_next_tokens(logits.clone(), inputs(params, seeds=[seed] * 4))
+        assert got.tolist() == [0, 0, 0, 0]
+
+
+def test_penalties_bias_and_bans() -> None:
+    logits = torch.tensor([[2.0, 1.9, 0.0]] * 4)
+    params = [SamplingParams(temperature=0, frequency_penalty=1.0),
+              SamplingParams(temperature=0, repetition_penalty=2.0),
+              SamplingParams(temperature=0, logit_bias={2: 10.0}),
+              SamplingParams(temperature=0)]
+    got = sample_next_tokens(logits.clone(), inputs(
+        params, outputs=[[0], [], [], []], prompts=[[], [0], [], []], banned=[[], [], [], [0]]))
+    assert got.tolist() == [1, 1, 2, 1]

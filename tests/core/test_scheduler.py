@@ -1,0 +1,269 @@
+"""The scheduler with the real SmolLM2, driven in-process step by step over its real ZMQ
+sockets: continuous batching, retraction, chunked prefill, abort, stop strings, seeds,
+logprobs (against transformers) and bad input."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from sgl.config import load_settings
+from sgl.engine.messages import AbortRequest, GenerateRequest, LogprobOptions, TokenBatch
+from sgl.engine.scheduler import Scheduler
+from sgl.plugins import create_plugin_manager
+from sgl.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+POOL_TOKENS = 1200
+_ids = itertools.count()
+
+
+@dataclass
+class Result:
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    error: str | None = None
+    input_token_logprobs: list[Any] = field(default_factory=list)
+    output_token_logprobs: list[Any] = field(default_factory=list)
+    input_top_logprobs: list[Any] = field(default_factory=list)
+    output_top_logprobs: list[Any] = field(default_factory=list)
+
+
+class Harness:
+    """A Scheduler in this process; the test plays the server's side of the sockets."""
+
+    def __init__(self, tmp: Path) -> None:
+        settings = load_settings(env={}, cli={
+            "dtype": "float32", "max_total_tokens": POOL_TOKENS, "max_running_requests": 48,
+            "chunked_prefill_size": 512, "num_threads": 1})
+        self.ctx = zmq.Context()
+        endpoints = {"requests": f"ipc://{tmp}/req", "outputs": f"ipc://{tmp}/out"}
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.bind(endpoints["requests"])
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(endpoints["outputs"])
+        self.scheduler = Scheduler(settings, create_plugin_manager(), endpoints)
+        self.tokenizer = self.scheduler.tokenizer
+
+    def chat_ids(self, question: str) -> list[int]:
+        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                 add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def submit(self, input_ids: list[int], logprobs: LogprobOptions | None = None,
+               **params: Any) -> str:
+        rid = f"r{next(_ids)}"
+        self.push.send_pyobj(GenerateRequest(rid, list(input_ids), SamplingParams(**params),
+                                             logprobs or LogprobOptions(), time.time()))
+        return rid
+
+    def run(self, rids: list[str], *, abort: dict[str, int] | None = None,
+            max_steps: int = 5000) -> dict[str, Result]:
+        results = {rid: Result() for rid in rids}
+        s = self.scheduler
+        for step in range(max_steps):
+            s.recv_requests(block=False)
+            s.step()
+            for rid, at in (abort or {}).items():
+                if step == at:
+                    self.push.send_pyobj(AbortRequest(rid))
+            while self.pull.poll(0):
+                batch: TokenBatch = self.pull.recv_pyobj()
+                for out in batch.outputs:
+                    r = results[out.rid]
+                    r.output_ids += out.new_token_ids
+                    r.finish_reason, r.error = out.finish_reason, out.error
+                    for name in ("input_token_logprobs", "output_token_logprobs",
+                                 "input_top_logprobs", "output_top_logprobs"):
+                        getattr(r, name).extend(getattr(out, name))
+            done = all(r.finish_reason for rid, r in results.items() if rid not in (abort or {}))
+            if done and s.idle:
+                return results
+        raise AssertionError("requests did not finish")
+
+    def assert_memory_empty(self) -> None:
+        s = self.scheduler
+        assert s.idle
+        assert s.runner.kv_pool.num_free == s.runner.kv_pool.size
+        assert s.runner.req_to_token_pool.num_free == s.runner.req_to_token_pool.max_requests
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.push.close(0)
+        self.pull.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
+    h = Harness(tmp_path_factory.mktemp("sched"))
+    with torch.inference_mode():
+        yield h
+    h.close()
+
+
+def one(h: Harness, input_ids: list[int], **kw: Any) -> Result:
+    rid = h.submit(input_ids, **kw)
+    return h.run([rid])[rid]
+
+
+QUESTIONS = [
+    "What is the capital of France?", "Name three colors.", "Write a haiku about rain.",
+    "What is 12 times 12?", "Who wrote Hamlet?", "Explain gravity in one sentence.",
+    "List the planets of the solar system.", "What is the boiling point of water?",
+]
+
+
+def mixed_prompts(h: Harness, count: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    prompts = []
+    for i in range(count):
+        ids = h.chat_ids(QUESTIONS[i % len(QUESTIONS)] + " Please answer." * (i % 5))
+        if i % 4 == 3:  # some long ones, with random filler before the question
+            ids = torch.randint(100, 40000, (150 + 20 * i,), generator=gen).tolist() + ids
+        prompts.append(ids)
+    return prompts
+
+
+def test_concurrent_requests_match_each_alone_with_retraction(harness: Harness) -> None:
+    prompts = mixed_prompts(harness, 40)
+    lengths = [8 + (i % 4) * 4 for i in range(40)]
+    before = harness.scheduler.num_retractions
+    # admission expects requests to use 10% of their max_new_tokens: they use all of it, the
+    # small pool runs out mid-decode, and the scheduler must retract
+    harness.scheduler.new_token_ratio = 0.1
+    rids = [harness.submit(p, max_new_tokens=n, temperature=0) for p, n in zip(prompts, lengths)]
+    together = harness.run(rids)
+    assert harness.scheduler.num_retractions > before, "the small KV pool should force retraction"
+    harness.assert_memory_empty()
+    for rid, prompt, n in zip(rids, prompts, lengths):
+        alone = one(harness, prompt, max_new_tokens=n, temperature=0)
+        assert together[rid].output_ids == alone.output_ids
+        assert together[rid].finish_reason == alone.finish_reason
+    harness.assert_memory_empty()
+
+
+def test_chunked_prefill_matches_unchunked(harness: Harness) -> None:
+    prompt = mixed_prompts(harness, 8)[7]
+    assert len(prompt) > 300
+    s = harness.scheduler
+    try:
+        s.chunk_size = 64
+        chunked = one(harness, prompt, max_new_tokens=12, temperature=0,
+                      logprobs=LogprobOptions(True, 0, 0, None))
+        s.chunk_size = 100_000
+        whole = one(harness, prompt, max_new_tokens=12, temperature=0,
+                    logprobs=LogprobOptions(True, 0, 0, None))
+    finally:
+        s.chunk_size = 512
+    assert chunked.output_ids == whole.output_ids
+    assert len(chunked.input_token_logprobs) == len(prompt)
+    got = torch.tensor([e[0] for e in chunked.input_token_logprobs[1:]])
+    want = torch.tensor([e[0] for e in whole.input_token_logprobs[1:]])
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_abort_frees_memory_at_once(harness: Harness) -> None:
+    keep = harness.submit(harness.chat_ids("Name three colors."), max_new_tokens=6, temperature=0)
+    gone = harness.submit(harness.chat_ids("Tell me a long story."), max_new_tokens=500,
+                          temperature=0)
+    results = harness.run([keep, gone], abort={gone: 3})
+    assert len(results[keep].output_ids) == 6
+    assert len(results[gone].output_ids) < 20
+    harness.assert_memory_empty()
+
+
+def test_stop_string_spanning_tokens(harness: Harness) -> None:
+    prompt = harness.chat_ids("What is the capital of France?")
+    free = one(harness, prompt, max_new_tokens=16, temperature=0)
+    pieces = [harness.tokenizer.decode([t]) for t in free.output_ids]
+    k = next(i for i in range(1, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[k][-2:] + pieces[k + 1][:2]  # ends inside token k+1, starts inside token k
+    stopped = one(harness, prompt, max_new_tokens=16, temperature=0, stop=[stop])
+    assert stopped.finish_reason == {"type": "stop", "matched": stop}
+    assert stopped.output_ids == free.output_ids[:k + 2]
+
+
+def test_eos_and_min_new_tokens(harness: Harness) -> None:
+    prompt = harness.chat_ids("Say just the word yes.")
+    short = one(harness, prompt, max_new_tokens=64, temperature=0)
+    assert short.finish_reason["type"] == "stop"
+    n = len(short.output_ids)
+    longer = one(harness, prompt, max_new_tokens=64, min_new_tokens=n + 5, temperature=0)
+    assert len(longer.output_ids) >= n + 5
+    ignored = one(harness, prompt, max_new_tokens=n + 3, ignore_eos=True, temperature=0)
+    assert len(ignored.output_ids) == n + 3 and ignored.finish_reason["type"] == "length"
+
+
+def test_seeded_sampling_is_reproducible_and_unseeded_varies(harness: Harness) -> None:
+    prompt = harness.chat_ids("Write a short poem about the sea.")
+    params = {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True}
+    a = one(harness, prompt, seed=1234, **params)
+    # the same seed inside a busy batch still gives the same tokens
+    rids = [harness.submit(prompt, seed=1234, **params)] + [
+        harness.submit(harness.chat_ids(q), max_new_tokens=5, temperature=1.0) for q in QUESTIONS[:3]]
+    b = harness.run(rids)[rids[0]]
+    assert a.output_ids == b.output_ids
+    unseeded = [one(harness, prompt, **params).output_ids for _ in range(3)]
+    assert len({tuple(u) for u in unseeded}) > 1
+
+
+def test_prefill_only_returns_prompt_logprobs(harness: Harness) -> None:
+    prompt = harness.chat_ids("Hello!")
+    r = one(harness, prompt, max_new_tokens=0, logprobs=LogprobOptions(True, 0, 2, [1, 2]))
+    assert r.output_ids == [] and r.finish_reason == {"type": "length", "length": 0}
+    assert len(r.input_token_logprobs) == len(prompt)
+    assert r.input_token_logprobs[0] == (None, prompt[0], None)
+    assert r.input_top_logprobs[0] is None and len(r.input_top_logprobs[1]) == 2
+    harness.assert_memory_empty()
+
+
+def test_logprobs_agree_with_transformers(harness: Harness) -> None:
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    runner = harness.scheduler.runner
+    reference = AutoModelForCausalLM.from_config(copy.deepcopy(runner.hf_config))
+    state = load_gguf_checkpoint(str(runner.model_path), return_tensors=True,
+                                 model_to_load=reference)
+    reference.load_state_dict(state["tensors"], strict=False)
+    reference.tie_weights()
+    reference.eval()
+
+    prompt = harness.chat_ids("What is the capital of France?")
+    r = one(harness, prompt, max_new_tokens=6, temperature=0,
+            logprobs=LogprobOptions(True, 3, 5, None))
+    full = prompt + r.output_ids
+    with torch.no_grad():
+        want = torch.log_softmax(reference(torch.tensor([full])).logits[0].float(), dim=-1)
+    got_in = [e[0] for e in r.input_token_logprobs]
+    assert len(got_in) == len(prompt) - 3
+    expected_in = [float(want[p - 1, prompt[p]]) for p in range(3, len(prompt))]
+    assert torch.allclose(torch.tensor(got_in), torch.tensor(expected_in), atol=2e-3)
+    expected_out = [float(want[len(prompt) + i - 1, t]) for i, t in enumerate(r.output_ids)]
+    got_out = [e[0] for e in r.output_token_logprobs]
+    assert torch.allclose(torch.tensor(got_out), torch.tensor(expected_out), atol=2e-3)
+    top = r.output_top_logprobs[0]
+    assert len(top) == 5 and top[0][1] == r.output_ids[0]  # greedy picks the top token
+
+
+@pytest.mark.parametrize("ids,needle", [
+    ([], "empty"),
+    ([1] * 9000, "context length"),
+    ([60000], "vocabulary"),
+])
+def test_bad_input_fails_the_request_not_the_scheduler(harness: Harness, ids: list[int],
+                                                        needle: str) -> None:
+    r = one(harness, ids, max_new_tokens=4)
+    assert r.finish_reason["type"] == "abort" and needle in r.error
+    ok = one(harness, harness.chat_ids("Hi"), max_new_tokens=2, temperature=0)
+    assert len(ok.output_ids) == 2
