@@ -11,6 +11,7 @@ from sgl.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from sgl.layers.moe import SUPPORTED_MOE_SHARDS, FusedMoE, select_experts
 from sgl.layers.norm import RMSNorm
 from sgl.layers.rotary import (
     SUPPORTED_ROPE_TYPES,
@@ -23,9 +24,11 @@ from sgl.layers.tp import TPGroup, get_tp_group, set_tp_group
 
 __all__ = [
     "SUPPORTED_GATED_ACTIVATIONS",
+    "SUPPORTED_MOE_SHARDS",
     "SUPPORTED_ROPE_TYPES",
     "Attention",
     "ColumnParallelLinear",
+    "FusedMoE",
     "GatedActivation",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
@@ -39,5 +42,6 @@ __all__ = [
     "get_tp_group",
     "rope_inv_freq",
     "rope_parameters",
+    "select_experts",
     "set_tp_group",
 ]
