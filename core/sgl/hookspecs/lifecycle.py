@@ -16,13 +16,17 @@ def sgl_on_startup(settings: ServerSettings, process: str, context: Any) -> None
 
     :param settings: the effective, validated server settings.
     :param process: which process is starting: ``"server"`` (the HTTP server, once the scheduler
-        reported ready and the app is built, before the port is opened) or ``"scheduler"`` (each
-        scheduler process, once the model is loaded and before the first batch runs).
+        reported ready and the app is built, before the port is opened), ``"scheduler"`` (each
+        scheduler process, once the model is loaded and before the first batch runs) or
+        ``"engine"`` (the Python process of an in-process :class:`sgl.Engine`, once its
+        scheduler is ready).
     :param context: the process's runtime object: the :class:`sgl.server.context.ServerContext`
-        in the server process, the :class:`sgl.engine.scheduler.Scheduler` in a scheduler process.
+        in the server process, the :class:`sgl.engine.scheduler.Scheduler` in a scheduler
+        process, the :class:`sgl.Engine` for ``"engine"``.
     :return: nothing. An exception aborts start-up; the error names the plugin.
 
-    Runs in: the server process and every scheduler process.
+    Runs in: the server process (or the process of an :class:`sgl.Engine`) and every scheduler
+    process.
 
     .. versionadded:: 0.1
     """
@@ -33,10 +37,12 @@ def sgl_on_shutdown(settings: ServerSettings, process: str) -> None:
     """Called once when a process of sgl shuts down cleanly.
 
     :param settings: the effective server settings.
-    :param process: ``"server"`` or ``"scheduler"``, as for :func:`sgl_on_startup`.
+    :param process: ``"server"``, ``"scheduler"`` or ``"engine"``, as for
+        :func:`sgl_on_startup`.
     :return: nothing. Exceptions are logged and do not stop the shutdown of other plugins.
 
-    Runs in: the server process and every scheduler process.
+    Runs in: the server process (or the process of an :class:`sgl.Engine`) and every scheduler
+    process.
 
     .. versionadded:: 0.1
     """

@@ -101,7 +101,7 @@ def run_server(settings: ServerSettings, pm: SglPluginManager) -> int:
     logger.info("KV pool: %d tokens (%.0f MiB), context length %d", info.max_total_tokens, mib,
                 info.context_length)
 
-    tm = TokenizerManager(tokenizer, handle.endpoints, info)
+    tm = TokenizerManager(tokenizer, handle.endpoints, info, settings)
     ctx = ServerContext(settings=settings, plugin_manager=pm, scheduler=handle, info=info,
                         tokenizer_manager=tm)
     try:

@@ -1,69 +1,91 @@
-"""The server side of the runtime: tokenize, send to the scheduler, collect and detokenize.
+"""The server side of the runtime: check and tokenize requests, send them to the scheduler,
+collect and detokenize what comes back.
 
-One :class:`TokenizerManager` per server process. Frontends call :meth:`generate`; a background
-task receives :class:`~sgl.engine.messages.TokenBatch` messages from the scheduler and hands the
-tokens to the waiting request.
+One :class:`TokenizerManager` per server process (or per :class:`sgl.Engine`). It runs on one
+asyncio loop. Callers use:
+
+* :meth:`TokenizerManager.generate` -- run a :class:`~sgl.server.io_struct.GenerateReqInput`
+  (one prompt or a batch, SGLang's ``/generate`` body) to completion; returns one SGLang-shaped
+  dict, or a list of them for a batch or ``n > 1``;
+* :meth:`TokenizerManager.generate_stream` -- the same as an async iterator of chunks, each
+  holding only what is new (text, output ids, logprob entries);
+* :meth:`TokenizerManager.flush_cache`, :meth:`TokenizerManager.get_server_info` -- round trips
+  to the scheduler.
+
+A background task receives :class:`~sgl.engine.messages.TokenBatch` messages and updates the
+state of each request (:mod:`sgl.server.request_state`). Everything a request can get wrong is
+checked before it is sent: a :class:`~sgl.server.io_struct.BadRequestError` (status 400) names
+the field and the limit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
 
-from sgl.engine.messages import AbortRequest, GenerateRequest, ShutdownRequest, TokenBatch
-from sgl.sampling import SamplingParams
+from sgl.engine.messages import (
+    AbortRequest,
+    FlushCacheRequest,
+    GenerateRequest,
+    ServerInfoRequest,
+    ShutdownRequest,
+    TokenBatch,
+)
+from sgl.sampling import SamplingParamsError
+from sgl.server.detokenizer import decode_tokens
+from sgl.server.io_struct import BadRequestError, GenerateError, GenerateReqInput, OneRequest
+from sgl.server.request_state import ReqState
 
 if TYPE_CHECKING:
+    from sgl.config import ServerSettings
     from sgl.engine.messages import SchedulerInfo
 
-__all__ = ["GenerateError", "GenerateResult", "TokenizerManager"]
+__all__ = ["BadRequestError", "GenerateError", "GenerateReqInput", "TokenizerManager",
+           "load_chat_template"]
 
 logger = logging.getLogger("sgl.tokenizer_manager")
 
-
-class GenerateError(RuntimeError):
-    """A request failed. ``status`` is the HTTP status a frontend should answer with."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+#: seconds to wait for the scheduler to answer a flush-cache or server-info request
+INFO_TIMEOUT = 60.0
 
 
-@dataclass
-class GenerateResult:
-    rid: str
-    text: str
-    output_ids: list[int]
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: dict[str, Any] | None
-    e2e_latency: float
-
-
-@dataclass
-class _ReqState:
-    prompt_tokens: int
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: dict[str, Any] | None = None
-    error: str | None = None
-    status: int = 400
-    updated: asyncio.Event = field(default_factory=asyncio.Event)
+def load_chat_template(value: str | None) -> str | None:
+    """The text of a ``--chat-template``: a Jinja file, or the template itself when the value
+    is not a file but contains Jinja markup."""
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise FileNotFoundError(f"chat template file {value} does not exist")
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer: Any, endpoints: dict[str, str], info: SchedulerInfo) -> None:
+    """Tokenize, send, receive, detokenize. Must be started (:meth:`start`) on the loop that
+    will use it."""
+
+    def __init__(self, tokenizer: Any, endpoints: dict[str, str], info: SchedulerInfo,
+                 settings: ServerSettings | None = None) -> None:
         self.tokenizer = tokenizer
         self.info = info
+        self.settings = settings
         self.endpoints = endpoints
-        self._states: dict[str, _ReqState] = {}
+        self.context_length = info.context_length
+        self.vocab_size = info.vocab_size or len(tokenizer)
+        self.chat_template = load_chat_template(settings.chat_template if settings else None)
+        self._states: dict[str, ReqState] = {}
+        self._info_waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._token_texts: dict[int, str] = {}
         self._zmq: zmq.asyncio.Context | None = None
         self._recv_task: asyncio.Task[None] | None = None
         self.dead_reason: str | None = None
@@ -77,103 +99,302 @@ class TokenizerManager:
         self._recv_task = asyncio.create_task(self._recv_loop(), name="sgl-recv")
 
     async def stop(self) -> None:
+        """Tell the scheduler to exit, fail what is still in flight, close the sockets."""
         if self._recv_task is not None:
             self._recv_task.cancel()
+            self._recv_task = None
         if self._zmq is not None:
+            if self.dead_reason is None:
+                self.fail_all("the server is shutting down", status=503)
             try:
-                self._send.send_pyobj(ShutdownRequest(), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
+                await asyncio.wait_for(self._send_msg(ShutdownRequest(), check=False), timeout=1.0)
+            except (asyncio.TimeoutError, zmq.ZMQError):
                 pass
             self._send.close(linger=100)
             self._recv.close(linger=0)
             self._zmq.term()
             self._zmq = None
 
-    # --- encoding ---------------------------------------------------------------------------
+    # --- encoding -----------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a chat, formatted by the model's chat template, ready for the reply."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise GenerateError("this model has no chat template, so chat messages cannot be "
-                                "formatted for it; send a plain prompt instead")
+    def apply_chat_template(self, messages: list[dict[str, Any]], *,
+                            add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+        """Token ids of a chat, formatted by the chat template (``--chat-template`` or the
+        model's own), ready for the assistant's reply."""
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise BadRequestError("this model has no chat template, so chat messages cannot be "
+                                  "formatted for it; send a plain prompt, or give a template "
+                                  "with --chat-template", param="messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequestError("messages must be a non-empty list", param="messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise BadRequestError(f"messages[{i}] must be an object with a 'role' and "
+                                      "'content'", param="messages")
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=True)
+            ids = self.tokenizer.apply_chat_template(
+                messages, chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs)
         except Exception as exc:  # jinja errors from the template itself
-            raise GenerateError(f"cannot apply the chat template: {exc}") from exc
+            raise BadRequestError(f"cannot apply the chat template: {exc}",
+                                  param="messages") from exc
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        return decode_tokens(self.tokenizer, ids, skip_special_tokens=skip_special_tokens,
+                             spaces_between_special_tokens=spaces_between_special_tokens)
 
-    # --- generation -------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (cached), for ``return_text_in_logprobs``."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode(
+                [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return text
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams,
-                       rid: str | None = None) -> GenerateResult:
-        """Run one request to completion."""
-        start = time.perf_counter()
-        rid = rid or uuid.uuid4().hex
-        final = None
-        async for state in self._stream(rid, input_ids, sampling):
-            final = state
-        assert final is not None
-        text = self.decode(final.output_ids, sampling.skip_special_tokens)
-        return GenerateResult(rid, text, list(final.output_ids), final.prompt_tokens,
-                              len(final.output_ids), final.finish_reason,
-                              time.perf_counter() - start)
+    # --- checking -----------------------------------------------------------------------------
 
-    async def _stream(self, rid: str, input_ids: list[int],
-                      sampling: SamplingParams) -> AsyncIterator[_ReqState]:
+    def prepare(self, obj: GenerateReqInput | dict[str, Any]
+                ) -> tuple[list[tuple[OneRequest, list[int]]], bool]:
+        """Split, tokenize and check a request; nothing is sent yet.
+
+        :returns: each sequence to generate with its prompt ids, and whether the caller gets a
+            list of results.
+        :raises BadRequestError: naming the field and the limit.
+        """
+        if isinstance(obj, dict):
+            obj = GenerateReqInput.from_dict(obj)
+        requests, as_list = obj.split()
+        prepared: list[tuple[OneRequest, list[int]]] = []
+        rids: set[str] = set()
+        tokenized: dict[int, list[int]] = {}  # n > 1 shares one prompt: tokenize it once
+        for req in requests:
+            if req.text is not None:
+                key = id(req.text)
+                if key not in tokenized:
+                    tokenized[key] = list(self.tokenizer.encode(req.text))
+                ids = list(tokenized[key])
+            else:
+                ids = list(req.input_ids or [])
+            self._check(req, ids)
+            if req.rid in rids or req.rid in self._states:
+                raise BadRequestError(f"request id {req.rid!r} is already in use", param="rid")
+            rids.add(req.rid)
+            params = req.sampling
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            if eos is not None and not params.ignore_eos and eos not in params.stop_token_ids:
+                params.stop_token_ids = [*params.stop_token_ids, int(eos)]
+            prepared.append((req, ids))
+        return prepared, as_list
+
+    def _check(self, req: OneRequest, ids: list[int]) -> None:
+        where = req.field_name
+        param = where.split("[")[0]
+        if not ids:
+            raise BadRequestError(f"{where}: the prompt is empty", param=param)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise BadRequestError(f"{where}: token id {bad} is outside the vocabulary "
+                                  f"(ids must be in [0, {self.vocab_size}))", param=param)
+        if len(ids) >= self.context_length:
+            raise BadRequestError(
+                f"{where}: the prompt has {len(ids)} tokens, but the model's context length is "
+                f"{self.context_length}; the prompt must be shorter than that", param=param)
+        try:
+            req.sampling.validate(self.vocab_size)
+        except SamplingParamsError as exc:
+            raise BadRequestError(f"sampling_params: {exc}", param="sampling_params") from None
+        opts = req.logprobs
+        if opts.logprob_start_len >= len(ids):
+            raise BadRequestError(
+                f"logprob_start_len must be less than the prompt length ({len(ids)} tokens), got "
+                f"{opts.logprob_start_len}", param="logprob_start_len")
+        bad = next((t for t in opts.token_ids_logprob or () if t >= self.vocab_size), None)
+        if bad is not None:
+            raise BadRequestError(f"token_ids_logprob has token id {bad}, outside the vocabulary "
+                                  f"(size {self.vocab_size})", param="token_ids_logprob")
+
+    # --- generation ---------------------------------------------------------------------------
+
+    async def generate(self, obj: GenerateReqInput | dict[str, Any]
+                       ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Run a request to completion: one result dict, or a list for a batch or ``n > 1``."""
+        prepared, as_list = self.prepare(obj)
+        states, waker = await self._submit(prepared)
+        try:
+            while not all(st.finished for st in states):
+                await waker.wait()
+                waker.clear()
+                self._raise_errors(states)
+            self._raise_errors(states)
+            results = [st.result() for st in states]
+        finally:
+            await self._release(states)
+        return results if as_list else results[0]
+
+    def generate_stream(self, obj: GenerateReqInput | dict[str, Any]
+                        ) -> AsyncIterator[dict[str, Any]]:
+        """Check the request now (raising :class:`BadRequestError` at once), then return an
+        async iterator of chunks ``{"text", "output_ids", "meta_info"}`` holding what is new;
+        the last chunk of each sequence has its ``finish_reason`` and timings. For a batch or
+        ``n > 1`` each chunk also has ``"index"``, its position in the result list. Closing
+        the iterator early aborts the request."""
+        prepared, as_list = self.prepare(obj)
+        return self._stream(prepared, as_list)
+
+    async def _stream(self, prepared: list[tuple[OneRequest, list[int]]],
+                      as_list: bool) -> AsyncIterator[dict[str, Any]]:
+        states, waker = await self._submit(prepared)
+        try:
+            done = 0
+            while done < len(states):
+                await waker.wait()
+                waker.clear()
+                self._raise_errors(states)
+                for st in states:
+                    if not st.dirty:
+                        continue
+                    chunk = st.chunk()
+                    if chunk is None:
+                        continue
+                    if as_list:
+                        chunk["index"] = st.req.index
+                    if chunk["meta_info"]["finish_reason"] is not None:
+                        done += 1
+                    yield chunk
+        finally:
+            await self._release(states)
+
+    async def _submit(self, prepared: list[tuple[OneRequest, list[int]]]
+                      ) -> tuple[list[ReqState], asyncio.Event]:
         if self.dead_reason is not None:
             raise GenerateError(self.dead_reason, status=503)
-        if rid in self._states:
-            raise GenerateError(f"request id {rid!r} is already in use")
-        if len(input_ids) >= self.info.context_length:
-            raise GenerateError(f"the prompt has {len(input_ids)} tokens; the model's context "
-                                f"length is {self.info.context_length}")
-        stop_ids = set(sampling.stop_token_ids)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is not None and not sampling.ignore_eos:
-            stop_ids.add(int(eos))
-        sampling.stop_token_ids = sorted(stop_ids)
-        state = self._states[rid] = _ReqState(prompt_tokens=len(input_ids))
-        finished = False
+        if self._zmq is None:
+            raise GenerateError("the tokenizer manager is not running", status=503)
+        waker = asyncio.Event()
+        states = []
+        for req, ids in prepared:
+            if req.rid in self._states:  # taken since prepare()
+                raise BadRequestError(f"request id {req.rid!r} is already in use", param="rid")
+        for req, ids in prepared:
+            state = ReqState(req, ids, self.tokenizer, waker, self.token_text)
+            self._states[req.rid] = state
+            states.append(state)
         try:
-            await self._send.send_pyobj(GenerateRequest(rid, list(input_ids), sampling))
-            while True:
-                await state.updated.wait()
-                state.updated.clear()
-                if state.error is not None:
-                    raise GenerateError(state.error, state.status)
-                yield state
-                if state.finish_reason is not None:
-                    finished = True
-                    return
+            for state, (req, ids) in zip(states, prepared):
+                await self._send_msg(GenerateRequest(
+                    req.rid, ids, req.sampling, req.logprobs, arrival_time=state.arrival_time))
+        except BaseException:
+            await self._release(states)
+            raise
+        return states, waker
+
+    @staticmethod
+    def _raise_errors(states: list[ReqState]) -> None:
+        for st in states:
+            if st.error is not None:
+                raise GenerateError(st.error, st.status)
+
+    async def _release(self, states: list[ReqState]) -> None:
+        """Forget the requests; abort those the scheduler still runs."""
+        for st in states:
+            if self._states.get(st.rid) is st:
+                del self._states[st.rid]
+            if st.finished or self.dead_reason is not None or self._zmq is None:
+                continue
+            try:
+                self._send.send_pyobj(AbortRequest(st.rid), flags=zmq.NOBLOCK).add_done_callback(
+                    _ignore_result)
+            except zmq.ZMQError:
+                pass
+
+    # --- control round trips ------------------------------------------------------------------
+
+    async def flush_cache(self) -> dict[str, Any]:
+        """Ask the scheduler to drop its cached prefixes; returns its answer."""
+        return await self._ask(FlushCacheRequest(rid=uuid.uuid4().hex))
+
+    async def get_server_info(self) -> dict[str, Any]:
+        """Settings, the model's facts and the scheduler's live state (SGLang's shape:
+        settings and scheduler facts at the top level, ``internal_states`` and ``version``)."""
+        internal = await self._ask(ServerInfoRequest(rid=uuid.uuid4().hex))
+        facts = {k: v for k, v in dataclasses.asdict(self.info).items() if k not in ("ok", "error")}
+        settings = self.settings.to_dict() if self.settings is not None else {}
+        from sgl import __version__
+
+        return {**settings, **facts, "internal_states": [internal], "version": __version__}
+
+    async def _ask(self, msg: FlushCacheRequest | ServerInfoRequest) -> dict[str, Any]:
+        if self.dead_reason is not None:
+            raise GenerateError(self.dead_reason, status=503)
+        if self._zmq is None:
+            raise GenerateError("the tokenizer manager is not running", status=503)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._info_waiters[msg.rid] = future
+        try:
+            await self._send_msg(msg)
+            return await asyncio.wait_for(future, INFO_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise GenerateError(f"the scheduler did not answer {type(msg).__name__} within "
+                                f"{INFO_TIMEOUT:.0f} s", status=504) from None
         finally:
-            self._states.pop(rid, None)
-            if not finished and self.dead_reason is None and self._zmq is not None:
-                await self._send.send_pyobj(AbortRequest(rid))
+            self._info_waiters.pop(msg.rid, None)
+
+    async def _send_msg(self, msg: Any, check: bool = True) -> None:
+        """Send without ever blocking on a scheduler that is gone: a PUSH socket without a
+        connected peer (the scheduler not connected yet, or dead) would wait for one for ever,
+        so retry until it is connected or known to be dead."""
+        while True:
+            if check and self.dead_reason is not None:
+                raise GenerateError(self.dead_reason, status=503)
+            try:
+                await self._send.send_pyobj(msg, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                await asyncio.sleep(0.01)
+
+    # --- receiving ----------------------------------------------------------------------------
 
     async def _recv_loop(self) -> None:
         while True:
-            batch: TokenBatch = await self._recv.recv_pyobj()
+            try:
+                batch: TokenBatch = await self._recv.recv_pyobj()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a message that cannot be unpickled must not stop the loop
+                logger.exception("cannot read a message from the scheduler")
+                continue
+            if batch.info_rid is not None:
+                future = self._info_waiters.get(batch.info_rid)
+                if future is not None and not future.done():
+                    future.set_result(dict(batch.info or {}))
             for out in batch.outputs:
                 state = self._states.get(out.rid)
                 if state is None:
                     continue  # aborted by the client meanwhile
-                state.output_ids.extend(out.new_token_ids)
-                state.finish_reason = out.finish_reason
-                state.error, state.status = out.error, out.error_status
-                state.updated.set()
+                try:
+                    state.apply(out)
+                except Exception as exc:  # keep serving the others
+                    logger.exception("cannot process the output of request %s", out.rid)
+                    state.fail(f"internal error while detokenizing: {exc}", 500)
 
-    def fail_all(self, reason: str) -> None:
+    def fail_all(self, reason: str, status: int = 503) -> None:
         """Fail every in-flight request (the scheduler died) and refuse new ones."""
         self.dead_reason = reason
-        for state in self._states.values():
-            state.error, state.status = reason, 503
-            state.updated.set()
+        for state in list(self._states.values()):
+            state.fail(reason, status)
+        for future in self._info_waiters.values():
+            if not future.done():
+                future.set_exception(GenerateError(reason, status))
+
+
+def _ignore_result(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved, so asyncio does not log it

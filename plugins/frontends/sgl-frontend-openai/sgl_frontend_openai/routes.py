@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from sgl.sampling import SamplingParams, SamplingParamsError
-from sgl.server.tokenizer_manager import GenerateError
+from sgl.server.io_struct import GenerateError, GenerateReqInput
 from sgl_frontend_openai.protocol import ChatCompletionRequest, error_body
 
 if TYPE_CHECKING:
@@ -76,27 +76,29 @@ def make_router(server: ServerContext) -> APIRouter:
             if max_tokens is None:  # as much as fits in the context and the KV pool
                 room = min(server.info.context_length, server.info.max_total_tokens)
                 sampling.max_new_tokens = max(1, room - len(input_ids))
-            result = await tm.generate(input_ids, sampling)
+            result = await tm.generate(GenerateReqInput(input_ids=input_ids,
+                                                        sampling_params=sampling))
         except SamplingParamsError as exc:
             return _error(400, str(exc))
         except GenerateError as exc:
-            return _error(exc.status, str(exc))
-        reason = (result.finish_reason or {}).get("type", "stop")
+            return _error(exc.status, str(exc), getattr(exc, "param", None))
+        meta = result["meta_info"]
+        reason = (meta["finish_reason"] or {}).get("type", "stop")
         return JSONResponse({
-            "id": f"chatcmpl-{result.rid}",
+            "id": f"chatcmpl-{meta['id']}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": server.model_name,
             "choices": [{
                 "index": 0,
-                "message": {"role": "assistant", "content": result.text},
+                "message": {"role": "assistant", "content": result["text"]},
                 "logprobs": None,
                 "finish_reason": _FINISH.get(reason, "stop"),
             }],
             "usage": {
-                "prompt_tokens": result.prompt_tokens,
-                "completion_tokens": result.completion_tokens,
-                "total_tokens": result.prompt_tokens + result.completion_tokens,
+                "prompt_tokens": meta["prompt_tokens"],
+                "completion_tokens": meta["completion_tokens"],
+                "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"],
             },
         })
 

@@ -1,0 +1,205 @@
+"""What a caller asks the TokenizerManager for, in the shape of SGLang's ``/generate`` body.
+
+:class:`GenerateReqInput` takes one prompt or a batch (a list of prompts or a list of token-id
+lists), with one ``sampling_params`` for all or one per prompt. :meth:`GenerateReqInput.split`
+checks the shape and turns it into one :class:`OneRequest` per generated sequence; a prompt with
+``n > 1`` becomes ``n`` requests. Checks that need the tokenizer or the model (vocabulary,
+context length) happen in the TokenizerManager.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sgl.engine.messages import LogprobOptions
+from sgl.sampling import SamplingParams, SamplingParamsError
+
+__all__ = ["BadRequestError", "GenerateError", "GenerateReqInput", "OneRequest"]
+
+
+class GenerateError(RuntimeError):
+    """A request failed. ``status`` is the HTTP status a frontend should answer with."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class BadRequestError(GenerateError, ValueError):
+    """The request itself is invalid (status 400); ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message, status=400)
+        self.param = param
+
+
+@dataclass
+class OneRequest:
+    """One sequence to generate, after batch expansion and ``n`` expansion."""
+
+    index: int  # position in the caller's result list
+    rid: str
+    text: str | None
+    input_ids: list[int] | None
+    sampling: SamplingParams
+    logprobs: LogprobOptions
+    return_text_in_logprobs: bool
+    field_name: str  # "text" or "input_ids", for error messages (with the batch index)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class GenerateReqInput:
+    """A generate call: SGLang's ``GenerateReqInput`` fields that sgl supports."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | SamplingParams | list[Any] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+
+    @classmethod
+    def from_dict(cls, body: Any) -> GenerateReqInput:
+        """Build from a JSON body; unknown keys are refused with the list of known ones."""
+        if not isinstance(body, dict):
+            raise BadRequestError(f"the request body must be a JSON object, got "
+                                  f"{type(body).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(body) - set(known))
+        if unknown:
+            raise BadRequestError(f"unknown field(s): {', '.join(unknown)}; supported: "
+                                  f"{', '.join(known)}", param=unknown[0])
+        return cls(**body)
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return isinstance(self.input_ids, list) and bool(self.input_ids) and \
+            isinstance(self.input_ids[0], list)
+
+    def split(self) -> tuple[list[OneRequest], bool]:
+        """One :class:`OneRequest` per sequence to generate, and whether the caller gets a
+        list back (a batch, or ``n > 1``). Raises :class:`BadRequestError`."""
+        if self.text is not None and self.input_ids is not None:
+            raise BadRequestError("give either text or input_ids, not both", param="text")
+        if self.text is None and self.input_ids is None:
+            raise BadRequestError("text or input_ids is required", param="text")
+        for name in ("return_text_in_logprobs", "stream"):
+            if not isinstance(getattr(self, name), bool):
+                raise BadRequestError(f"{name} must be true or false, got "
+                                      f"{getattr(self, name)!r}", param=name)
+        batch = self.is_batch
+        if self.text is not None:
+            prompts: list[Any] = self.text if batch else [self.text]
+            field_name = "text"
+            for i, p in enumerate(prompts):
+                if not isinstance(p, str):
+                    where = f"text[{i}]" if batch else "text"
+                    raise BadRequestError(f"{where} must be a string, got {type(p).__name__}",
+                                          param="text")
+        else:
+            prompts = self.input_ids if batch else [self.input_ids]  # type: ignore[list-item]
+            field_name = "input_ids"
+            for i, p in enumerate(prompts):
+                where = f"input_ids[{i}]" if batch else "input_ids"
+                if not isinstance(p, list) or not all(_is_int(t) for t in p):
+                    raise BadRequestError(f"{where} must be a list of token ids (integers)",
+                                          param="input_ids")
+        size = len(prompts)
+        if batch and size == 0:
+            raise BadRequestError(f"{field_name} is an empty batch", param=field_name)
+
+        def per_prompt(name: str, value: Any, list_ok: bool = True) -> list[Any]:
+            if batch and isinstance(value, list) and list_ok:
+                if len(value) != size:
+                    raise BadRequestError(f"{name} has {len(value)} entries for a batch of "
+                                          f"{size} prompts", param=name)
+                return list(value)
+            return [value] * size
+
+        samplings = per_prompt("sampling_params", self.sampling_params)
+        rids = per_prompt("rid", self.rid)
+        if batch and isinstance(self.rid, str):
+            rids = [f"{self.rid}-{i}" for i in range(size)]
+        return_logprob = per_prompt("return_logprob", self.return_logprob)
+        start_lens = per_prompt("logprob_start_len", self.logprob_start_len)
+        top_nums = per_prompt("top_logprobs_num", self.top_logprobs_num)
+        tid_lists = self.token_ids_logprob
+        if batch and isinstance(tid_lists, list) and tid_lists and isinstance(tid_lists[0], list):
+            token_ids = per_prompt("token_ids_logprob", tid_lists)
+        else:
+            token_ids = [tid_lists] * size
+
+        out: list[OneRequest] = []
+        for i in range(size):
+            where = f"[{i}]" if batch else ""
+            params = _sampling(samplings[i], where)
+            logprobs = _logprob_options(return_logprob[i], start_lens[i], top_nums[i],
+                                        token_ids[i], where)
+            rid = rids[i]
+            if rid is not None and not isinstance(rid, str):
+                raise BadRequestError(f"rid{where} must be a string, got {type(rid).__name__}",
+                                      param="rid")
+            rid = rid or uuid.uuid4().hex
+            n = params.n
+            for j in range(n):
+                sub = copy.deepcopy(params) if n > 1 else params
+                sub.n = 1
+                if n > 1 and params.seed is not None:
+                    sub.seed = params.seed + j
+                text = prompts[i] if self.text is not None else None
+                ids = list(prompts[i]) if self.input_ids is not None else None
+                out.append(OneRequest(
+                    index=len(out), rid=f"{rid}-{j}" if n > 1 else rid, text=text, input_ids=ids,
+                    sampling=sub, logprobs=copy.copy(logprobs),
+                    return_text_in_logprobs=self.return_text_in_logprobs,
+                    field_name=f"{field_name}{where}"))
+        return out, batch or len(out) > 1
+
+
+def _sampling(value: Any, where: str) -> SamplingParams:
+    try:
+        if isinstance(value, SamplingParams):
+            params = copy.deepcopy(value)
+            params.validate()
+            return params
+        return SamplingParams.from_dict(value)
+    except SamplingParamsError as exc:
+        raise BadRequestError(f"sampling_params{where}: {exc}", param="sampling_params") from None
+    except TypeError as exc:  # a key SamplingParams does not take
+        raise BadRequestError(f"sampling_params{where}: {exc}", param="sampling_params") from None
+
+
+def _logprob_options(return_logprob: Any, start_len: Any, top_num: Any, token_ids: Any,
+                     where: str) -> LogprobOptions:
+    if not isinstance(return_logprob, bool):
+        raise BadRequestError(f"return_logprob{where} must be true or false, got "
+                              f"{return_logprob!r}", param="return_logprob")
+    start = -1 if start_len is None else start_len
+    if not _is_int(start) or start < -1:
+        raise BadRequestError(f"logprob_start_len{where} must be -1 (output only) or an integer "
+                              f">= 0, got {start_len!r}", param="logprob_start_len")
+    top = 0 if top_num is None else top_num
+    if not _is_int(top) or top < 0:
+        raise BadRequestError(f"top_logprobs_num{where} must be an integer >= 0, got {top_num!r}",
+                              param="top_logprobs_num")
+    if token_ids is not None and (not isinstance(token_ids, list)
+                                  or not all(_is_int(t) and t >= 0 for t in token_ids)):
+        raise BadRequestError(f"token_ids_logprob{where} must be a list of token ids, got "
+                              f"{token_ids!r}", param="token_ids_logprob")
+    return LogprobOptions(return_logprob=return_logprob, logprob_start_len=start,
+                          top_logprobs_num=top,
+                          token_ids_logprob=list(token_ids) if token_ids is not None else None)
