@@ -70,3 +70,21 @@ def server(tmp_path_factory: pytest.TempPathFactory, route_plugin_file: Path,
                          env={"SGL_TEST_MARKERS": str(markers_file)}, log_path=log)
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference():
+    """transformers' own model of the bundled SmolLM2 GGUF (float32), converted by transformers'
+    GGUF loader: the reference that sgl's outputs and logprobs are checked against."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from sgl.model_loader import bundled_model_path, load_hf_config
+
+    path = bundled_model_path()
+    model = AutoModelForCausalLM.from_config(load_hf_config(path), torch_dtype=torch.float32)
+    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
+    model.load_state_dict(state["tensors"], strict=False)
+    model.tie_weights()
+    return model.eval()
