@@ -41,7 +41,8 @@ class ReqState:
     """Everything received so far for one request, plus how much of it the caller has seen."""
 
     def __init__(self, req: OneRequest, input_ids: list[int], tokenizer: Any,
-                 waker: asyncio.Event, token_text: Callable[[int], str]) -> None:
+                 waker: asyncio.Event, token_text: Callable[[int], str],
+                 arrival_time: float | None = None) -> None:
         self.req = req
         self.rid = req.rid
         self.waker = waker
@@ -53,7 +54,7 @@ class ReqState:
         # a stop string may still be completing at the end of the text: hold that much back
         self.holdback = max((len(s) for s in params.stop), default=1) - 1 \
             if params.stop and not params.no_stop_trim else 0
-        self.arrival_time = time.time()
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.text = ""
         self.final_text: str | None = None
         self.output_ids: list[int] = []

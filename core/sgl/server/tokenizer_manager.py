@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -226,8 +227,9 @@ class TokenizerManager:
     async def generate(self, obj: GenerateReqInput | dict[str, Any]
                        ) -> dict[str, Any] | list[dict[str, Any]]:
         """Run a request to completion: one result dict, or a list for a batch or ``n > 1``."""
+        received = time.time()
         prepared, as_list = self.prepare(obj)
-        states, waker = await self._submit(prepared)
+        states, waker = await self._submit(prepared, received)
         try:
             while not all(st.finished for st in states):
                 await waker.wait()
@@ -246,12 +248,13 @@ class TokenizerManager:
         the last chunk of each sequence has its ``finish_reason`` and timings. For a batch or
         ``n > 1`` each chunk also has ``"index"``, its position in the result list. Closing
         the iterator early aborts the request."""
+        received = time.time()
         prepared, as_list = self.prepare(obj)
-        return self._stream(prepared, as_list)
+        return self._stream(prepared, as_list, received)
 
-    async def _stream(self, prepared: list[tuple[OneRequest, list[int]]],
-                      as_list: bool) -> AsyncIterator[dict[str, Any]]:
-        states, waker = await self._submit(prepared)
+    async def _stream(self, prepared: list[tuple[OneRequest, list[int]]], as_list: bool,
+                      received: float) -> AsyncIterator[dict[str, Any]]:
+        states, waker = await self._submit(prepared, received)
         try:
             done = 0
             while done < len(states):
@@ -272,7 +275,7 @@ class TokenizerManager:
         finally:
             await self._release(states)
 
-    async def _submit(self, prepared: list[tuple[OneRequest, list[int]]]
+    async def _submit(self, prepared: list[tuple[OneRequest, list[int]]], received: float
                       ) -> tuple[list[ReqState], asyncio.Event]:
         if self.dead_reason is not None:
             raise GenerateError(self.dead_reason, status=503)
@@ -284,7 +287,7 @@ class TokenizerManager:
             if req.rid in self._states:  # taken since prepare()
                 raise BadRequestError(f"request id {req.rid!r} is already in use", param="rid")
         for req, ids in prepared:
-            state = ReqState(req, ids, self.tokenizer, waker, self.token_text)
+            state = ReqState(req, ids, self.tokenizer, waker, self.token_text, received)
             self._states[req.rid] = state
             states.append(state)
         try:
