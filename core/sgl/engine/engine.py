@@ -264,6 +264,10 @@ class Engine:
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the engine's loop and wait for it (from a non-loop thread)."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("a blocking sgl.Engine method was called from the engine's own "
+                               "event loop; use async_generate there")
         future = self._submit(coro)
         try:
             return future.result()
