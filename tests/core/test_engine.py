@@ -107,6 +107,40 @@ def test_n_samples(engine: sgl.Engine) -> None:
     assert all(o["meta_info"]["completion_tokens"] >= 1 for o in outs)
 
 
+def test_stop_string_is_trimmed_in_results_and_streams(engine: sgl.Engine) -> None:
+    params = {"temperature": 0, "max_new_tokens": 24, "stop": [" 5"]}
+    out = engine.generate("Count: 1, 2, 3,", params)
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": " 5"}
+    assert " 5" not in out["text"] and out["text"].strip().startswith("4")
+    chunks = list(engine.generate("Count: 1, 2, 3,", params, stream=True))
+    assert "".join(c["text"] for c in chunks) == out["text"]
+    kept = engine.generate("Count: 1, 2, 3,", {**params, "no_stop_trim": True})
+    assert kept["text"] == out["text"] + " 5"
+
+
+def test_logprobs_shape(engine: sgl.Engine) -> None:
+    out = engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 3},
+                          return_logprob=True, logprob_start_len=0, top_logprobs_num=2,
+                          token_ids_logprob=[7042], return_text_in_logprobs=True)
+    meta = out["meta_info"]
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+    assert meta["input_token_logprobs"][0][0] is None
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    for (logprob, token_id, text), out_id in zip(meta["output_token_logprobs"],
+                                                 out["output_ids"]):
+        assert logprob <= 0 and token_id == out_id and isinstance(text, str)
+    assert len(meta["output_top_logprobs"]) == meta["completion_tokens"]
+    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+    assert meta["output_top_logprobs"][0][0][1] == out["output_ids"][0]  # greedy: the top one
+    assert [e[1] for e in meta["output_token_ids_logprobs"][0]] == [7042]
+
+
+def test_seed_makes_sampling_repeatable(engine: sgl.Engine) -> None:
+    params = {"temperature": 1.0, "max_new_tokens": 6, "seed": 1234}
+    first = engine.generate("Once upon a time", params)
+    assert engine.generate("Once upon a time", params)["output_ids"] == first["output_ids"]
+
+
 def test_flush_cache_and_server_info(engine: sgl.Engine) -> None:
     assert engine.flush_cache()["success"] is True
     info = engine.get_server_info()
