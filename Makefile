@@ -11,6 +11,9 @@ TORCH_VERSION := 2.13.0
 # the default plugins: one small distribution each (see plugins/)
 PLUGINS := \
 	plugins/models/sgl-model-llama \
+	plugins/models/sgl-model-mistral \
+	plugins/models/sgl-model-gemma \
+	plugins/models/sgl-model-phi \
 	plugins/models/sgl-model-qwen \
 	plugins/attention/sgl-attn-torch \
 	plugins/frontends/sgl-frontend-openai

@@ -11,6 +11,7 @@ from sgl.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from sgl.layers.longrope import LongRopeRotaryEmbedding
 from sgl.layers.moe import SUPPORTED_MOE_SHARDS, FusedMoE, select_experts
 from sgl.layers.norm import RMSNorm
 from sgl.layers.rotary import (
@@ -30,6 +31,7 @@ __all__ = [
     "ColumnParallelLinear",
     "FusedMoE",
     "GatedActivation",
+    "LongRopeRotaryEmbedding",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",

@@ -13,13 +13,18 @@ __all__ = ["ParallelLMHead", "VocabParallelEmbedding"]
 
 class VocabParallelEmbedding(nn.Module):
     """Rank ``r`` holds rows ``[r * per_rank, (r + 1) * per_rank)`` of the embedding table
-    (the last rank's tail is zero padding when the vocabulary does not divide evenly)."""
+    (the last rank's tail is zero padding when the vocabulary does not divide evenly).
+
+    ``scale`` multiplies the looked-up rows (Gemma: ``sqrt(hidden_size)``), rounded to ``dtype``
+    first as the reference implementations do."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *,
                  dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, scale: float | None = None) -> None:
         super().__init__()
         self.tp = get_tp_group()
+        self.scale = None if scale is None else float(
+            torch.tensor(scale, dtype=dtype or torch.get_default_dtype()))
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.per_rank = -(-num_embeddings // self.tp.size)
@@ -44,20 +49,26 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
-        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
-        local = torch.where(outside, 0, input_ids - self.vocab_start)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0)
-        return tp_all_reduce(out)
+            out = F.embedding(input_ids, self.weight)
+        else:
+            outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+            local = torch.where(outside, 0, input_ids - self.vocab_start)
+            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0)
+            out = tp_all_reduce(out)
+        return out if self.scale is None else out * self.scale
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection ``hidden -> logits``; may share its weight with the embedding."""
+    """The output projection ``hidden -> logits``; may share its weight with the embedding.
+
+    ``logit_softcap`` applies ``cap * tanh(logits / cap)`` to the float32 logits (Gemma 2)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *,
                  dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 logit_softcap: float | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, dtype=dtype, device=device)
+        self.logit_softcap = logit_softcap or None  # 0 means none, as in some configs
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Use ``embedding``'s weight (tied input and output embeddings)."""
@@ -66,5 +77,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``[n, hidden] -> [n, vocab]`` float32 logits over the full vocabulary."""
         logits = F.linear(hidden, self.weight)
-        logits = tp_all_gather(logits, dim=-1)[..., :self.num_embeddings]
-        return logits.float()
+        logits = tp_all_gather(logits, dim=-1)[..., :self.num_embeddings].float()
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits

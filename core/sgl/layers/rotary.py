@@ -18,15 +18,19 @@ if TYPE_CHECKING:
 __all__ = ["SUPPORTED_ROPE_TYPES", "RotaryEmbedding", "get_rope", "rope_inv_freq",
            "rope_parameters"]
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
-def rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
+def rope_parameters(config: PretrainedConfig, *,
+                    layer_type: str = "full_attention") -> dict[str, Any]:
     """The rope settings of ``config`` as one dict with at least ``rope_type`` and
-    ``rope_theta``, whichever transformers version wrote the config."""
+    ``rope_theta``, whichever transformers version wrote the config.
+
+    ``layer_type`` picks the entry of per-layer-type settings (Gemma 3:
+    ``"sliding_attention"`` or ``"full_attention"``); other configs ignore it."""
     params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict) and params and "full_attention" in params:
-        params = params["full_attention"]  # per-layer-type form; the full layers' settings
+        params = params.get(layer_type) or params["full_attention"]  # per-layer-type form
     if isinstance(params, dict) and params:
         out = dict(params)
     else:
@@ -45,6 +49,9 @@ def rope_inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
         raise ValueError(
             f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    if rope_type == "longrope":
+        raise ValueError("rope_type 'longrope' switches between two frequency sets; build it "
+                         "with get_rope or sgl.layers.longrope.LongRopeRotaryEmbedding")
     base = float(params["rope_theta"])
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     inv_freq = 1.0 / (base ** exponents)
@@ -106,10 +113,22 @@ class RotaryEmbedding(nn.Module):
 
 
 def get_rope(config: PretrainedConfig, head_dim: int, *,
-             device: torch.device | str | None = None) -> RotaryEmbedding:
-    """The rotary embedding ``config`` describes, cached for ``max_position_embeddings``."""
-    params = rope_parameters(config)
+             device: torch.device | str | None = None,
+             layer_type: str = "full_attention") -> RotaryEmbedding:
+    """The rotary embedding ``config`` describes, cached for ``max_position_embeddings``.
+
+    Partial rotary (``partial_rotary_factor``) rotates the first features of each head only;
+    ``layer_type`` is as for :func:`rope_parameters`."""
+    params = rope_parameters(config, layer_type=layer_type)
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     rotary_dim = int(head_dim * float(partial or 1.0))
-    return RotaryEmbedding(head_dim, rotary_dim, int(config.max_position_embeddings), params,
-                           device=device)
+    max_position = int(config.max_position_embeddings)
+    if params["rope_type"] == "longrope":
+        from sgl.layers.longrope import LongRopeRotaryEmbedding
+
+        original = params.get("original_max_position_embeddings",
+                              getattr(config, "original_max_position_embeddings", None))
+        return LongRopeRotaryEmbedding(head_dim, rotary_dim, max_position,
+                                       {**params, "original_max_position_embeddings": original},
+                                       device=device)
+    return RotaryEmbedding(head_dim, rotary_dim, max_position, params, device=device)

@@ -1,0 +1,18 @@
+"""Registers the Gemma 2 and Gemma 3 (text) architectures; imports nothing heavy."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sgl.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from sgl.registry import RegisterFn
+
+__all__ = ["sgl_register_model_archs"]
+
+
+@hookimpl
+def sgl_register_model_archs(register: RegisterFn) -> None:
+    register("Gemma2ForCausalLM", "sgl_model_gemma.model:Gemma2ForCausalLM")
+    register("Gemma3ForCausalLM", "sgl_model_gemma.model:Gemma3ForCausalLM")
