@@ -8,6 +8,7 @@ import asyncio
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -81,7 +82,7 @@ def emit(text: str, finish: dict[str, Any] | None = None, extra: list[int] = () 
                 rid=req.rid, new_token_ids=[token], prompt_tokens=len(req.input_ids),
                 completion_tokens=i + 1,
                 finish_reason=(finish or {"type": "length", "length": len(ids)}) if last else None,
-                first_token_time=req.arrival_time + 0.01 if i == 0 else None, queue_time=0.005))
+                first_token_time=time.time() if i == 0 else None, queue_time=0.005))
         return outs
 
     return script
@@ -141,11 +142,13 @@ def test_stream_chunks_add_up_and_stop_string_is_trimmed() -> None:
     async def body(tm: TokenizerManager) -> Any:
         params = {"stop": ["over the"]}
         chunks = await collect(tm, {"text": "a", "sampling_params": params})
+        cumulative = [c async for c in tm.generate_stream(
+            {"text": "a", "sampling_params": params}, incremental=False)]
         full = await tm.generate({"text": "a", "sampling_params": params})
         kept = await tm.generate({"text": "a", "sampling_params": {**params, "no_stop_trim": True}})
-        return chunks, full, kept
+        return chunks, cumulative, full, kept
 
-    (chunks, full, kept), _ = run_with(
+    (chunks, cumulative, full, kept), _ = run_with(
         emit(" the quick brown fox jumps over the", {"type": "stop", "matched": "over the"}), body)
     assert full["text"] == " the quick brown fox jumps "
     assert "".join(c["text"] for c in chunks) == full["text"]  # "over" never leaked out
@@ -154,6 +157,10 @@ def test_stream_chunks_add_up_and_stop_string_is_trimmed() -> None:
     assert "e2e_latency" in chunks[-1]["meta_info"] and "e2e_latency" not in chunks[0]["meta_info"]
     assert sum(len(c["output_ids"]) for c in chunks) == len(full["output_ids"])
     assert kept["text"] == " the quick brown fox jumps over the"
+    # SGLang's default stream shape: each chunk holds everything so far
+    assert cumulative[-1]["text"] == full["text"]
+    assert cumulative[-1]["output_ids"] == full["output_ids"]
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(cumulative, cumulative[1:]))
     assert text.startswith(kept["text"])
 
 
@@ -217,6 +224,16 @@ def test_logprobs_with_text() -> None:
     assert sent.logprobs.return_logprob and sent.logprobs.top_logprobs_num == 1
 
 
+def test_sglang_client_fields_left_empty_are_accepted() -> None:
+    async def body(tm: TokenizerManager) -> Any:
+        return await tm.generate({"text": "a", "lora_path": None, "image_data": None,
+                                  "log_metrics": True, "return_hidden_states": False,
+                                  "logprob_start_len": -1, "stream": False})
+
+    out, _ = run_with(emit(" world"), body)
+    assert out["text"] == " world"
+
+
 def test_flush_cache_and_server_info() -> None:
     async def body(tm: TokenizerManager) -> Any:
         return await tm.flush_cache(), await tm.get_server_info()
@@ -240,6 +257,7 @@ def test_flush_cache_and_server_info() -> None:
     ({"text": "a", "input_ids": [1]}, "not both"),
     ({}, "text or input_ids is required"),
     ({"prompt": "a"}, "unknown field(s): prompt"),
+    ({"text": "a", "lora_path": "adapter"}, "lora_path is not supported"),
     ({"text": ["a", "b"], "sampling_params": [{}]}, "1 entries for a batch of 2"),
     ({"text": "a", "return_logprob": True, "logprob_start_len": 5}, "logprob_start_len"),
     ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num"),

@@ -55,6 +55,16 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+#: fields of SGLang's GenerateReqInput that sgl does not implement; clients (SGLang's benchmark,
+#: its frontend language) send them with empty values, which are accepted and ignored
+UNSUPPORTED_SGLANG_FIELDS = frozenset({
+    "image_data", "video_data", "audio_data", "modalities", "input_embeds", "lora_path",
+    "lora_id", "session_params", "custom_logit_processor", "return_hidden_states",
+    "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank", "priority",
+    "log_metrics", "no_logs", "extra_key", "background", "conversation_id", "label",
+})
+
+
 @dataclass
 class GenerateReqInput:
     """A generate call: SGLang's ``GenerateReqInput`` fields that sgl supports."""
@@ -77,6 +87,11 @@ class GenerateReqInput:
             raise BadRequestError(f"the request body must be a JSON object, got "
                                   f"{type(body).__name__}")
         known = [f.name for f in dataclasses.fields(cls)]
+        body = dict(body)
+        for name in sorted(UNSUPPORTED_SGLANG_FIELDS.intersection(body)):
+            value = body.pop(name)
+            if value not in (None, False, "", [], {}) and name != "log_metrics":
+                raise BadRequestError(f"{name} is not supported by sgl", param=name)
         unknown = sorted(set(body) - set(known))
         if unknown:
             raise BadRequestError(f"unknown field(s): {', '.join(unknown)}; supported: "

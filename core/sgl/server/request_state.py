@@ -181,8 +181,11 @@ class ReqState:
         return {"text": text, "output_ids": list(self.output_ids),
                 "meta_info": self._meta({k: list(v) for k, v in self.logprobs.items()})}
 
-    def chunk(self) -> dict[str, Any] | None:
-        """What is new since the previous chunk, or None when there is nothing to tell."""
+    def chunk(self, cumulative: bool = False) -> dict[str, Any] | None:
+        """What is new since the previous chunk, or None when there is nothing to tell.
+
+        With ``cumulative`` the chunk holds everything so far instead (text, ids and logprob
+        entries), the shape SGLang's ``/generate`` streams by default."""
         self.dirty = False
         if self._sent_final:
             return None
@@ -197,7 +200,11 @@ class ReqState:
         new_ids = self.output_ids[self._sent_ids:]
         if not new_text and not new_ids and not finished:
             return None
-        slices = {k: v[self._sent_logprobs[k]:] for k, v in self.logprobs.items()}
+        if cumulative:
+            new_text, new_ids = text[:max(self._sent_text, end)], list(self.output_ids)
+            slices = {k: list(v) for k, v in self.logprobs.items()}
+        else:
+            slices = {k: v[self._sent_logprobs[k]:] for k, v in self.logprobs.items()}
         self._sent_text = max(self._sent_text, end)
         self._sent_ids = len(self.output_ids)
         self._sent_logprobs = {k: len(v) for k, v in self.logprobs.items()}

@@ -241,19 +241,20 @@ class TokenizerManager:
             await self._release(states)
         return results if as_list else results[0]
 
-    def generate_stream(self, obj: GenerateReqInput | dict[str, Any]
-                        ) -> AsyncIterator[dict[str, Any]]:
+    def generate_stream(self, obj: GenerateReqInput | dict[str, Any], *,
+                        incremental: bool = True) -> AsyncIterator[dict[str, Any]]:
         """Check the request now (raising :class:`BadRequestError` at once), then return an
-        async iterator of chunks ``{"text", "output_ids", "meta_info"}`` holding what is new;
-        the last chunk of each sequence has its ``finish_reason`` and timings. For a batch or
-        ``n > 1`` each chunk also has ``"index"``, its position in the result list. Closing
-        the iterator early aborts the request."""
+        async iterator of chunks ``{"text", "output_ids", "meta_info"}`` holding what is new
+        (with ``incremental=False``: everything so far, as SGLang's ``/generate`` streams by
+        default); the last chunk of each sequence has its ``finish_reason`` and timings. For a
+        batch or ``n > 1`` each chunk also has ``"index"``, its position in the result list.
+        Closing the iterator early aborts the request."""
         received = time.time()
         prepared, as_list = self.prepare(obj)
-        return self._stream(prepared, as_list, received)
+        return self._stream(prepared, as_list, received, not incremental)
 
     async def _stream(self, prepared: list[tuple[OneRequest, list[int]]], as_list: bool,
-                      received: float) -> AsyncIterator[dict[str, Any]]:
+                      received: float, cumulative: bool) -> AsyncIterator[dict[str, Any]]:
         states, waker = await self._submit(prepared, received)
         try:
             done = 0
@@ -264,7 +265,7 @@ class TokenizerManager:
                 for st in states:
                     if not st.dirty:
                         continue
-                    chunk = st.chunk()
+                    chunk = st.chunk(cumulative)
                     if chunk is None:
                         continue
                     if as_list:
