@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sgl.model_loader.errors import ModelLoadError
+from sgl.model_loader.gguf_cache import cached_from_gguf
 from sgl.model_loader.paths import is_gguf, resolve_model_path
 
 if TYPE_CHECKING:
@@ -35,7 +36,10 @@ def load_hf_config(path: str | Path | None) -> PretrainedConfig:
     resolved = resolve_model_path(path)
     try:
         if is_gguf(resolved):
-            config = AutoConfig.from_pretrained(str(resolved.parent), gguf_file=resolved.name)
+            config = cached_from_gguf(
+                resolved, "config",
+                lambda: AutoConfig.from_pretrained(str(resolved.parent), gguf_file=resolved.name),
+                AutoConfig.from_pretrained)
         else:
             config = AutoConfig.from_pretrained(str(resolved))
     except ModelLoadError:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sgl.model_loader.errors import ModelLoadError
+from sgl.model_loader.gguf_cache import cached_from_gguf
 from sgl.model_loader.paths import is_gguf, resolve_model_path
 
 if TYPE_CHECKING:
@@ -26,7 +27,11 @@ def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
     resolved = resolve_model_path(path)
     try:
         if is_gguf(resolved):
-            return AutoTokenizer.from_pretrained(str(resolved.parent), gguf_file=resolved.name)
+            return cached_from_gguf(
+                resolved, "tokenizer",
+                lambda: AutoTokenizer.from_pretrained(str(resolved.parent),
+                                                      gguf_file=resolved.name),
+                AutoTokenizer.from_pretrained)
         return AutoTokenizer.from_pretrained(str(resolved))
     except Exception as exc:  # transformers raises many types for unreadable files
         raise ModelLoadError(
