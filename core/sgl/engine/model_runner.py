@@ -179,6 +179,12 @@ class ModelRunner:
         stream = tqdm(source, total=len(source), desc="Loading weights", unit="tensor",
                       disable=not show_progress)
         self.model.load_weights((name, t.to(self.device)) for name, t in stream)
+        # layers that keep a derived copy of their weights (packed CPU matmuls) build it now,
+        # before the KV pool is sized from the memory that is left
+        for module in self.model.modules():
+            process = getattr(module, "process_weights_after_loading", None)
+            if callable(process):
+                process()
 
     def _pool_size(self, max_total_tokens: int | None, mem_fraction: float, per_token: int,
                    cap: int) -> int:

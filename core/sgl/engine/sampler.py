@@ -116,7 +116,9 @@ def sample_next_tokens(logits: torch.Tensor, inp: SamplingInput) -> torch.Tensor
     _apply_penalties(logits, inp)
     _apply_bias_and_bans(logits, inp)
     params = inp.params
-    greedy_ids = logits.argmax(dim=-1)
+    # max(...).indices: the same first-maximum index as argmax, 3-9x faster on CPU for
+    # [batch, 49152] float32 rows (torch 2.13, measured in docs/benchmarks.md)
+    greedy_ids = logits.max(dim=-1).indices
     if all(p.greedy for p in params):
         return greedy_ids
     device, vocab = logits.device, logits.shape[-1]
@@ -139,6 +141,6 @@ def sample_next_tokens(logits: torch.Tensor, inp: SamplingInput) -> torch.Tensor
     seeds = torch.tensor(list(inp.seeds), dtype=torch.int64, device=device)
     steps = torch.tensor(list(inp.steps), dtype=torch.int64, device=device)
     exponential = -torch.log(uniform_noise(seeds, steps, vocab))
-    sampled = (probs / exponential).argmax(dim=-1)  # exponential race = a draw from probs
+    sampled = (probs / exponential).max(dim=-1).indices  # exponential race: a draw from probs
     is_greedy = torch.tensor([p.greedy for p in params], device=device)
     return torch.where(is_greedy, greedy_ids, sampled)

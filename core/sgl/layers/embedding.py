@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl.layers.cpu_gemm import PackedWeight, linear, pack_weight
 from sgl.layers.tp import get_tp_group, tp_all_gather, tp_all_reduce
 
 __all__ = ["ParallelLMHead", "VocabParallelEmbedding"]
@@ -69,6 +70,11 @@ class ParallelLMHead(VocabParallelEmbedding):
                  logit_softcap: float | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, dtype=dtype, device=device)
         self.logit_softcap = logit_softcap or None  # 0 means none, as in some configs
+        self.packed: PackedWeight | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Pack the (possibly tied) weight for the CPU matmul (see :mod:`sgl.layers.cpu_gemm`)."""
+        self.packed = pack_weight(self.weight)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Use ``embedding``'s weight (tied input and output embeddings)."""
@@ -76,7 +82,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``[n, hidden] -> [n, vocab]`` float32 logits over the full vocabulary."""
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, self.packed)
         logits = tp_all_gather(logits, dim=-1)[..., :self.num_embeddings].float()
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap

@@ -4,14 +4,17 @@ Each parameter carries a ``weight_loader(param, loaded_weight, shard_id=None)`` 
 rank's slice of a full Hugging Face tensor into it, so a model's ``load_weights`` needs no
 knowledge of the split. Fused layers (``qkv_proj``, ``gate_up_proj``) take a ``shard_id`` naming
 which of the original tensors arrives.
+
+After loading, the runner calls ``process_weights_after_loading()``, which packs CPU bfloat16
+weights for oneDNN (:mod:`sgl.layers.cpu_gemm`); a weight reloaded later needs that call again.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from sgl.layers.cpu_gemm import PackedWeight, linear, pack_weight
 from sgl.layers.tp import divide, get_tp_group, tp_all_gather, tp_all_reduce
 
 __all__ = [
@@ -64,6 +67,11 @@ class ColumnParallelLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        self.packed: PackedWeight | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Pack the loaded weight for the CPU matmul (see :mod:`sgl.layers.cpu_gemm`)."""
+        self.packed = pack_weight(self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
@@ -72,7 +80,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param.data, loaded.narrow(0, self.tp.rank * size, size), "column-parallel linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias, self.packed)
         return tp_all_gather(out, dim=-1) if self.gather_output else out
 
 
@@ -164,6 +172,11 @@ class RowParallelLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        self.packed: PackedWeight | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Pack the loaded weight for the CPU matmul (see :mod:`sgl.layers.cpu_gemm`)."""
+        self.packed = pack_weight(self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
@@ -176,6 +189,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = tp_all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.packed)
+        out = tp_all_reduce(linear(x, self.weight, None, self.packed))
         return out + self.bias if self.bias is not None else out

@@ -94,22 +94,65 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device),
                              persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    #: (positions, its version, dtype, cos rows, sin rows) of the last :meth:`forward`
+    _batch_rows: tuple[Any, ...] | None = None
+
+    def _rows(self, positions: torch.Tensor,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, 1, rotary_dim]`` rows ``cos | cos`` and ``-sin | sin`` for ``positions``, in
+        ``dtype`` as transformers rounds them. Every layer of a forward pass passes the same
+        ``positions`` tensor, so the rows are gathered once per pass and reused."""
+        cached = self._batch_rows
+        version = -1 if positions.is_inference() else positions._version  # none on those
+        if (cached is not None and cached[0] is positions and cached[1] == version
+                and cached[2] == dtype):
+            return cached[3], cached[4]
+        half = self.rotary_dim // 2
+        rows = self.cos_sin.index_select(0, positions.reshape(-1))
+        cos, sin = rows[:, :half], rows[:, half:]
+        cos2 = torch.cat([cos, cos], dim=-1).to(dtype).unsqueeze(1)
+        sin2 = torch.cat([-sin, sin], dim=-1).to(dtype).unsqueeze(1)
+        self._batch_rows = (positions, version, dtype, cos2, sin2)
+        return cos2, sin2
+
+    def _rotate(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+        """``x * cos + rotate_half(x) * sin`` on the rotary features of ``x [T, H * head_dim]``
+        (a view is fine), in ``x``'s dtype with the operations transformers does, so float32
+        results are bit-identical to it."""
         tokens = x.shape[0]
         x = x.view(tokens, -1, self.head_dim)
-        half = self.rotary_dim // 2
-        x1 = x[..., :half].float()
-        x2 = x[..., half:self.rotary_dim].float()
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-        if self.rotary_dim < self.head_dim:
-            rotated = torch.cat([rotated, x[..., self.rotary_dim:]], dim=-1)
-        return rotated.reshape(tokens, -1)
+        dim = self.rotary_dim
+        part = x[..., :dim]
+        swapped = part.unflatten(-1, (2, dim // 2)).flip(-2).flatten(-2)  # x2 | x1, a copy
+        out = part * cos2
+        out.add_(swapped.mul_(sin2))
+        if dim < self.head_dim:
+            out = torch.cat([out, x[..., dim:]], dim=-1)
+        return out.view(tokens, -1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q [T, Hq * head_dim]``, ``k [T, Hk * head_dim]`` -> rotated copies, same shapes."""
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        """``q [T, Hq * head_dim]``, ``k [T, Hk * head_dim]`` -> rotated copies, same shapes.
+
+        When ``k`` directly follows ``q`` in memory (both split from one fused qkv output),
+        both are rotated in one pass and returned as views of one new tensor."""
+        cos2, sin2 = self._rows(positions, q.dtype)
+        both = _adjacent(q, k)
+        if both is not None:
+            out = self._rotate(both, cos2, sin2)
+            return out[:, :q.shape[1]], out[:, q.shape[1]:]
+        return self._rotate(q, cos2, sin2), self._rotate(k, cos2, sin2)
+
+
+def _adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """One ``[T, q + k]`` view over ``q`` and ``k`` when ``k``'s columns follow ``q``'s in the
+    same rows of one buffer; else None."""
+    if (q.dim() != 2 or k.dim() != 2 or q.dtype != k.dtype or q.shape[0] != k.shape[0]
+            or q.stride() != k.stride() or q.stride(1) != 1
+            or k.storage_offset() != q.storage_offset() + q.shape[1]
+            or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()):
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1]), q.stride(), q.storage_offset())
 
 
 def get_rope(config: PretrainedConfig, head_dim: int, *,

@@ -132,9 +132,12 @@ class TorchAttentionBackend(BaseAttentionBackend):
         if not isinstance(plan, TorchAttentionMetadata):
             raise RuntimeError("init_forward_metadata(batch) must run before the first layer")
         q = q.view(tokens, layer.num_heads, head_dim)
+        if plan.mode == ForwardMode.DECODE and len(plan.decode) == 1:
+            return self._decode_chunk(q, layer, plan.decode[0]).reshape(tokens, -1)
         out = q.new_empty(tokens, layer.num_heads, v.shape[-1])
         if plan.mode == ForwardMode.DECODE:
-            self._decode(q, out, layer, plan)
+            for chunk in plan.decode:
+                out[chunk.start:chunk.end] = self._decode_chunk(q, layer, chunk)
         else:
             self._extend(q, k, v, out, layer, plan)
         return out.view(tokens, -1)
@@ -164,23 +167,22 @@ class TorchAttentionBackend(BaseAttentionBackend):
             )
             out[seq.q_start:seq.q_end] = result[0].transpose(0, 1)
 
-    def _decode(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayerSpec,
-                plan: TorchAttentionMetadata) -> None:
+    def _decode_chunk(self, q: torch.Tensor, layer: AttentionLayerSpec,
+                      chunk: _DecodeChunk) -> torch.Tensor:
+        """Attention of the chunk's rows of ``q [tokens, Hq, D]``: ``[rows, Hq, D]``."""
         k_pool = self.kv_pool.k_buffer[layer.layer_id]
         v_pool = self.kv_pool.v_buffer[layer.layer_id]
         kv_heads = layer.num_kv_heads
-        group = layer.num_heads // kv_heads
+        n = chunk.end - chunk.start
+        keys = k_pool.index_select(0, chunk.kv_indices).view(n, chunk.max_len, kv_heads, -1)
+        values = v_pool.index_select(0, chunk.kv_indices).view(n, chunk.max_len, kv_heads, -1)
         window = layer.sliding_window
-        for chunk in plan.decode:
-            n = chunk.end - chunk.start
-            keys = k_pool.index_select(0, chunk.kv_indices).view(n, chunk.max_len, kv_heads, -1)
-            values = v_pool.index_select(0, chunk.kv_indices).view(n, chunk.max_len, kv_heads, -1)
-            if window not in chunk.masks:
-                chunk.masks[window] = decode_mask(chunk.seq_lens, chunk.max_len, window,
-                                                   padded=chunk.padded)
-            # the query heads sharing a KV head act as that head's query rows: no KV repeat
-            queries = q[chunk.start:chunk.end].view(n, kv_heads, group, -1)
-            result = attend(queries, keys.transpose(1, 2), values.transpose(1, 2),
-                            mask=chunk.masks[window], causal=False, scale=layer.scaling,
-                            softcap=layer.logit_softcap)
-            out[chunk.start:chunk.end] = result.reshape(n, layer.num_heads, -1)
+        if window not in chunk.masks:
+            chunk.masks[window] = decode_mask(chunk.seq_lens, chunk.max_len, window,
+                                               padded=chunk.padded)
+        # the query heads sharing a KV head act as that head's query rows: no KV repeat
+        queries = q[chunk.start:chunk.end].view(n, kv_heads, layer.num_heads // kv_heads, -1)
+        result = attend(queries, keys.transpose(1, 2), values.transpose(1, 2),
+                        mask=chunk.masks[window], causal=False, scale=layer.scaling,
+                        softcap=layer.logit_softcap)
+        return result.reshape(n, layer.num_heads, -1)
