@@ -43,7 +43,11 @@ class SchedulerHandle:
                 try:
                     info: SchedulerInfo = self.ready_conn.recv()
                 except EOFError:
-                    info = SchedulerInfo(ok=False, error="the scheduler closed its pipe")
+                    info = SchedulerInfo(ok=False, error=(
+                        "the scheduler process exited before it reported (see its log above). "
+                        "If you start sgl.Engine from a script, put that code under "
+                        "`if __name__ == \"__main__\":`: the scheduler process is started with "
+                        "multiprocessing's spawn method, which imports your script again"))
                 if not info.ok:
                     self.stop()
                     raise SchedulerStartError(f"the scheduler failed to start: {info.error}")
