@@ -1,53 +1,69 @@
-"""Linear layers on CPU with the weight reordered for oneDNN once, after loading.
+"""Linear layers on CPU with the weight prepared once, after loading, for the small matmuls of
+decode.
 
-``F.linear`` on a bfloat16 CPU tensor goes through oneDNN, which reorders the weight into its
-blocked layout on every call. :func:`pack_weight` does that reorder once and :func:`linear` calls
-oneDNN's linear op on the packed copy. Results are the same as ``F.linear`` (the same oneDNN
-kernel runs); the speed-up is largest where the weight is streamed from memory, i.e. decode.
-Measured on a 2-core Sapphire Rapids VM, 1 torch thread, the matmuls of one SmolLM2-135M decode
-step (30 layers plus the LM head, weights not in cache), interleaved runs, median:
+In decode every linear layer multiplies a few rows by the whole weight, so the time goes into
+streaming the weight from memory. ``F.linear`` on bfloat16 goes through oneDNN, which reorders
+the weight into its blocked layout on every call. :func:`pack_weight` prepares a copy once:
 
-==========  ========  ================  ===============
-dtype       batch     ``F.linear``      packed (used)
-==========  ========  ================  ===============
-bfloat16    1         46 ms             31 ms
-bfloat16    32        55 ms             41 ms
-float32     1         47 ms             (not packed)
-float32     32        152 ms            (not packed)
-==========  ========  ================  ===============
+* ``"amx"``: on CPUs with AMX (Intel Sapphire Rapids and later), the layout of
+  :func:`sgl.kernels.cpu.pack_amx_weight`, multiplied by sgl's own tile kernel, which reads the
+  weight in one sequential pass. Used for up to :data:`AMX_MAX_ROWS` rows on one torch thread;
+  bigger inputs (prefill) and multi-threaded runs use ``F.linear`` on the plain weight.
+* ``"onednn"``: elsewhere with oneDNN bfloat16 support, oneDNN's own packed layout.
 
-float32 is left to ``F.linear`` (MKL): packing it helped at batch 32 but not at batch 1 (see
-``docs/benchmarks.md``). The packed copy is kept next to the plain weight (which loaders,
-state dicts and other devices use), so packing doubles the memory of the packed weights.
-``SGL_CPU_PACKED_LINEAR=0`` turns packing off (for comparisons).
+The matmuls of one SmolLM2-135M decode step (30 layers plus the LM head, bfloat16, weights not
+in cache, 1 thread, 2-core Sapphire Rapids VM; the three kinds interleaved in one process,
+median of 7): the weights alone take 26-30 ms to read.
+
+=====  ============  ===============  ==============
+rows   ``F.linear``  oneDNN packed    AMX (used)
+=====  ============  ===============  ==============
+1      46-54 ms      40-48 ms         26-28 ms
+8      --            45 ms            23-25 ms
+32     55 ms         45-47 ms         32-35 ms
+64     --            50-57 ms         40-45 ms
+=====  ============  ===============  ==============
+
+float32 stays with ``F.linear`` (MKL), which already reads the weight at memory speed at
+batch 1. The prepared copy is kept next to the plain weight (which loaders, state dicts, prefill
+and other devices use), so it doubles the memory of bfloat16 linear weights.
+``SGL_CPU_PACKED_LINEAR=0`` turns this off (for comparisons).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PACKED_DTYPES", "PackedWeight", "linear", "pack_weight"]
+__all__ = ["AMX_MAX_ROWS", "PACKED_DTYPES", "PackedWeight", "linear", "pack_weight"]
 
-#: weight dtypes that :func:`pack_weight` packs
+#: weight dtypes that :func:`pack_weight` prepares
 PACKED_DTYPES = (torch.bfloat16,)
+#: above this many rows the AMX kernel loses to oneDNN (compute-bound prefill)
+AMX_MAX_ROWS = 128
 
 
 class PackedWeight:
-    """A oneDNN-packed copy of a CPU weight, for :func:`linear`.
+    """A prepared copy of a CPU weight ``[n, k]`` for :func:`linear`.
 
     Held as a plain attribute, so ``module.to(...)`` leaves it behind (:func:`linear` then falls
     back to the plain weight) and ``copy.deepcopy`` drops it (an opaque oneDNN tensor cannot be
     copied).
     """
 
-    __slots__ = ("dtype", "tensor")
+    __slots__ = ("bias", "dtype", "kernel", "kind", "n", "tensor")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, kind: str, tensor: torch.Tensor, n: int, dtype: torch.dtype,
+                 bias: torch.Tensor | None = None, kernel: Any = None) -> None:
+        self.kind = kind  # "amx" or "onednn"
         self.tensor = tensor
-        self.dtype = tensor.dtype
+        self.n = n
+        self.dtype = dtype
+        self.bias = bias  # float32 copy of the bias, for "amx"
+        self.kernel = kernel  # CpuKernels.linear_bf16, for "amx"
 
     def __deepcopy__(self, memo: dict[int, object]) -> None:
         return None
@@ -57,22 +73,44 @@ def _packing_enabled() -> bool:
     return os.environ.get("SGL_CPU_PACKED_LINEAR", "1") != "0"
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
-    """A packed copy of ``weight`` ``[out, in]``, or None where packing does not apply (not on
-    CPU, a dtype outside :data:`PACKED_DTYPES`, no oneDNN bfloat16 support, or turned off)."""
+def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight | None:
+    """A prepared copy of ``weight`` ``[out, in]`` (and ``bias``), or None where none applies
+    (not on CPU, a dtype outside :data:`PACKED_DTYPES`, no AMX and no oneDNN bfloat16, or
+    turned off)."""
     if (weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or weight.dim() != 2
-            or not _packing_enabled() or not torch.backends.mkldnn.is_available()):
+            or not _packing_enabled()):
         return None
-    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return None
+    from sgl.kernels import cpu
+
+    kernels = cpu.load()
     with torch.no_grad():
-        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+        if kernels is not None and kernels.amx and weight.dtype == torch.bfloat16:
+            return PackedWeight("amx", cpu.pack_amx_weight(weight), weight.shape[0],
+                                weight.dtype, None if bias is None else bias.detach().float(),
+                                kernels.linear_bf16)
+        if torch.backends.mkldnn.is_available() and (
+                weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return PackedWeight("onednn", torch.ops.mkldnn._reorder_linear_weight(
+                weight.detach(), None), weight.shape[0], weight.dtype)
+    return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through ``packed`` when it applies to ``x``."""
-    if (packed is not None and x.dtype == packed.dtype and x.device.type == "cpu"
-            and not x.requires_grad):
+    if (packed is None or x.dtype != packed.dtype or x.device.type != "cpu"
+            or x.requires_grad):
+        return F.linear(x, weight, bias)
+    if packed.kind == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if 0 < rows <= AMX_MAX_ROWS and torch.get_num_threads() == 1:
+        x2 = x.reshape(rows, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        bias32 = None
+        if bias is not None:
+            bias32 = packed.bias if packed.bias is not None else bias.float()
+        out = packed.kernel(x2, packed.tensor, packed.n, bias32)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], packed.n)
     return F.linear(x, weight, bias)

@@ -71,7 +71,7 @@ class ColumnParallelLinear(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Pack the loaded weight for the CPU matmul (see :mod:`sgl.layers.cpu_gemm`)."""
-        self.packed = pack_weight(self.weight)
+        self.packed = pack_weight(self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
@@ -176,7 +176,7 @@ class RowParallelLinear(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Pack the loaded weight for the CPU matmul (see :mod:`sgl.layers.cpu_gemm`)."""
-        self.packed = pack_weight(self.weight)
+        self.packed = pack_weight(self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from sgl.kernels import cpu
 
 __all__ = ["RMSNorm", "rms_norm"]
 
@@ -13,12 +17,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / rms(x))`` over the last dimension, normalised in float32 and rounded to
     ``x``'s dtype before the weight multiplies (transformers' order).
 
-    ``F.rms_norm`` upcasts half types internally, so this is bit-identical to spelling the
-    float32 formula out, in one or two ops instead of eight (measured in docs/benchmarks.md).
+    On CPU this is one call of sgl's kernel (:mod:`sgl.kernels.cpu`, bit-identical for
+    bfloat16); elsewhere ``F.rms_norm``, which upcasts half types internally, so it is
+    bit-identical to spelling the float32 formula out, in one or two ops instead of eight.
     """
+    kernels = _kernels(x, weight)
+    if kernels is not None:
+        return kernels.rmsnorm(x.view(-1, x.shape[-1]), None, weight.view(1, -1),
+                               eps)[0].view(x.shape)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
+
+
+def _kernels(x: torch.Tensor, weight: torch.Tensor,
+             residual: torch.Tensor | None = None) -> Any:
+    """sgl's CPU kernels when they take these tensors (one call for add + norm), else None."""
+    if x.device.type != "cpu" or x.dim() < 2 or (x.dim() > 2 and not x.is_contiguous()):
+        return None
+    kernels = cpu.load()
+    if kernels is None or not cpu.fits(x.view(-1, x.shape[-1]), weight.view(1, -1),
+                                       None if residual is None else residual):
+        return None
+    if residual is not None and (residual.shape != x.shape or x.dim() != 2):
+        return None
+    return kernels
 
 
 class RMSNorm(nn.Module):
@@ -50,6 +73,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(norm(x + residual), x + residual)``; without ``residual``, ``(norm(x), x)``."""
+        if residual is not None and not self.weight_offset:
+            kernels = _kernels(x, self.weight, residual)
+            if kernels is not None:  # the add and the norm in one pass
+                return kernels.rmsnorm(x, residual, self.weight.view(1, -1), self.eps)
         if residual is not None:
             x = x + residual
         return self._norm(x), x

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from sgl.kernels import cpu
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -100,20 +102,26 @@ class RotaryEmbedding(nn.Module):
     def _rows(self, positions: torch.Tensor,
               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, 1, rotary_dim]`` rows ``cos | cos`` and ``-sin | sin`` for ``positions``, in
-        ``dtype`` as transformers rounds them. Every layer of a forward pass passes the same
-        ``positions`` tensor, so the rows are gathered once per pass and reused."""
+        ``dtype`` as transformers rounds them (views of :meth:`_table_rows`)."""
+        rows = self._table_rows(positions, dtype)
+        dim = self.rotary_dim
+        return rows[:, None, :dim], rows[:, None, dim:]
+
+    def _table_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[T, 2 * rotary_dim]``: ``cos | cos | -sin | sin`` per position, in ``dtype``. Every
+        layer of a forward pass passes the same ``positions`` tensor, so the rows are gathered
+        once per pass and reused."""
         cached = self._batch_rows
         version = -1 if positions.is_inference() else positions._version  # none on those
         if (cached is not None and cached[0] is positions and cached[1] == version
                 and cached[2] == dtype):
-            return cached[3], cached[4]
+            return cached[3]
         half = self.rotary_dim // 2
         rows = self.cos_sin.index_select(0, positions.reshape(-1))
         cos, sin = rows[:, :half], rows[:, half:]
-        cos2 = torch.cat([cos, cos], dim=-1).to(dtype).unsqueeze(1)
-        sin2 = torch.cat([-sin, sin], dim=-1).to(dtype).unsqueeze(1)
-        self._batch_rows = (positions, version, dtype, cos2, sin2)
-        return cos2, sin2
+        table = torch.cat([cos, cos, -sin, sin], dim=-1).to(dtype)
+        self._batch_rows = (positions, version, dtype, table)
+        return table
 
     def _rotate(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
         """``x * cos + rotate_half(x) * sin`` on the rotary features of ``x [T, H * head_dim]``
@@ -136,8 +144,17 @@ class RotaryEmbedding(nn.Module):
 
         When ``k`` directly follows ``q`` in memory (both split from one fused qkv output),
         both are rotated in one pass and returned as views of one new tensor."""
-        cos2, sin2 = self._rows(positions, q.dtype)
         both = _adjacent(q, k)
+        kernels = cpu.load() if q.device.type == "cpu" else None
+        if kernels is not None and cpu.fits(q, k):  # sgl's CPU kernel, bit-identical
+            table = self._table_rows(positions, q.dtype)
+            dim, hd = self.rotary_dim, self.head_dim
+            if both is not None:
+                out = kernels.rotary(both, both.shape[1] // hd, hd, dim, table)
+                return out[:, :q.shape[1]], out[:, q.shape[1]:]
+            return (kernels.rotary(q, q.shape[1] // hd, hd, dim, table),
+                    kernels.rotary(k, k.shape[1] // hd, hd, dim, table))
+        cos2, sin2 = self._rows(positions, q.dtype)
         if both is not None:
             out = self._rotate(both, cos2, sin2)
             return out[:, :q.shape[1]], out[:, q.shape[1]:]

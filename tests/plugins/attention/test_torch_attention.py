@@ -30,9 +30,9 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list
               spec: AttentionLayerSpec) -> torch.Tensor:
     """Attention of queries at ``positions`` over the whole sequence's keys, in float64."""
     group = spec.num_heads // spec.num_kv_heads
-    q = q.view(len(positions), spec.num_heads, HEAD_DIM).double()
-    k = k.view(-1, spec.num_kv_heads, HEAD_DIM).double().repeat_interleave(group, dim=1)
-    v = v.view(-1, spec.num_kv_heads, HEAD_DIM).double().repeat_interleave(group, dim=1)
+    q = q.view(len(positions), spec.num_heads, spec.head_dim).double()
+    k = k.view(-1, spec.num_kv_heads, spec.head_dim).double().repeat_interleave(group, dim=1)
+    v = v.view(-1, spec.num_kv_heads, spec.head_dim).double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * spec.scaling
     if spec.logit_softcap is not None:
         scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
@@ -49,19 +49,21 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list
 class Harness:
     """Pools, backend and the full per-sequence q/k/v the test feeds in piece by piece."""
 
-    def __init__(self, spec: AttentionLayerSpec, lengths: list[int]) -> None:
+    def __init__(self, spec: AttentionLayerSpec, lengths: list[int],
+                 dtype: torch.dtype = torch.float32) -> None:
         device = torch.device("cpu")
         self.spec = spec
+        self.dtype = dtype
         self.kv_pool = KVPool(size=512, num_layers=spec.layer_id + 1,
-                              num_kv_heads=spec.num_kv_heads, head_dim=HEAD_DIM,
-                              dtype=torch.float32, device=device)
+                              num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                              dtype=dtype, device=device)
         self.req_pool = ReqToTokenPool(max_requests=8, max_context_len=128, device=device)
         self.backend = TorchAttentionBackend(kv_pool=self.kv_pool,
                                              req_to_token_pool=self.req_pool, device=device)
         self.runner = SimpleNamespace(device=device, kv_pool=self.kv_pool,
                                       req_to_token_pool=self.req_pool, attn_backend=self.backend)
         self.rows = [self.req_pool.alloc() for _ in lengths]
-        self.full = [{name: torch.randn(n, heads * HEAD_DIM) for name, heads in
+        self.full = [{name: torch.randn(n, heads * spec.head_dim).to(dtype) for name, heads in
                       (("q", spec.num_heads), ("k", spec.num_kv_heads), ("v", spec.num_kv_heads))}
                      for n in lengths]
         self.done = [0] * len(lengths)
@@ -82,7 +84,9 @@ class Harness:
             expected = reference(self.full[i]["q"][self.done[i]:end], self.full[i]["k"][:end],
                                  self.full[i]["v"][:end], list(range(self.done[i], end)),
                                  self.spec)
-            torch.testing.assert_close(out[start:start + new[i]], expected, rtol=1e-4, atol=1e-5)
+            tol = (1e-4, 1e-5) if self.dtype == torch.float32 else (0.02, 0.02)
+            torch.testing.assert_close(out[start:start + new[i]].float(), expected, rtol=tol[0],
+                                       atol=tol[1])
             start += new[i]
             self.done[i] = end
 
@@ -103,9 +107,33 @@ def test_extend_prefix_then_decode(heads: tuple[int, int], window: int | None,
         harness.step(ForwardMode.DECODE, [1, 1, 1, 1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)], ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 3.0), (4, 3.0)],
+                         ids=["full", "window", "softcap", "window+softcap"])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_decode_head_dim_64(dtype: torch.dtype, heads: tuple[int, int], window: int | None,
+                            softcap: float | None, native: bool,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode at a real head size, through sgl's CPU kernel (where it loads) and through
+    torch, in both KV dtypes."""
+    if native and backend_module._native_kernels() is None:
+        pytest.skip("sgl's CPU kernels are not available here")
+    if not native:
+        monkeypatch.setattr(backend_module, "_native_kernels", lambda: None)
+    torch.manual_seed(2)
+    spec = AttentionLayerSpec(layer_id=0, num_heads=heads[0], num_kv_heads=heads[1], head_dim=64,
+                              scaling=0.125, sliding_window=window, logit_softcap=softcap)
+    harness = Harness(spec, lengths=[40, 9, 23], dtype=dtype)
+    harness.step(ForwardMode.EXTEND, [30, 1, 20])
+    for _ in range(3):
+        harness.step(ForwardMode.DECODE, [1, 1, 1])
+
+
 def test_decode_in_several_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(1)
     monkeypatch.setattr(backend_module, "DECODE_CHUNK_TOKENS", 16)
+    monkeypatch.setattr(backend_module, "_native_kernels", lambda: None)  # the torch path
     spec = AttentionLayerSpec(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM,
                               scaling=0.3)
     harness = Harness(spec, lengths=[15, 4, 9, 3, 11])

@@ -29,7 +29,7 @@ whole batch at once, which falls out of cache at batch 32. Gathering with ``inde
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +43,16 @@ if TYPE_CHECKING:
 __all__ = ["DECODE_CHUNK_TOKENS", "TorchAttentionBackend", "TorchAttentionMetadata"]
 
 DECODE_CHUNK_TOKENS = 8192
+# tensor dtype -> the kernel's dtype code
+_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _native_kernels() -> Any:
+    """sgl's CPU kernels (None without them, or with ``SGL_CPU_KERNELS=0``)."""
+    from sgl.kernels import cpu
+
+    kernels = cpu.load()
+    return kernels if kernels is not None and kernels.avx512 else None
 
 
 @dataclass
@@ -72,6 +82,20 @@ class TorchAttentionMetadata:
     mode: ForwardMode
     extend: list[_ExtendSeq] = field(default_factory=list)
     decode: list[_DecodeChunk] = field(default_factory=list)
+    native: _NativeDecode | None = None  # sgl's CPU decode kernel, when it can run
+    batch: ForwardBatch | None = None  # for planning ``decode`` late, if a layer needs it
+
+
+@dataclass
+class _NativeDecode:
+    """The per-batch arguments of ``sgl_decode_attention`` (see :mod:`sgl.kernels.cpu`)."""
+
+    kernel: Any
+    bf16_dot: int  # the CPU has AVX512-BF16
+    rows: torch.Tensor  # [batch] int64, contiguous
+    lens: torch.Tensor
+    loc: torch.Tensor
+    table: torch.Tensor
 
 
 def _cpu_list(values: list[int], tensor: torch.Tensor) -> list[int]:
@@ -104,8 +128,22 @@ class TorchAttentionBackend(BaseAttentionBackend):
         return plan
 
     def _plan_decode(self, batch: ForwardBatch, seq_lens: list[int]) -> TorchAttentionMetadata:
-        table = self.req_to_token_pool.req_to_token
         plan = TorchAttentionMetadata(ForwardMode.DECODE)
+        kernels = _native_kernels() if self.device.type == "cpu" else None
+        if kernels is not None:
+            table = self.req_to_token_pool.req_to_token
+            plan.native = _NativeDecode(
+                kernels.lib.sgl_decode_attention, int(kernels.avx512_bf16),
+                batch.req_pool_indices.contiguous(),
+                batch.seq_lens.contiguous(), batch.out_cache_loc.contiguous(), table)
+            plan.batch = batch  # the chunks are planned only if a layer cannot use the kernel
+            return plan
+        self._plan_decode_chunks(plan, batch, seq_lens)
+        return plan
+
+    def _plan_decode_chunks(self, plan: TorchAttentionMetadata, batch: ForwardBatch,
+                            seq_lens: list[int]) -> None:
+        table = self.req_to_token_pool.req_to_token
         start = 0
         while start < len(seq_lens):
             end, longest = start + 1, seq_lens[start]
@@ -120,17 +158,23 @@ class TorchAttentionBackend(BaseAttentionBackend):
             padded = any(n != longest for n in seq_lens[start:end])
             plan.decode.append(_DecodeChunk(start, end, longest, indices, lens, padded))
             start = end
-        return plan
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         tokens, head_dim = q.shape[0], layer.head_dim
-        k = k.view(tokens, layer.num_kv_heads, head_dim)
-        v = v.view(tokens, layer.num_kv_heads, -1)
-        self.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         plan = batch.attn_metadata
         if not isinstance(plan, TorchAttentionMetadata):
             raise RuntimeError("init_forward_metadata(batch) must run before the first layer")
+        if plan.native is not None:
+            out = self._decode_native(q, k, v, layer, plan.native)
+            if out is not None:
+                return out
+            if not plan.decode and plan.batch is not None:
+                self._plan_decode_chunks(plan, plan.batch,
+                                         _cpu_list(plan.batch.seq_lens_cpu, plan.batch.seq_lens))
+        k = k.view(tokens, layer.num_kv_heads, head_dim)
+        v = v.view(tokens, layer.num_kv_heads, -1)
+        self.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         q = q.view(tokens, layer.num_heads, head_dim)
         if plan.mode == ForwardMode.DECODE and len(plan.decode) == 1:
             return self._decode_chunk(q, layer, plan.decode[0]).reshape(tokens, -1)
@@ -141,6 +185,34 @@ class TorchAttentionBackend(BaseAttentionBackend):
         else:
             self._extend(q, k, v, out, layer, plan)
         return out.view(tokens, -1)
+
+    def _decode_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: AttentionLayerSpec, native: _NativeDecode) -> torch.Tensor | None:
+        """Write the new K/V and attend in one call of sgl's CPU kernel; None when this layer's
+        tensors do not fit it (then the torch path runs)."""
+        k_pool = self.kv_pool.k_buffer[layer.layer_id]
+        v_pool = self.kv_pool.v_buffer[layer.layer_id]
+        dtype = q.dtype
+        head_dim, v_dim = layer.head_dim, v_pool.shape[-1]
+        kv_width = layer.num_kv_heads * head_dim
+        if (dtype not in _NATIVE_DTYPES or k.dtype != dtype or v.dtype != dtype
+                or k_pool.dtype != dtype or v_pool.dtype != dtype
+                or q.dim() != 2 or k.dim() != 2 or v.dim() != 2
+                or q.stride(1) != 1 or k.stride(1) != 1 or v.stride(1) != 1
+                or k.shape[1] != kv_width or v.shape[1] != layer.num_kv_heads * v_dim
+                or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
+            return None
+        tokens = q.shape[0]
+        out = q.new_empty(tokens, layer.num_heads * v_dim)
+        table = native.table
+        rc = native.kernel(
+            q.data_ptr(), q.stride(0), head_dim, k.data_ptr(), k.stride(0), v.data_ptr(),
+            v.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr(), table.stride(0),
+            native.rows.data_ptr(), native.lens.data_ptr(), native.loc.data_ptr(),
+            out.data_ptr(), out.stride(0), tokens, layer.num_heads, layer.num_kv_heads, head_dim,
+            v_dim, layer.scaling, layer.logit_softcap or 0.0, layer.sliding_window or 0,
+            _NATIVE_DTYPES[dtype], native.bf16_dot)
+        return out if rc == 0 else None
 
     def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 layer: AttentionLayerSpec, plan: TorchAttentionMetadata) -> None:

@@ -1,0 +1,245 @@
+"""CPU kernels for the decode hot path, compiled on first use and called through ctypes.
+
+``csrc/cpu_kernels.c`` holds a bfloat16 matmul on AMX tiles (Intel Sapphire Rapids and later)
+and a paged decode attention for float32/bfloat16 KV (AVX-512). On the first call this module
+compiles it with the system C compiler (``$CC``, else ``cc``/``gcc``; about a second) into
+``$SGL_CACHE_DIR/kernels`` (default ``~/.cache/sgl/kernels``), keyed by the source, the compiler
+and the CPU, and loads it. Without a compiler, on another architecture, or with
+``SGL_CPU_KERNELS=0``, :func:`load` returns None and callers keep their torch code.
+
+The kernels are single-threaded; callers use them when torch runs on one thread (see
+``docs/benchmarks.md`` for why that is the default on small machines).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["DTYPES", "CpuKernels", "argmax_rows", "fits", "load", "pack_amx_weight"]
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+# -ffp-contract=off: a * b + c stays two roundings, as in torch
+_FLAGS = ["-O2", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-ffp-contract=off"]
+_lock = threading.Lock()
+_loaded: CpuKernels | None = None
+_tried = False
+
+_i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The loaded library and what this CPU can run of it."""
+
+    lib: ctypes.CDLL
+    amx: bool  # sgl_linear_bf16_amx
+    avx512: bool  # sgl_decode_attention and the elementwise kernels
+    avx512_bf16: bool = False  # bfloat16 dot products in sgl_decode_attention
+
+    def linear_bf16(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [M, K]`` (bfloat16, unit stride in K) times the :func:`pack_amx_weight` copy of
+        ``W [n, K]``; ``bias`` float32 ``[n]`` or None. Returns ``[M, n]`` bfloat16."""
+        m, k = x.shape
+        y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+        rc = self.lib.sgl_linear_bf16_amx(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                          y.data_ptr(), n, m, n, k,
+                                          None if bias is None else bias.data_ptr())
+        if rc:
+            raise RuntimeError(f"sgl_linear_bf16_amx failed ({rc})")
+        return y
+
+    # The methods below take 2-D tensors of one dtype in DTYPES whose last dimension has unit
+    # stride; callers check that (see :func:`fits`).
+
+    def rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)`` (without residual: ``(norm(x), x)``), with
+        transformers' rounding order; see ``sgl_rmsnorm``."""
+        t, h = x.shape
+        out = torch.empty((t, h), dtype=x.dtype)
+        summed = x if residual is None else torch.empty((t, h), dtype=x.dtype)
+        self.lib.sgl_rmsnorm(x.data_ptr(), x.stride(0),
+                             None if residual is None else residual.data_ptr(),
+                             0 if residual is None else residual.stride(0),
+                             None if residual is None else summed.data_ptr(), h,
+                             weight.data_ptr(), out.data_ptr(), h, t, h, eps, DTYPES[x.dtype])
+        return out, summed
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x[:, :d]) * x[:, d:]`` for ``x [T, 2d]``."""
+        t, d = x.shape[0], x.shape[1] // 2
+        out = torch.empty((t, d), dtype=x.dtype)
+        self.lib.sgl_silu_mul(x.data_ptr(), x.stride(0), out.data_ptr(), d, t, d,
+                              DTYPES[x.dtype])
+        return out
+
+    def rotary(self, x: torch.Tensor, heads: int, head_dim: int, rotary_dim: int,
+               cos_sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half rotary of ``x [T, heads * head_dim]`` (a row-strided view is fine) with
+        per-token rows ``cos_sin [T, 2 * rotary_dim]`` (``cos | cos`` then ``-sin | sin``, in
+        ``x``'s dtype); returns a new contiguous tensor."""
+        t = x.shape[0]
+        out = torch.empty((t, heads * head_dim), dtype=x.dtype)
+        rc = self.lib.sgl_rotary(x.data_ptr(), x.stride(0), cos_sin.data_ptr(),
+                                 cos_sin.stride(0), out.data_ptr(), t, heads, head_dim,
+                                 rotary_dim, DTYPES[x.dtype])
+        if rc:
+            raise ValueError(f"sgl_rotary: rotary_dim {rotary_dim} for head_dim {head_dim}")
+        return out
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits.argmax(-1)`` for float32 ``[B, V]`` rows (first maximum; NaN wins)."""
+        b, v = logits.shape
+        out = torch.empty(b, dtype=torch.int64)
+        self.lib.sgl_argmax_f32(logits.data_ptr(), logits.stride(0), b, v, out.data_ptr())
+        return out
+
+
+#: tensor dtype -> the kernels' dtype code
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def fits(*tensors: torch.Tensor | None) -> bool:
+    """Whether the elementwise kernels take these tensors: on CPU, 2-D, one dtype of
+    :data:`DTYPES`, unit stride in the last dimension, no autograd (None entries are skipped)."""
+    dtype = None
+    for t in tensors:
+        if t is None:
+            continue
+        if (t.device.type != "cpu" or t.dim() != 2 or t.stride(1) != 1 or t.requires_grad
+                or t.dtype not in DTYPES or (dtype is not None and t.dtype != dtype)):
+            return False
+        dtype = t.dtype
+    return True
+
+
+def _cpu_flags() -> dict[str, bool]:
+    caps = getattr(torch._C._cpu, "_get_cpu_capability", lambda: {})()
+    return {k: bool(caps.get(k)) for k in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq",
+                                           "avx512_bf16", "amx_bf16", "amx_tile")}
+
+
+def _cache_dir() -> Path:
+    from sgl.model_loader.gguf_cache import cache_root
+
+    root = cache_root()
+    return (root / "kernels") if root is not None else Path(tempfile.gettempdir()) / "sgl-kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build(cc: str) -> Path:
+    source = _SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(source + version.encode() + repr(_FLAGS).encode()
+                         + platform.machine().encode()).hexdigest()[:20]
+    target = _cache_dir() / f"sgl_cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True,
+                       capture_output=True, text=True)
+        os.replace(tmp, target)  # atomic: concurrent builders agree on the result
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.sgl_kernels_version.restype = _int
+    lib.sgl_amx_init.restype = _int
+    lib.sgl_linear_bf16_amx.restype = _int
+    lib.sgl_linear_bf16_amx.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr]
+    lib.sgl_rmsnorm.restype = _int
+    lib.sgl_rmsnorm.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
+                                _f32, _int]
+    lib.sgl_silu_mul.restype = _int
+    lib.sgl_silu_mul.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _int]
+    lib.sgl_rotary.restype = _int
+    lib.sgl_rotary.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int]
+    lib.sgl_argmax_f32.restype = _int
+    lib.sgl_argmax_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
+    lib.sgl_decode_attention.restype = _int
+    lib.sgl_decode_attention.argtypes = [
+        _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
+        _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _i64, _int, _int]
+
+
+def load() -> CpuKernels | None:
+    """The kernels for this CPU, built on first use; None where they cannot be used."""
+    global _loaded, _tried
+    if _tried:
+        return _loaded
+    with _lock:
+        if _tried:
+            return _loaded
+        _tried = True
+        if os.environ.get("SGL_CPU_KERNELS", "1") == "0" or platform.machine() not in (
+                "x86_64", "AMD64"):
+            return None
+        flags = _cpu_flags()
+        avx512 = all(flags[k] for k in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq"))
+        cc = _compiler()
+        if not avx512 or cc is None:
+            logger.debug("sgl CPU kernels not used (AVX-512: %s, C compiler: %s)", avx512, cc)
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+            _declare(lib)
+        except (OSError, subprocess.CalledProcessError, AttributeError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            logger.warning("could not build sgl's CPU kernels, using torch instead: %s", detail)
+            return None
+        amx = flags["amx_bf16"] and flags["amx_tile"] and flags["avx512_bf16"]
+        if amx and lib.sgl_amx_init() != 0:
+            logger.debug("the kernel refused AMX tile data (arch_prctl); AMX matmul off")
+            amx = False
+        _loaded = CpuKernels(lib=lib, amx=amx, avx512=True, avx512_bf16=flags["avx512_bf16"])
+        return _loaded
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` of ``[B, V]`` logits (first maximum), through the kernel for CPU
+    float32 rows: torch's CPU argmax over a 49k vocabulary takes 0.2-0.3 ms per row, the kernel
+    a tenth of that."""
+    kernels = load() if logits.device.type == "cpu" else None
+    if (kernels is not None and logits.dim() == 2 and logits.dtype == torch.float32
+            and logits.stride(1) == 1 and not logits.requires_grad):
+        return kernels.argmax(logits)
+    return logits.max(dim=-1).indices  # the same index as argmax, and 3-9x faster on CPU
+
+
+def pack_amx_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``W [N, K]`` bfloat16 -> the layout :meth:`CpuKernels.linear_bf16` streams:
+    ``[Np/32, Kp/32, 2, 16, 16, 2]`` with N and K zero-padded to multiples of 32."""
+    n, k = weight.shape
+    np_, kp = -(-n // 32) * 32, -(-k // 32) * 32
+    w = weight.detach()
+    if (np_, kp) != (n, k):
+        w = torch.nn.functional.pad(w, (0, kp - k, 0, np_ - n))
+    # [n-pair, half, n, k-block, k-pair, 2] -> [n-pair, k-block, half, k-pair, n, 2]
+    return w.reshape(np_ // 32, 2, 16, kp // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()

@@ -1,0 +1,632 @@
+/* sgl's CPU kernels for decode: a bfloat16 matmul on AMX tiles and paged decode attention.
+ *
+ * Built at run time by sgl/kernels/cpu.py with the system C compiler and called through ctypes
+ * on torch tensors' memory; every function here is single-threaded. Instruction sets are picked
+ * per function (target attributes), so the file compiles with any x86-64 gcc >= 11 or clang, and
+ * the Python side only calls what the CPU supports.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512vl,avx512bw")))
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define AVX512_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+int sgl_kernels_version(void) { return 1; }
+
+/* Linux keeps AMX tile data off until the process asks for it. 0 on success. */
+int sgl_amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                             18 /* XFEATURE_XTILEDATA */); }
+
+/* -- bfloat16 linear on AMX ------------------------------------------------------------------
+ * y[M, N] = x[M, K] . W^T (+ bias), x and y bfloat16 with row strides ldx / ldy, fp32 accumulation.
+ * W [N, K] is packed by the caller as [Np/32][Kp/32][2][16][16][2]: for each pair of 16-column
+ * blocks and each 32-wide K block, two 1 KiB B tiles in AMX's pair-interleaved (VNNI) layout, so
+ * the weight streams from memory in one sequential pass per call. N and K are zero-padded to
+ * multiples of 32 in the packed copy. Rows of x are handled 32 (then 16) at a time; a partial
+ * last block of rows goes through a zero-padded scratch copy. */
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} sgl_tilecfg;
+
+/* lanes [0, left) of a 16-lane vector */
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+#define PREFETCH_BLOCKS 4 /* K blocks (2 KiB of weight each) prefetched ahead */
+
+static __thread uint16_t *sgl_scratch;
+static __thread int64_t sgl_scratch_elems;
+
+static uint16_t *scratch_bf16(int64_t elems) {
+    if (sgl_scratch_elems < elems) {
+        free(sgl_scratch);
+        sgl_scratch = aligned_alloc(64, (size_t)((elems * 2 + 63) / 64 * 64));
+        sgl_scratch_elems = sgl_scratch ? elems : 0;
+    }
+    return sgl_scratch;
+}
+
+AMX_TARGET static void store_tile_rows(uint16_t *y, int64_t ldy, const float *c, const float *bias,
+                                       int rows, int cols) {
+    const __mmask16 mask = (__mmask16)((1u << cols) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        __m512 v = _mm512_add_ps(_mm512_load_ps(c + r * 16), b);
+        _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+static inline int clamp16(int64_t n) { return n >= 16 ? 16 : (n > 0 ? (int)n : 0); }
+
+AMX_TARGET int sgl_linear_bf16_amx(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y,
+                                   int64_t ldy, int64_t M, int64_t N, int64_t K,
+                                   const float *bias) {
+    const int64_t Kp = (K + 31) & ~(int64_t)31, KB = Kp / 32, NP = (N + 31) / 32;
+    const int64_t Mp = (M + 15) & ~(int64_t)15;
+    const uint16_t *a = x;
+    int64_t lda = ldx;
+    if (Mp != M || Kp != K) {
+        uint16_t *s = scratch_bf16(Mp * Kp);
+        if (!s) return -1;
+        memset(s, 0, (size_t)(Mp * Kp * 2));
+        for (int64_t r = 0; r < M; r++) memcpy(s + r * Kp, x + r * ldx, (size_t)(K * 2));
+        a = s;
+        lda = Kp;
+    }
+    sgl_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+    float c[4 * 256] __attribute__((aligned(64)));
+    const int64_t sa = lda * 2;
+    for (int64_t np = 0; np < NP; np++) {
+        const uint16_t *wb = wp + np * KB * 1024;
+        const int64_t n0 = np * 32;
+        const int c0 = clamp16(N - n0), c1 = clamp16(N - n0 - 16);
+        const float *b0 = bias ? bias + n0 : NULL, *b1 = bias ? bias + n0 + 16 : NULL;
+        for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+            const uint16_t *am = a + m0 * lda;
+            uint16_t *ym = y + m0 * ldy + n0;
+            const int r0 = clamp16(M - m0), r1 = clamp16(M - m0 - 16);
+            if (Mp - m0 >= 32) {
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int64_t kb = 0; kb < KB; kb++) {
+                    const uint16_t *w = wb + kb * 1024;
+                    if (kb + PREFETCH_BLOCKS < KB || np + 1 < NP)
+                        for (int l = 0; l < 2048; l += 64)
+                            _mm_prefetch((const char *)(w + PREFETCH_BLOCKS * 1024) + l, _MM_HINT_T0);
+                    _tile_loadd(6, w, 64);
+                    _tile_loadd(7, w + 512, 64);
+                    _tile_loadd(4, am + kb * 32, sa);
+                    _tile_loadd(5, am + 16 * lda + kb * 32, sa);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64);
+                _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64);
+                store_tile_rows(ym, ldy, c, b0, r0, c0);
+                if (c1) store_tile_rows(ym + 16, ldy, c + 256, b1, r0, c1);
+                if (r1) {
+                    store_tile_rows(ym + 16 * ldy, ldy, c + 512, b0, r1, c0);
+                    if (c1) store_tile_rows(ym + 16 * ldy + 16, ldy, c + 768, b1, r1, c1);
+                }
+            } else {
+                _tile_zero(0); _tile_zero(1);
+                for (int64_t kb = 0; kb < KB; kb++) {
+                    const uint16_t *w = wb + kb * 1024;
+                    if (kb + PREFETCH_BLOCKS < KB || np + 1 < NP)
+                        for (int l = 0; l < 2048; l += 64)
+                            _mm_prefetch((const char *)(w + PREFETCH_BLOCKS * 1024) + l, _MM_HINT_T0);
+                    _tile_loadd(6, w, 64);
+                    _tile_loadd(7, w + 512, 64);
+                    _tile_loadd(4, am + kb * 32, sa);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64);
+                store_tile_rows(ym, ldy, c, b0, r0, c0);
+                if (c1) store_tile_rows(ym + 16, ldy, c + 256, b1, r0, c1);
+            }
+        }
+    }
+    _tile_release();
+    return 0;
+}
+
+/* -- paged decode attention ------------------------------------------------------------------
+ * One new token per sequence. For sequence b, its keys/values are the pool rows
+ * table[rows[b] * table_stride + t] for t < lens[b] (the last being the new token's slot, loc[b],
+ * which is written first from k_new / v_new when those are given). Query head h uses KV head
+ * h / (Hq / Hk). Scores, softmax and the weighted sum are in fp32; the window keeps the last
+ * `window` keys (0: all); softcap > 0 applies cap * tanh(s / cap) to the scaled scores.
+ * dtype: 0 = float32 tensors, 1 = bfloat16 tensors (q, k/v pools, k_new/v_new and out alike).
+ * bf16_dot: the CPU has AVX512-BF16 (bfloat16 q.k with dot-product instructions). */
+
+AVX512_TARGET static inline __attribute__((always_inline)) __m512 load16(const void *p, int dtype) {
+    if (dtype) return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps(p);
+}
+
+AVX512_TARGET static inline __attribute__((always_inline)) void store16(void *p, __m512 v, int dtype) {
+    if (dtype) {
+        /* round to nearest even, as torch does; NaN stays NaN */
+        __m512i bits = _mm512_castps_si512(v);
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+        __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+        _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+    } else {
+        _mm512_storeu_ps(p, v);
+    }
+}
+
+/* exp for x <= 0 (scores minus their maximum): Cody-Waite reduction and a degree-6 polynomial,
+   within 2 ulp of expf over the range used here; exp(-inf) = 0. */
+AVX512_TARGET static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+
+static __thread float *sgl_fscratch;
+static __thread int64_t sgl_fscratch_elems;
+
+static float *scratch_f32(int64_t elems) {
+    if (sgl_fscratch_elems < elems) {
+        free(sgl_fscratch);
+        sgl_fscratch = aligned_alloc(64, (size_t)((elems * 4 + 63) / 64 * 64));
+        sgl_fscratch_elems = sgl_fscratch ? elems : 0;
+    }
+    return sgl_fscratch;
+}
+
+/* lane i of the result = the sum of the 16 lanes of v[i] */
+AVX512_TARGET static inline __attribute__((always_inline)) __m512 sum16x16(const __m512 *v) {
+    __m512 w[8], x[4];
+    for (int j = 0; j < 8; j++)
+        w[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                             _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++)
+        x[j] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * j], w[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(w[2 * j], w[2 * j + 1], 0xEE));
+    /* x[j], 128-bit lane l, element e: partial sum (lane l) of vector 4j + e */
+    __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x44), _mm512_shuffle_f32x4(x[0], x[1], 0xEE));
+    __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x44), _mm512_shuffle_f32x4(x[2], x[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88), _mm512_shuffle_f32x4(z01, z23, 0xDD));
+}
+
+#define PREFETCH_TOKENS 16 /* KV rows are scattered over the pool: fetch this far ahead */
+
+AVX512_TARGET static inline __attribute__((always_inline)) void prefetch_row(const char *row, int64_t bytes) {
+    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(row + l, _MM_HINT_T0);
+}
+
+/* scores[h * n + t] = scale * q_h . k_{h / G}[slots[t]] for all Hq heads, 16 tokens at a time
+   so that the block's K rows (all heads) are read from memory once (dq = D / 16). */
+AVX512_TARGET static inline __attribute__((always_inline)) void qk_all(
+    const char *q, int64_t q_head, const char *kp, int64_t k_row, const int64_t *slots,
+    int64_t n, float *scores, float scale, int dtype, int64_t es, int64_t Hq, int64_t G,
+    const int dq) {
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
+        for (int64_t j = 0; j < PREFETCH_TOKENS && t0 + 16 + j < n; j++)
+            prefetch_row(kp + slots[t0 + 16 + j] * k_row, k_row);
+        const char *rows[16];
+        for (int j = 0; j < 16; j++) rows[j] = kp + slots[t0 + (j < cnt ? j : 0)] * k_row;
+        for (int64_t h = 0; h < Hq; h++) {
+            const char *qh = q + h * q_head * es;
+            const int64_t off = (h / G) * dq * 16 * es;
+            __m512 qv[16], acc[16];
+            qv[0] = _mm512_setzero_ps();
+            for (int i = 0; i < dq; i++) qv[i] = _mm512_mul_ps(load16(qh + i * 16 * es, dtype), sv);
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++) { /* a short last block repeats its first row */
+                const char *kr = rows[j] + off;
+                __m512 a = _mm512_mul_ps(qv[0], load16(kr, dtype));
+                for (int i = 1; i < dq; i++) a = _mm512_fmadd_ps(qv[i], load16(kr + i * 16 * es, dtype), a);
+                acc[j] = a;
+            }
+            _mm512_mask_storeu_ps(scores + h * n + t0, tail_mask(cnt), sum16x16(acc));
+        }
+    }
+}
+
+/* qk_all for bfloat16 with AVX512-BF16 dot products (32 products per instruction, exact
+   products and fp32 sums, as oneDNN's bfloat16 matmuls): dp = D / 32. */
+AVX512_BF16_TARGET static inline __attribute__((always_inline)) void qk_dp_rows(
+    const char *q, int64_t q_head, const char *kp, int64_t k_row, const int64_t *slots,
+    int64_t n, float *scores, float scale, int64_t Hq, int64_t G, const int dp) {
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
+        for (int64_t j = 0; j < PREFETCH_TOKENS && t0 + 16 + j < n; j++)
+            prefetch_row(kp + slots[t0 + 16 + j] * k_row, k_row);
+        const char *rows[16];
+        for (int j = 0; j < 16; j++) rows[j] = kp + slots[t0 + (j < cnt ? j : 0)] * k_row;
+        for (int64_t h = 0; h < Hq; h++) {
+            const char *qh = q + h * q_head * 2;
+            const int64_t off = (h / G) * dp * 64;
+            __m512i qv[8];
+            __m512 acc[16];
+            for (int i = 0; i < dp; i++) qv[i] = _mm512_loadu_si512(qh + i * 64);
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++) {
+                const char *kr = rows[j] + off;
+                __m512 a = _mm512_setzero_ps();
+                for (int i = 0; i < dp; i++)
+                    a = _mm512_dpbf16_ps(a, (__m512bh)qv[i], (__m512bh)_mm512_loadu_si512(kr + i * 64));
+                acc[j] = a;
+            }
+            _mm512_mask_storeu_ps(scores + h * n + t0, tail_mask(cnt),
+                                  _mm512_mul_ps(sum16x16(acc), _mm512_set1_ps(scale)));
+        }
+    }
+}
+
+AVX512_BF16_TARGET static void qk_dp(const char *q, int64_t q_head, const char *kp, int64_t k_row,
+                                     const int64_t *slots, int64_t n, float *scores, float scale,
+                                     int64_t Hq, int64_t G, int64_t D) {
+    switch (D) {
+    case 64: qk_dp_rows(q, q_head, kp, k_row, slots, n, scores, scale, Hq, G, 2); break;
+    case 128: qk_dp_rows(q, q_head, kp, k_row, slots, n, scores, scale, Hq, G, 4); break;
+    default: qk_dp_rows(q, q_head, kp, k_row, slots, n, scores, scale, Hq, G, (int)(D / 32));
+    }
+}
+
+/* probabilities in place of scores; returns 1 / their sum */
+AVX512_TARGET static inline float softmax_row(float *s, int64_t n, float softcap) {
+    if (softcap > 0)
+        for (int64_t t = 0; t < n; t++) s[t] = softcap * tanhf(s[t] / softcap);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+    float m = _mm512_reduce_max_ps(mx);
+    for (; t < n; t++) m = s[t] > m ? s[t] : m;
+    __m512 mv = _mm512_set1_ps(m), sum = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= n; t += 16) {
+        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv));
+        _mm512_storeu_ps(s + t, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (t < n) {
+        __mmask16 mask = tail_mask(n - t);
+        __m512 e = _mm512_maskz_mov_ps(mask, exp_nonpositive(
+            _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), mv)));
+        _mm512_mask_storeu_ps(s + t, mask, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+/* out_h = inv_sum_h * sum_t p_h[t] v[slots[t]] for gn (<= 4, constant) query heads that share
+   the V row part at `off` (dv <= 8 vectors, constant): the accumulators stay in registers. */
+AVX512_TARGET static inline __attribute__((always_inline)) void pv_heads(
+    const float *p, int64_t n, const char *vp, int64_t v_row, int64_t off, const int64_t *slots,
+    char *out, int64_t out_head, const float *inv_sum, int dtype, int64_t es, int prefetch,
+    const int gn, const int dv) {
+    __m512 o[4][8];
+#pragma GCC unroll 4
+    for (int g = 0; g < gn; g++)
+#pragma GCC unroll 8
+        for (int i = 0; i < dv; i++) o[g][i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t++) {
+        if (prefetch && t + PREFETCH_TOKENS < n)
+            prefetch_row(vp + slots[t + PREFETCH_TOKENS] * v_row, v_row);
+        const char *vr = vp + slots[t] * v_row + off;
+        __m512 vv[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < dv; i++) vv[i] = load16(vr + i * 16 * es, dtype);
+#pragma GCC unroll 4
+        for (int g = 0; g < gn; g++) {
+            __m512 w = _mm512_set1_ps(p[g * n + t]);
+#pragma GCC unroll 8
+            for (int i = 0; i < dv; i++) o[g][i] = _mm512_fmadd_ps(w, vv[i], o[g][i]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < gn; g++) {
+        __m512 f = _mm512_set1_ps(inv_sum[g]);
+#pragma GCC unroll 8
+        for (int i = 0; i < dv; i++)
+            store16(out + (g * out_head + i * 16) * es, _mm512_mul_ps(o[g][i], f), dtype);
+    }
+}
+
+/* the weighted sums of V for every query head, over the V columns [col, col + 16 dv) */
+AVX512_TARGET static inline __attribute__((always_inline)) void pv_all(
+    const float *p, const char *vp, int64_t v_row, const int64_t *slots, int64_t n, char *out,
+    const float *inv_sum, int dtype, int64_t es, int64_t Hk, int64_t G, int64_t Dv, int64_t col,
+    const int dv) {
+    for (int64_t hk = 0; hk < Hk; hk++) {
+        const int64_t off = (hk * Dv + col) * es;
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            const int64_t h = hk * G + g0;
+            const float *ph = p + h * n;
+            char *oh = out + (h * Dv + col) * es;
+            const int pf = hk == 0 && g0 == 0 && col == 0;
+            switch (G - g0 < 4 ? G - g0 : 4) {
+            case 4: pv_heads(ph, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, dtype, es, pf, 4, dv); break;
+            case 3: pv_heads(ph, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, dtype, es, pf, 3, dv); break;
+            case 2: pv_heads(ph, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, dtype, es, pf, 2, dv); break;
+            default: pv_heads(ph, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, dtype, es, pf, 1, dv);
+            }
+        }
+    }
+}
+
+#define MAX_HEADS 256
+
+AVX512_TARGET static inline __attribute__((always_inline)) void attend_seq(
+    const char *q, int64_t q_head, const char *kp, const char *vp, int64_t k_row, int64_t v_row,
+    const int64_t *slots, int64_t n, char *out, float *scores, int64_t Hq, int64_t Hk, int64_t D,
+    int64_t Dv, float scale, float softcap, int dtype, int64_t es, int dp) {
+    const int64_t G = Hq / Hk;
+    float inv_sum[MAX_HEADS];
+    if (dp) qk_dp(q, q_head, kp, k_row, slots, n, scores, scale, Hq, G, D);
+    else switch (D) { /* a constant row size lets the compiler keep the rows in registers */
+    case 64: qk_all(q, q_head, kp, k_row, slots, n, scores, scale, dtype, es, Hq, G, 4); break;
+    case 128: qk_all(q, q_head, kp, k_row, slots, n, scores, scale, dtype, es, Hq, G, 8); break;
+    default: qk_all(q, q_head, kp, k_row, slots, n, scores, scale, dtype, es, Hq, G, (int)(D / 16));
+    }
+    for (int64_t h = 0; h < Hq; h++) inv_sum[h] = softmax_row(scores + h * n, n, softcap);
+    switch (Dv) {
+    case 64: pv_all(scores, vp, v_row, slots, n, out, inv_sum, dtype, es, Hk, G, 64, 0, 4); break;
+    case 128: pv_all(scores, vp, v_row, slots, n, out, inv_sum, dtype, es, Hk, G, 128, 0, 8); break;
+    default: /* columns 128 at a time, then the rest 16 at a time */
+        for (int64_t col = 0; col < Dv;) {
+            if (Dv - col >= 128) {
+                pv_all(scores, vp, v_row, slots, n, out, inv_sum, dtype, es, Hk, G, Dv, col, 8);
+                col += 128;
+            } else {
+                pv_all(scores, vp, v_row, slots, n, out, inv_sum, dtype, es, Hk, G, Dv, col, 1);
+                col += 16;
+            }
+        }
+    }
+}
+
+AVX512_TARGET int sgl_decode_attention(
+    const void *q, int64_t q_stride_t, int64_t q_stride_h,
+    const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride,
+    void *k_pool, void *v_pool, const int64_t *table, int64_t table_stride,
+    const int64_t *rows, const int64_t *lens, const int64_t *loc,
+    void *out, int64_t out_stride_t,
+    int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t Dv,
+    float scale, float softcap, int64_t window, int dtype, int bf16_dot) {
+    const int64_t G = Hq / Hk, es = dtype ? 2 : 4;
+    if (D % 16 || Dv % 16 || D < 16 || Dv < 16 || D > 256 || Dv > 256 || Hk < 1 || Hq > MAX_HEADS
+        || G * Hk != Hq) return -1;
+    char *kp = (char *)k_pool, *vp = (char *)v_pool;
+    const int64_t k_row = Hk * D * es, v_row = Hk * Dv * es;
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+    float *scores = scratch_f32(Hq * (max_len + 16));
+    if (!scores) return -2;
+    if (k_new)
+        for (int64_t b = 0; b < B; b++) {
+            memcpy(kp + loc[b] * k_row, (const char *)k_new + b * k_new_stride * es, (size_t)k_row);
+            memcpy(vp + loc[b] * v_row, (const char *)v_new + b * v_new_stride * es, (size_t)v_row);
+        }
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t len = lens[b];
+        const int64_t start = window > 0 && len > window ? len - window : 0;
+        const int64_t *slots = table + rows[b] * table_stride + start;
+        const char *qb = (const char *)q + b * q_stride_t * es;
+        char *ob = (char *)out + b * out_stride_t * es;
+        if (dtype) /* constant dtypes: the loads compile without a branch */
+            attend_seq(qb, q_stride_h, kp, vp, k_row, v_row, slots, len - start, ob, scores, Hq,
+                       Hk, D, Dv, scale, softcap, 1, 2, bf16_dot && D % 32 == 0);
+        else
+            attend_seq(qb, q_stride_h, kp, vp, k_row, v_row, slots, len - start, ob, scores, Hq,
+                       Hk, D, Dv, scale, softcap, 0, 4, 0);
+    }
+    return 0;
+}
+
+/* -- elementwise ---------------------------------------------------------------------------
+ * Each rounds to bfloat16 after every step where torch (and transformers' reference code) does,
+ * so bfloat16 results match the torch code they replace bit for bit up to summation order. */
+
+AVX512_TARGET static inline __m512 round_bf16(__m512 v) { /* fp32 -> nearest bf16 -> fp32 */
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), nan, v);
+}
+
+AVX512_TARGET static inline __m512 load16m(const void *p, int dtype, __mmask16 m) {
+    if (dtype) return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    return _mm512_maskz_loadu_ps(m, p);
+}
+
+AVX512_TARGET static inline void store16m(void *p, __m512 v, int dtype, __mmask16 m) {
+    if (dtype) {
+        __m512i r = _mm512_castps_si512(round_bf16(v));
+        _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    } else {
+        _mm512_mask_storeu_ps(p, m, v);
+    }
+}
+
+/* h = x + residual (rounded to the dtype; skipped without residual), then
+   out = weight * round(h / sqrt(mean(h^2) + eps)); res_out (may alias residual) receives h. */
+AVX512_TARGET int sgl_rmsnorm(const void *x, int64_t x_stride, const void *residual,
+                              int64_t r_stride, void *res_out, int64_t ro_stride,
+                              const void *weight, void *out, int64_t o_stride, int64_t T,
+                              int64_t H, float eps, int dtype) {
+    const int64_t es = dtype ? 2 : 4;
+    float *h = scratch_f32(H + 16);
+    if (!h) return -2;
+    for (int64_t t = 0; t < T; t++) {
+        const char *xr = (const char *)x + t * x_stride * es;
+        const char *rr = residual ? (const char *)residual + t * r_stride * es : NULL;
+        char *ror = res_out ? (char *)res_out + t * ro_stride * es : NULL;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t i = 0; i < H; i += 16) {
+            __mmask16 m = tail_mask(H - i);
+            __m512 v = load16m(xr + i * es, dtype, m);
+            if (rr) {
+                v = _mm512_add_ps(v, load16m(rr + i * es, dtype, m));
+                if (dtype) v = round_bf16(v);
+                if (ror) store16m(ror + i * es, v, dtype, m);
+            }
+            _mm512_mask_storeu_ps(h + i, m, v);
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps);
+        const __m512 f = _mm512_set1_ps(inv);
+        char *orow = (char *)out + t * o_stride * es;
+        for (int64_t i = 0; i < H; i += 16) {
+            __mmask16 m = tail_mask(H - i);
+            __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, h + i), f);
+            if (dtype) v = round_bf16(v);
+            store16m(orow + i * es, _mm512_mul_ps(v, load16m((const char *)weight + i * es, dtype, m)),
+                     dtype, m);
+        }
+    }
+    return 0;
+}
+
+/* exp over the whole float range (overflow to inf, underflow to 0) */
+AVX512_TARGET static inline __m512 exp_any(__m512 x) {
+    __m512 big = _mm512_set1_ps(88.7228391f);
+    __mmask16 over = _mm512_cmp_ps_mask(x, big, _CMP_GT_OQ);
+    __m512 e = exp_nonpositive(_mm512_min_ps(x, big)); /* the reduction is valid for x > 0 too */
+    return _mm512_mask_mov_ps(e, over, _mm512_set1_ps(INFINITY));
+}
+
+/* out[t, :d] = round(silu(x[t, :d])) * x[t, d:2d] (gelu-free SwiGLU); x rows of 2d. */
+AVX512_TARGET int sgl_silu_mul(const void *x, int64_t x_stride, void *out, int64_t o_stride,
+                               int64_t T, int64_t d, int dtype) {
+    const int64_t es = dtype ? 2 : 4;
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t t = 0; t < T; t++) {
+        const char *xr = (const char *)x + t * x_stride * es;
+        char *orow = (char *)out + t * o_stride * es;
+        for (int64_t i = 0; i < d; i += 16) {
+            __mmask16 m = tail_mask(d - i);
+            __m512 g = load16m(xr + i * es, dtype, m);
+            __m512 u = load16m(xr + (d + i) * es, dtype, m);
+            __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp_any(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            if (dtype) s = round_bf16(s);
+            store16m(orow + i * es, _mm512_mul_ps(s, u), dtype, m);
+        }
+    }
+    return 0;
+}
+
+/* Rotate-half rotary on the first `rot` features of each of H heads of x [T, H, D] (row stride
+   x_stride, head stride D) into out [T, H, D] (contiguous): out = x * c + rotate_half(x) * s with
+   c = cos | cos and s = -sin | sin given per token as rows of `rot` values in the dtype
+   (cs rows: c then s, 2 * rot values, row stride cs_stride). Features past `rot` are copied. */
+AVX512_TARGET int sgl_rotary(const void *x, int64_t x_stride, const void *cs, int64_t cs_stride,
+                             void *out, int64_t T, int64_t H, int64_t D, int64_t rot, int dtype) {
+    const int64_t es = dtype ? 2 : 4, half = rot / 2;
+    if (rot % 2 || rot > D) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        const char *c = (const char *)cs + t * cs_stride * es;
+        const char *sn = c + rot * es;
+        for (int64_t h = 0; h < H; h++) {
+            const char *xr = (const char *)x + (t * x_stride + h * D) * es;
+            char *orow = (char *)out + (t * H + h) * D * es;
+            for (int64_t i = 0; i < rot; i += 16) {
+                __mmask16 m = tail_mask(rot - i);
+                /* rotate_half(x)[i] = x[i + half] for i < half, x[i - half] after */
+                int64_t j = i < half ? i + half : i - half;
+                __mmask16 m1 = m;
+                if (i < half && i + 16 > half) m1 = tail_mask(half - i); /* straddles the halves */
+                __m512 v = load16m(xr + i * es, dtype, m);
+                __m512 r = load16m(xr + j * es, dtype, m1);
+                if (m1 != m) { /* lanes past the first half take x[i - half] */
+                    __mmask16 m2 = (__mmask16)(m & ~m1);
+                    __m512 r2 = load16m(xr + (i - half) * es, dtype, m);
+                    r = _mm512_mask_mov_ps(r, m2, r2);
+                }
+                __m512 a = _mm512_mul_ps(v, load16m(c + i * es, dtype, m));
+                __m512 b = _mm512_mul_ps(r, load16m(sn + i * es, dtype, m));
+                if (dtype) { a = round_bf16(a); b = round_bf16(b); }
+                store16m(orow + i * es, _mm512_add_ps(a, b), dtype, m);
+            }
+            if (rot < D) memcpy(orow + rot * es, xr + rot * es, (size_t)((D - rot) * es));
+        }
+    }
+    return 0;
+}
+
+/* out[b] = the first index of the maximum of row b of x [B, V] (float32; NaN counts as the
+   maximum, as in torch). */
+AVX512_TARGET int sgl_argmax_f32(const float *x, int64_t stride, int64_t B, int64_t V,
+                                 int64_t *out) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *r = x + b * stride;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan = 0;
+        int64_t i = 0;
+        for (; i + 16 <= V && !nan; i += 16) {
+            __m512 v = _mm512_loadu_ps(r + i);
+            nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            mx = _mm512_max_ps(mx, v);
+        }
+        if (nan) { /* the first NaN */
+            int64_t k = i - 16;
+            while (r[k] == r[k]) k++;
+            out[b] = k;
+            continue;
+        }
+        float m = _mm512_reduce_max_ps(mx);
+        int64_t best = -1;
+        for (; i < V; i++) {
+            if (r[i] != r[i]) { best = i; break; }
+            if (r[i] > m) m = r[i];
+        }
+        if (best >= 0) {
+            /* a NaN in the tail; an earlier one was ruled out above */
+            out[b] = best;
+            continue;
+        }
+        __m512 mv = _mm512_set1_ps(m);
+        for (i = 0; i + 16 <= V; i += 16) {
+            __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(r + i), mv, _CMP_EQ_OQ);
+            if (eq) { best = i + __builtin_ctz(eq); break; }
+        }
+        if (best < 0)
+            for (; i < V; i++) if (r[i] == m) { best = i; break; }
+        out[b] = best < 0 ? 0 : best;
+    }
+    return 0;
+}
+
+#else
+int sgl_kernels_version(void) { return 0; }
+#endif

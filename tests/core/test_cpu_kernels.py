@@ -1,0 +1,107 @@
+"""sgl's CPU kernels (``sgl.kernels.cpu``) against the torch code they replace.
+
+The elementwise kernels round where torch rounds, so for bfloat16 they must agree bit for bit;
+the matmul and the attention sum in another order, so they agree to rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sgl.kernels import cpu
+from sgl.layers.cpu_gemm import PackedWeight, linear, pack_weight
+from sgl.layers.rotary import RotaryEmbedding
+
+KERNELS = cpu.load()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="sgl's CPU kernels are unavailable")
+needs_amx = pytest.mark.skipif(KERNELS is None or not KERNELS.amx, reason="no AMX on this CPU")
+
+
+def reference_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 40), (48, 64)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 64])
+def test_amx_linear(n: int, k: int, rows: int) -> None:
+    torch.manual_seed(n + k + rows)
+    weight = torch.randn(n, k).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    packed = pack_weight(weight, bias)
+    assert isinstance(packed, PackedWeight) and packed.kind == "amx"
+    x = torch.randn(rows, 2 * k).bfloat16()[:, :k]  # a row-strided view
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernel runs on one thread only
+    try:
+        got = linear(x, weight, bias, packed).float()
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, expected, rtol=0.02, atol=0.05)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 576), (33, 576), (5, 40), (3, 4096)])
+def test_rmsnorm_and_silu(dtype: torch.dtype, rows: int, width: int) -> None:
+    torch.manual_seed(rows * width)
+    x = (torch.randn(rows, width) * 3).to(dtype)
+    residual = torch.randn(rows, width).to(dtype)
+    weight = (torch.rand(width) + 0.5).to(dtype)
+    out, summed = KERNELS.rmsnorm(x, residual, weight.view(1, -1), 1e-5)
+    assert torch.equal(summed, x + residual)
+    expected = reference_rmsnorm(x + residual, weight, 1e-5)
+    gate_up = (torch.randn(rows, 2 * width) * 4).to(dtype)
+    silu = KERNELS.silu_mul(gate_up)
+    silu_expected = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    if dtype == torch.bfloat16:  # same roundings as torch: bit for bit
+        assert torch.equal(out, expected)
+        assert torch.equal(silu, silu_expected)
+    else:  # float32: another summation order / exp
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(silu, silu_expected, rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (64, 48), (96, 40), (128, 128)])
+def test_rotary_bit_identical(dtype: torch.dtype, head_dim: int, rotary_dim: int) -> None:
+    torch.manual_seed(head_dim + rotary_dim)
+    rope = RotaryEmbedding(head_dim, rotary_dim, 4096,
+                           {"rope_type": "default", "rope_theta": 10000.0})
+    q_heads, kv_heads, tokens = 9, 3, 7
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim).to(dtype)
+    q, k, _ = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    positions = torch.randint(0, 4000, (tokens,))
+    cos, sin = rope._rows(positions, dtype)
+    expected = rope._rotate(q, cos, sin)  # the torch path
+    got = KERNELS.rotary(q, q_heads, head_dim, rotary_dim, rope._table_rows(positions, dtype))
+    assert torch.equal(got, expected)
+
+
+def test_argmax_rows() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(33, 49152)
+    x[3, 7] = x[3, 900] = 100.0  # ties: the first index wins
+    x[5, 40] = x[5, 60] = float("nan")  # NaN counts as the maximum
+    x[6] = float("-inf")
+    assert torch.equal(cpu.argmax_rows(x), x.argmax(-1))
+    assert torch.equal(cpu.argmax_rows(x[:, :17]), x[:, :17].argmax(-1))
+
+
+def test_unavailable_kernels_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu, "_tried", True)
+    monkeypatch.setattr(cpu, "_loaded", None)
+    weight = torch.randn(64, 32).bfloat16()
+    packed = pack_weight(weight)
+    assert packed is None or packed.kind == "onednn"
+    x = torch.randn(3, 32).bfloat16()
+    torch.testing.assert_close(linear(x, weight, None, packed), F.linear(x, weight))
+    logits = torch.randn(4, 100)
+    assert torch.equal(cpu.argmax_rows(logits), logits.argmax(-1))
