@@ -223,10 +223,29 @@ AVX512_TARGET static inline __attribute__((always_inline)) __m512 sum16x16(const
     return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88), _mm512_shuffle_f32x4(z01, z23, 0xDD));
 }
 
-#define PREFETCH_TOKENS 16 /* KV rows are scattered over the pool: fetch this far ahead */
+/* KV rows are scattered over the pool, so the QK pass prefetches the K and V rows of the
+   tokens one block (16 tokens) ahead, running on into the next sequence's first tokens. */
+typedef struct {
+    const char *kp, *vp;
+    int64_t k_row, v_row;
+    const int64_t *slots, *next_slots; /* this sequence's slots; the next one's (or NULL) */
+    int64_t n, next_n;
+} kv_prefetch;
 
 AVX512_TARGET static inline __attribute__((always_inline)) void prefetch_row(const char *row, int64_t bytes) {
     for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(row + l, _MM_HINT_T0);
+}
+
+AVX512_TARGET static inline __attribute__((always_inline)) void prefetch_block(const kv_prefetch *pf,
+                                                                               int64_t t0) {
+    for (int64_t t = t0; t < t0 + 16; t++) {
+        int64_t slot;
+        if (t < pf->n) slot = pf->slots[t];
+        else if (pf->next_slots && t - pf->n < pf->next_n) slot = pf->next_slots[t - pf->n];
+        else return;
+        prefetch_row(pf->kp + slot * pf->k_row, pf->k_row);
+        prefetch_row(pf->vp + slot * pf->v_row, pf->v_row);
+    }
 }
 
 /* scores[h * n + t] = scale * q_h . k_{h / G}[slots[t]] for all Hq heads, 16 tokens at a time
@@ -234,12 +253,11 @@ AVX512_TARGET static inline __attribute__((always_inline)) void prefetch_row(con
 AVX512_TARGET static inline __attribute__((always_inline)) void qk_all(
     const char *q, int64_t q_head, const char *kp, int64_t k_row, const int64_t *slots,
     int64_t n, float *scores, float scale, int dtype, int64_t es, int64_t Hq, int64_t G,
-    const int dq) {
+    const kv_prefetch *pf, const int dq) {
     const __m512 sv = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
         const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
-        for (int64_t j = 0; j < PREFETCH_TOKENS && t0 + 16 + j < n; j++)
-            prefetch_row(kp + slots[t0 + 16 + j] * k_row, k_row);
+        prefetch_block(pf, t0 + 16);
         const char *rows[16];
         for (int j = 0; j < 16; j++) rows[j] = kp + slots[t0 + (j < cnt ? j : 0)] * k_row;
         for (int64_t h = 0; h < Hq; h++) {
@@ -264,11 +282,11 @@ AVX512_TARGET static inline __attribute__((always_inline)) void qk_all(
    products and fp32 sums, as oneDNN's bfloat16 matmuls): dp = D / 32. */
 AVX512_BF16_TARGET static inline __attribute__((always_inline)) void qk_dp_rows(
     const char *q, int64_t q_head, const char *kp, int64_t k_row, const int64_t *slots,
-    int64_t n, float *scores, float scale, int64_t Hq, int64_t G, const int dp) {
+    int64_t n, float *scores, float scale, int64_t Hq, int64_t G, const kv_prefetch *pf,
+    const int dp) {
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
         const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
-        for (int64_t j = 0; j < PREFETCH_TOKENS && t0 + 16 + j < n; j++)
-            prefetch_row(kp + slots[t0 + 16 + j] * k_row, k_row);
+        prefetch_block(pf, t0 + 16);
         const char *rows[16];
         for (int j = 0; j < 16; j++) rows[j] = kp + slots[t0 + (j < cnt ? j : 0)] * k_row;
         for (int64_t h = 0; h < Hq; h++) {
@@ -293,11 +311,11 @@ AVX512_BF16_TARGET static inline __attribute__((always_inline)) void qk_dp_rows(
 
 AVX512_BF16_TARGET static void qk_dp(const char *q, int64_t q_head, const char *kp, int64_t k_row,
                                      const int64_t *slots, int64_t n, float *scores, float scale,
-                                     int64_t Hq, int64_t G, int64_t D) {
+                                     int64_t Hq, int64_t G, int64_t D, const kv_prefetch *pf) {
     switch (D) {
-    case 64: qk_dp_rows(q, q_head, kp, k_row, slots, n, scores, scale, Hq, G, 2); break;
-    case 128: qk_dp_rows(q, q_head, kp, k_row, slots, n, scores, scale, Hq, G, 4); break;
-    default: qk_dp_rows(q, q_head, kp, k_row, slots, n, scores, scale, Hq, G, (int)(D / 32));
+    case 64: qk_dp_rows(q, q_head, kp, k_row, slots, n, scores, scale, Hq, G, pf, 2); break;
+    case 128: qk_dp_rows(q, q_head, kp, k_row, slots, n, scores, scale, Hq, G, pf, 4); break;
+    default: qk_dp_rows(q, q_head, kp, k_row, slots, n, scores, scale, Hq, G, pf, (int)(D / 32));
     }
 }
 
@@ -330,16 +348,14 @@ AVX512_TARGET static inline float softmax_row(float *s, int64_t n, float softcap
    the V row part at `off` (dv <= 8 vectors, constant): the accumulators stay in registers. */
 AVX512_TARGET static inline __attribute__((always_inline)) void pv_heads(
     const float *p, int64_t n, const char *vp, int64_t v_row, int64_t off, const int64_t *slots,
-    char *out, int64_t out_head, const float *inv_sum, int dtype, int64_t es, int prefetch,
-    const int gn, const int dv) {
+    char *out, int64_t out_head, const float *inv_sum, int dtype, int64_t es, const int gn,
+    const int dv) {
     __m512 o[4][8];
 #pragma GCC unroll 4
     for (int g = 0; g < gn; g++)
 #pragma GCC unroll 8
         for (int i = 0; i < dv; i++) o[g][i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; t++) {
-        if (prefetch && t + PREFETCH_TOKENS < n)
-            prefetch_row(vp + slots[t + PREFETCH_TOKENS] * v_row, v_row);
         const char *vr = vp + slots[t] * v_row + off;
         __m512 vv[8];
 #pragma GCC unroll 8
@@ -371,12 +387,11 @@ AVX512_TARGET static inline __attribute__((always_inline)) void pv_all(
             const int64_t h = hk * G + g0;
             const float *ph = p + h * n;
             char *oh = out + (h * Dv + col) * es;
-            const int pf = hk == 0 && g0 == 0 && col == 0;
             switch (G - g0 < 4 ? G - g0 : 4) {
-            case 4: pv_heads(ph, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, dtype, es, pf, 4, dv); break;
-            case 3: pv_heads(ph, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, dtype, es, pf, 3, dv); break;
-            case 2: pv_heads(ph, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, dtype, es, pf, 2, dv); break;
-            default: pv_heads(ph, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, dtype, es, pf, 1, dv);
+            case 4: pv_heads(ph, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, dtype, es, 4, dv); break;
+            case 3: pv_heads(ph, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, dtype, es, 3, dv); break;
+            case 2: pv_heads(ph, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, dtype, es, 2, dv); break;
+            default: pv_heads(ph, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, dtype, es, 1, dv);
             }
         }
     }
@@ -387,14 +402,15 @@ AVX512_TARGET static inline __attribute__((always_inline)) void pv_all(
 AVX512_TARGET static inline __attribute__((always_inline)) void attend_seq(
     const char *q, int64_t q_head, const char *kp, const char *vp, int64_t k_row, int64_t v_row,
     const int64_t *slots, int64_t n, char *out, float *scores, int64_t Hq, int64_t Hk, int64_t D,
-    int64_t Dv, float scale, float softcap, int dtype, int64_t es, int dp) {
+    int64_t Dv, float scale, float softcap, int dtype, int64_t es, int dp, const kv_prefetch *pf) {
     const int64_t G = Hq / Hk;
     float inv_sum[MAX_HEADS];
-    if (dp) qk_dp(q, q_head, kp, k_row, slots, n, scores, scale, Hq, G, D);
+    prefetch_block(pf, 0); /* normally already fetched during the previous sequence */
+    if (dp) qk_dp(q, q_head, kp, k_row, slots, n, scores, scale, Hq, G, D, pf);
     else switch (D) { /* a constant row size lets the compiler keep the rows in registers */
-    case 64: qk_all(q, q_head, kp, k_row, slots, n, scores, scale, dtype, es, Hq, G, 4); break;
-    case 128: qk_all(q, q_head, kp, k_row, slots, n, scores, scale, dtype, es, Hq, G, 8); break;
-    default: qk_all(q, q_head, kp, k_row, slots, n, scores, scale, dtype, es, Hq, G, (int)(D / 16));
+    case 64: qk_all(q, q_head, kp, k_row, slots, n, scores, scale, dtype, es, Hq, G, pf, 4); break;
+    case 128: qk_all(q, q_head, kp, k_row, slots, n, scores, scale, dtype, es, Hq, G, pf, 8); break;
+    default: qk_all(q, q_head, kp, k_row, slots, n, scores, scale, dtype, es, Hq, G, pf, (int)(D / 16));
     }
     for (int64_t h = 0; h < Hq; h++) inv_sum[h] = softmax_row(scores + h * n, n, softcap);
     switch (Dv) {
@@ -439,14 +455,21 @@ AVX512_TARGET int sgl_decode_attention(
         const int64_t len = lens[b];
         const int64_t start = window > 0 && len > window ? len - window : 0;
         const int64_t *slots = table + rows[b] * table_stride + start;
+        kv_prefetch pf = {kp, vp, k_row, v_row, slots, NULL, len - start, 0};
+        if (b + 1 < B) {
+            const int64_t next_len = lens[b + 1];
+            const int64_t next_start = window > 0 && next_len > window ? next_len - window : 0;
+            pf.next_slots = table + rows[b + 1] * table_stride + next_start;
+            pf.next_n = next_len - next_start;
+        }
         const char *qb = (const char *)q + b * q_stride_t * es;
         char *ob = (char *)out + b * out_stride_t * es;
         if (dtype) /* constant dtypes: the loads compile without a branch */
             attend_seq(qb, q_stride_h, kp, vp, k_row, v_row, slots, len - start, ob, scores, Hq,
-                       Hk, D, Dv, scale, softcap, 1, 2, bf16_dot && D % 32 == 0);
+                       Hk, D, Dv, scale, softcap, 1, 2, bf16_dot && D % 32 == 0, &pf);
         else
             attend_seq(qb, q_stride_h, kp, vp, k_row, v_row, slots, len - start, ob, scores, Hq,
-                       Hk, D, Dv, scale, softcap, 0, 4, 0);
+                       Hk, D, Dv, scale, softcap, 0, 4, 0, &pf);
     }
     return 0;
 }
