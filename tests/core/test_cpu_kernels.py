@@ -47,6 +47,28 @@ def test_amx_linear(n: int, k: int, rows: int) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("n,k", [(960, 576), (100, 40), (49, 7)])
+@pytest.mark.parametrize("rows", [4, 7, 8, 9, 32, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_f32_linear(n: int, k: int, rows: int, with_bias: bool) -> None:
+    torch.manual_seed(n + k + rows)
+    weight = torch.randn(n, k)
+    bias = torch.randn(n) if with_bias else None
+    packed = pack_weight(weight, bias)
+    assert isinstance(packed, PackedWeight) and packed.kind == "f32"
+    x = torch.randn(rows, 2 * k)[:, :k]  # a row-strided view
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernel runs on one thread only
+    try:
+        got = linear(x, weight, bias, packed)
+    finally:
+        torch.set_num_threads(before)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,width", [(1, 576), (33, 576), (5, 40), (3, 4096)])
 def test_rmsnorm_and_silu(dtype: torch.dtype, rows: int, width: int) -> None:
@@ -103,5 +125,6 @@ def test_unavailable_kernels_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
     assert packed is None or packed.kind == "onednn"
     x = torch.randn(3, 32).bfloat16()
     torch.testing.assert_close(linear(x, weight, None, packed), F.linear(x, weight))
+    assert pack_weight(torch.randn(64, 32)) is None  # float32 stays with MKL
     logits = torch.randn(4, 100)
     assert torch.equal(cpu.argmax_rows(logits), logits.argmax(-1))

@@ -1,14 +1,17 @@
 """CPU kernels for the decode hot path, compiled on first use and called through ctypes.
 
-``csrc/cpu_kernels.c`` holds a bfloat16 matmul on AMX tiles (Intel Sapphire Rapids and later)
-and a paged decode attention for float32/bfloat16 KV (AVX-512). On the first call this module
-compiles it with the system C compiler (``$CC``, else ``cc``/``gcc``; about a second) into
-``$SGL_CACHE_DIR/kernels`` (default ``~/.cache/sgl/kernels``), keyed by the source, the compiler
-and the CPU, and loads it. Without a compiler, on another architecture, or with
-``SGL_CPU_KERNELS=0``, :func:`load` returns None and callers keep their torch code.
+``csrc/cpu_kernels.c`` holds a bfloat16 matmul on AMX tiles (Intel Sapphire Rapids and later),
+a paged decode attention for float32/bfloat16 KV, fused add + RMSNorm, SiLU x up, rotary and
+argmax (AVX-512). Each function picks its instruction set with a target attribute, so the
+library builds for any x86-64 CPU and :func:`load` reports what this one can run. On the first
+call this module compiles it with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``;
+about a second) into ``$SGL_CACHE_DIR/kernels`` (default ``~/.cache/sgl/kernels``), keyed by the
+source, the compiler and the flags, and loads it. Without a compiler or AVX-512, on another
+architecture, or with ``SGL_CPU_KERNELS=0``, :func:`load` returns None and callers keep their
+torch code.
 
-The kernels are single-threaded; callers use them when torch runs on one thread (see
-``docs/benchmarks.md`` for why that is the default on small machines).
+The kernels are single-threaded. The matmul is used only when torch runs on one thread (with
+more, oneDNN's multi-threaded matmul is the better choice); see ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -61,6 +64,16 @@ class CpuKernels:
                                           None if bias is None else bias.data_ptr())
         if rc:
             raise RuntimeError(f"sgl_linear_bf16_amx failed ({rc})")
+        return y
+
+    def linear_f32(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [M, K]`` (float32, unit stride in K) times the :func:`pack_f32_weight` copy of
+        ``W [n, K]``; ``bias`` float32 ``[n]`` or None. Returns ``[M, n]`` float32."""
+        m, k = x.shape
+        y = torch.empty((m, n), dtype=torch.float32, device=x.device)
+        self.lib.sgl_linear_f32(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), n,
+                                m, n, k, None if bias is None else bias.data_ptr())
         return y
 
     # The methods below take 2-D tensors of one dtype in DTYPES whose last dimension has unit
@@ -174,6 +187,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sgl_amx_init.restype = _int
     lib.sgl_linear_bf16_amx.restype = _int
     lib.sgl_linear_bf16_amx.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr]
+    lib.sgl_linear_f32.restype = _int
+    lib.sgl_linear_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr]
     lib.sgl_rmsnorm.restype = _int
     lib.sgl_rmsnorm.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
                                 _f32, _int]
@@ -243,3 +258,14 @@ def pack_amx_weight(weight: torch.Tensor) -> torch.Tensor:
         w = torch.nn.functional.pad(w, (0, kp - k, 0, np_ - n))
     # [n-pair, half, n, k-block, k-pair, 2] -> [n-pair, k-block, half, k-pair, n, 2]
     return w.reshape(np_ // 32, 2, 16, kp // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+
+
+def pack_f32_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``W [N, K]`` float32 -> the layout :meth:`CpuKernels.linear_f32` streams: ``[Np/32, K,
+    32]`` (32-column panels of ``W^T``) with N zero-padded to a multiple of 32."""
+    n, k = weight.shape
+    np_ = -(-n // 32) * 32
+    w = weight.detach()
+    if np_ != n:
+        w = torch.nn.functional.pad(w, (0, 0, 0, np_ - n))
+    return w.reshape(np_ // 32, 32, k).transpose(1, 2).contiguous()

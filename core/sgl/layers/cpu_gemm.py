@@ -24,9 +24,24 @@ rows   ``F.linear``  oneDNN packed    AMX (used)
 64     --            50-57 ms         40-45 ms
 =====  ============  ===============  ==============
 
-float32 stays with ``F.linear`` (MKL), which already reads the weight at memory speed at
-batch 1. The prepared copy is kept next to the plain weight (which loaders, state dicts, prefill
-and other devices use), so it doubles the memory of bfloat16 linear weights.
+* ``"f32"``: float32 weights on CPUs with AVX-512, the 32-column panels of
+  :func:`sgl.kernels.cpu.pack_f32_weight`, multiplied by sgl's own kernel for
+  :data:`F32_MIN_ROWS` to :data:`F32_MAX_ROWS` rows on one torch thread. MKL reads the weight
+  at memory speed for one or two rows but repacks it on every call for more; the same matmuls
+  in float32 (30 layers + LM head, 1 thread, median of 3):
+
+  =====  ======  =====================
+  rows   MKL     panels (used, 4-64)
+  =====  ======  =====================
+  1      48 ms   49 ms
+  4      95 ms   66 ms
+  8      145 ms  78 ms
+  32     166 ms  128 ms
+  64     206 ms  192 ms
+  =====  ======  =====================
+
+The prepared copy is kept next to the plain weight (which loaders, state dicts, prefill
+and other devices use), so it doubles the memory of linear weights.
 ``SGL_CPU_PACKED_LINEAR=0`` turns this off (for comparisons).
 """
 
@@ -38,12 +53,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AMX_MAX_ROWS", "PACKED_DTYPES", "PackedWeight", "linear", "pack_weight"]
+__all__ = ["AMX_MAX_ROWS", "F32_MAX_ROWS", "F32_MIN_ROWS", "PACKED_DTYPES", "PackedWeight",
+           "linear", "pack_weight"]
 
 #: weight dtypes that :func:`pack_weight` prepares
-PACKED_DTYPES = (torch.bfloat16,)
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
 #: above this many rows the AMX kernel loses to oneDNN (compute-bound prefill)
 AMX_MAX_ROWS = 128
+#: the row range where the float32 panel kernel beats MKL
+F32_MIN_ROWS, F32_MAX_ROWS = 4, 64
 
 
 class PackedWeight:
@@ -58,12 +76,12 @@ class PackedWeight:
 
     def __init__(self, kind: str, tensor: torch.Tensor, n: int, dtype: torch.dtype,
                  bias: torch.Tensor | None = None, kernel: Any = None) -> None:
-        self.kind = kind  # "amx" or "onednn"
+        self.kind = kind  # "amx", "f32" or "onednn"
         self.tensor = tensor
         self.n = n
         self.dtype = dtype
-        self.bias = bias  # float32 copy of the bias, for "amx"
-        self.kernel = kernel  # CpuKernels.linear_bf16, for "amx"
+        self.bias = bias  # float32 copy of the bias, for "amx" and "f32"
+        self.kernel = kernel  # CpuKernels.linear_bf16 or linear_f32
 
     def __deepcopy__(self, memo: dict[int, object]) -> None:
         return None
@@ -75,7 +93,7 @@ def _packing_enabled() -> bool:
 
 def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight | None:
     """A prepared copy of ``weight`` ``[out, in]`` (and ``bias``), or None where none applies
-    (not on CPU, a dtype outside :data:`PACKED_DTYPES`, no AMX and no oneDNN bfloat16, or
+    (not on CPU, a dtype outside :data:`PACKED_DTYPES`, no kernel for it on this CPU, or
     turned off)."""
     if (weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or weight.dim() != 2
             or not _packing_enabled()):
@@ -88,8 +106,13 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
             return PackedWeight("amx", cpu.pack_amx_weight(weight), weight.shape[0],
                                 weight.dtype, None if bias is None else bias.detach().float(),
                                 kernels.linear_bf16)
-        if torch.backends.mkldnn.is_available() and (
-                weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        if weight.dtype == torch.float32:
+            if kernels is None:
+                return None  # MKL's float32 matmul is as good as a oneDNN-packed one
+            return PackedWeight("f32", cpu.pack_f32_weight(weight), weight.shape[0],
+                                weight.dtype, None if bias is None else bias.detach().float(),
+                                kernels.linear_f32)
+        if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return PackedWeight("onednn", torch.ops.mkldnn._reorder_linear_weight(
                 weight.detach(), None), weight.shape[0], weight.dtype)
     return None
@@ -104,7 +127,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if packed.kind == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if 0 < rows <= AMX_MAX_ROWS and torch.get_num_threads() == 1:
+    low, high = (F32_MIN_ROWS, F32_MAX_ROWS) if packed.kind == "f32" else (1, AMX_MAX_ROWS)
+    if low <= rows <= high and torch.get_num_threads() == 1:
         x2 = x.reshape(rows, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()

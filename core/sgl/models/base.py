@@ -21,7 +21,9 @@ class BaseCausalLM(nn.Module):
     """A decoder-only language model that runs on ragged batches over the paged KV pool.
 
     Constructed as ``cls(config, dtype=..., device=...)`` on the target device with
-    uninitialised weights, then filled by :meth:`load_weights` tensor by tensor.
+    uninitialised weights, then filled by :meth:`load_weights` tensor by tensor. After that the
+    runner calls ``process_weights_after_loading()`` on every submodule that defines it (the
+    linear layers use it to prepare their CPU matmul weights; see ``sgl.layers.cpu_gemm``).
     """
 
     def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:

@@ -148,6 +148,62 @@ AMX_TARGET int sgl_linear_bf16_amx(const uint16_t *x, int64_t ldx, const uint16_
     return 0;
 }
 
+/* -- float32 linear -------------------------------------------------------------------------
+ * y[M, N] = x[M, K] . W^T (+ bias) in float32 for few rows (decode). W is packed by the caller
+ * as [Np/32][K][32] (N zero-padded to a multiple of 32): a 32-column panel of W^T, read once
+ * from memory per call while up to 8 rows of x are multiplied into it with broadcast FMAs; further
+ * rows reuse the panel from cache. MKL's small-M sgemm repacks the weight on every call. */
+
+AVX512_TARGET static inline __attribute__((always_inline)) void f32_tile(
+    const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t K,
+    const float *bias, __mmask16 m0, __mmask16 m1, const int rows) {
+    __m512 a0[8], a1[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++) { a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); }
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 w0 = _mm512_load_ps(w + k * 32), w1 = _mm512_load_ps(w + k * 32 + 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; r++) {
+            const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+            a0[r] = _mm512_fmadd_ps(xv, w0, a0[r]);
+            a1[r] = _mm512_fmadd_ps(xv, w1, a1[r]);
+        }
+    }
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_add_ps(a0[r], b0));
+        if (m1) _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_add_ps(a1[r], b1));
+    }
+}
+
+AVX512_TARGET int sgl_linear_f32(const float *x, int64_t ldx, const float *wp, float *y,
+                                 int64_t ldy, int64_t M, int64_t N, int64_t K, const float *bias) {
+    const int64_t NP = (N + 31) / 32;
+    for (int64_t np = 0; np < NP; np++) {
+        const float *w = wp + np * K * 32;
+        const int64_t n0 = np * 32;
+        const __mmask16 m0 = tail_mask(N - n0), m1 = N - n0 > 16 ? tail_mask(N - n0 - 16) : 0;
+        const float *b = bias ? bias + n0 : NULL;
+        for (int64_t r0 = 0; r0 < M; r0 += 8) {
+            const float *xr = x + r0 * ldx;
+            float *yr = y + r0 * ldy + n0;
+            switch (M - r0 < 8 ? M - r0 : 8) { /* constant row counts keep the sums in registers */
+            case 8: f32_tile(xr, ldx, w, yr, ldy, K, b, m0, m1, 8); break;
+            case 7: f32_tile(xr, ldx, w, yr, ldy, K, b, m0, m1, 7); break;
+            case 6: f32_tile(xr, ldx, w, yr, ldy, K, b, m0, m1, 6); break;
+            case 5: f32_tile(xr, ldx, w, yr, ldy, K, b, m0, m1, 5); break;
+            case 4: f32_tile(xr, ldx, w, yr, ldy, K, b, m0, m1, 4); break;
+            case 3: f32_tile(xr, ldx, w, yr, ldy, K, b, m0, m1, 3); break;
+            case 2: f32_tile(xr, ldx, w, yr, ldy, K, b, m0, m1, 2); break;
+            default: f32_tile(xr, ldx, w, yr, ldy, K, b, m0, m1, 1);
+            }
+        }
+    }
+    return 0;
+}
+
 /* -- paged decode attention ------------------------------------------------------------------
  * One new token per sequence. For sequence b, its keys/values are the pool rows
  * table[rows[b] * table_stride + t] for t < lens[b] (the last being the new token's slot, loc[b],
