@@ -16,7 +16,8 @@ PLUGINS := \
 	plugins/models/sgl-model-phi \
 	plugins/models/sgl-model-qwen \
 	plugins/attention/sgl-attn-torch \
-	plugins/frontends/sgl-frontend-openai
+	plugins/frontends/sgl-frontend-openai \
+	plugins/frontends/sgl-frontend-native
 
 STAMP := $(VENV)/.sgl-installed
 

@@ -90,6 +90,13 @@ class ServerSettings:
         (), "HTTP frontends to mount (repeatable); default: every installed one.",
         registry="frontends", flags=("--frontend",))
     log_level: Literal["debug", "info", "warning", "error"] = _opt("info", "Log level.")
+    api_key: str | None = _opt(
+        None, "Require 'Authorization: Bearer <key>' on every route except /health* and "
+        "/metrics; default: no key.", secret=True)
+    max_request_body_size: int = _opt(
+        32 * 2**20, "Largest HTTP request body in bytes; larger ones get status 413.")
+    graceful_shutdown_timeout: float = _opt(
+        30.0, "Seconds SIGTERM waits for in-flight requests before aborting them.")
     load_plugins: tuple[str, ...] = _opt(
         (), "Load a plugin by entry-point name, module or .py file (repeatable); no:NAME disables.",
         flags=("--plugin",))
@@ -348,6 +355,12 @@ def _check_ranges(s: ServerSettings) -> None:
         fail("page_size", "expected at least 1")
     if s.chunked_prefill_size != -1 and s.chunked_prefill_size < 1:
         fail("chunked_prefill_size", "expected -1 (off) or at least 1")
+    if s.api_key is not None and not s.api_key.strip():
+        fail("api_key", "expected a non-empty key")
+    if s.max_request_body_size < 1:
+        fail("max_request_body_size", "expected at least 1 byte")
+    if s.graceful_shutdown_timeout < 0:
+        fail("graceful_shutdown_timeout", "expected 0 or more seconds")
     if s.chat_template and not Path(s.chat_template).expanduser().is_file() \
             and "{{" not in s.chat_template and "{%" not in s.chat_template:
         fail("chat_template", "no such file (expected a Jinja template file)")

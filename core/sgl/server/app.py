@@ -1,4 +1,9 @@
-"""The FastAPI application: core routes plus the routers of frontend plugins."""
+"""The FastAPI application: core routes plus the routers of frontend plugins.
+
+The core serves ``GET /health`` and ``GET /metrics`` and wraps every route, whatever plugin
+mounted it, in the middleware of :mod:`sgl.server.middleware`: the API key, the body size limit
+and cancellation of requests whose client went away.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,15 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+
+from sgl.server.io_struct import GenerateError
+from sgl.server.metrics import CONTENT_TYPE_LATEST
+from sgl.server.middleware import (
+    ApiKeyMiddleware,
+    BodySizeLimitMiddleware,
+    CancelOnDisconnectMiddleware,
+)
 
 if TYPE_CHECKING:
     from sgl.server.context import ServerContext
@@ -20,7 +33,8 @@ logger = logging.getLogger("sgl.server")
 
 
 def create_app(server: ServerContext) -> FastAPI:
-    """Build the app: ``/health`` from the core, everything else from frontend plugins."""
+    """Build the app: ``/health`` and ``/metrics`` from the core, everything else from
+    frontend plugins, all behind the core's middleware."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -42,6 +56,23 @@ def create_app(server: ServerContext) -> FastAPI:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unhealthy",
                              "reason": server.tokenizer_manager.dead_reason}, status_code=503)
+
+    @app.get("/metrics", tags=["core"])
+    async def metrics() -> Response:
+        """Prometheus metrics: request counters and latency histograms, and the scheduler's
+        load as gauges."""
+        tm = server.tokenizer_manager
+        try:
+            tm.metrics.set_load(await tm.get_load())
+        except GenerateError:  # the scheduler is gone: still serve the counters
+            pass
+        return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # the last added runs first: the key, then the size limit, then disconnect handling
+    app.add_middleware(CancelOnDisconnectMiddleware)
+    app.add_middleware(BodySizeLimitMiddleware, limit=server.settings.max_request_body_size)
+    if server.settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=server.settings.api_key)
 
     registry = server.plugin_manager.registries.frontends
     for name in server.settings.frontends or registry.names():

@@ -44,6 +44,13 @@ class _Server(uvicorn.Server):
             for sig, handler in original.items():
                 signal.signal(sig, handler)
 
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            logger.info("%s received: no new connections; waiting up to %.0f s for in-flight "
+                        "requests, then aborting them", signal.Signals(sig).name,
+                        self.config.timeout_graceful_shutdown or 0)
+        super().handle_exit(sig, frame)
+
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets=sockets)
         if self.started:
@@ -113,7 +120,8 @@ def run_server(settings: ServerSettings, pm: SglPluginManager) -> int:
         handle.stop(timeout=5)
         return 1
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
-                            log_level=settings.log_level, timeout_graceful_shutdown=30)
+                            log_level=settings.log_level,
+                            timeout_graceful_shutdown=settings.graceful_shutdown_timeout)
     server = _Server(config)
     server.ready_message = (f"sgl is ready: serving {ctx.model_name} at "
                             f"http://{settings.host}:{settings.port}")

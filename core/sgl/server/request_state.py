@@ -82,6 +82,8 @@ class ReqState:
 
     def apply(self, out: TokenOutput) -> None:
         """Take in one message from the scheduler (only new ids and logprob entries)."""
+        if self.finished:  # aborted here meanwhile
+            return
         now = time.time()
         ids = [int(t) for t in out.new_token_ids]
         self.output_ids.extend(ids)
@@ -108,6 +110,15 @@ class ReqState:
             self.finish_reason = reason or {"type": "abort", "message": out.error}
             self.finished_time = now
             self.final_text = self._trim_stop(before)
+        self.dirty = True
+        self.waker.set()
+
+    def abort(self, message: str) -> None:
+        """End the request here, keeping what was generated (``/abort_request``)."""
+        self.text += self.detok.flush()
+        self.final_text = self.text
+        self.finish_reason = {"type": "abort", "message": message}
+        self.finished_time = time.time()
         self.dirty = True
         self.waker.set()
 

@@ -9,8 +9,12 @@ asyncio loop. Callers use:
   dict, or a list of them for a batch or ``n > 1``;
 * :meth:`TokenizerManager.generate_stream` -- the same as an async iterator of chunks, each
   holding only what is new (text, output ids, logprob entries);
-* :meth:`TokenizerManager.flush_cache`, :meth:`TokenizerManager.get_server_info` -- round trips
-  to the scheduler.
+* :meth:`TokenizerManager.flush_cache`, :meth:`TokenizerManager.get_server_info`,
+  :meth:`TokenizerManager.get_load` -- round trips to the scheduler;
+* :meth:`TokenizerManager.abort_request` -- stop requests by id (SGLang's ``/abort_request``).
+
+Every request that ends (finished, failed or cancelled) is logged in one INFO line and counted
+in :attr:`TokenizerManager.metrics` (:mod:`sgl.server.metrics`).
 
 A background task receives :class:`~sgl.engine.messages.TokenBatch` messages and updates the
 state of each request (:mod:`sgl.server.request_state`). Everything a request can get wrong is
@@ -43,6 +47,7 @@ from sgl.engine.messages import (
 from sgl.sampling import SamplingParamsError
 from sgl.server.detokenizer import decode_tokens
 from sgl.server.io_struct import BadRequestError, GenerateError, GenerateReqInput, OneRequest
+from sgl.server.metrics import ServerMetrics
 from sgl.server.request_state import ReqState
 
 if TYPE_CHECKING:
@@ -90,6 +95,7 @@ class TokenizerManager:
         self._zmq: zmq.asyncio.Context | None = None
         self._recv_task: asyncio.Task[None] | None = None
         self.dead_reason: str | None = None
+        self.metrics = ServerMetrics()
 
     async def start(self) -> None:
         self._zmq = zmq.asyncio.Context()
@@ -311,6 +317,7 @@ class TokenizerManager:
         for st in states:
             if self._states.get(st.rid) is st:
                 del self._states[st.rid]
+            self._log_finished(st)
             if st.finished or self.dead_reason is not None or self._zmq is None:
                 continue
             try:
@@ -318,6 +325,40 @@ class TokenizerManager:
                     _ignore_result)
             except zmq.ZMQError:
                 pass
+
+    def _log_finished(self, st: ReqState) -> None:
+        """One INFO line and the metrics of a request that is over, however it ended."""
+        now = time.time()
+        self.metrics.request_finished(st, now)
+        if st.error is not None:
+            outcome = f"failed ({st.error})"
+        elif st.finish_reason is None:
+            outcome = "cancelled"
+        else:
+            outcome = str(st.finish_reason.get("type"))
+        latency = (st.finished_time or now) - st.arrival_time
+        logger.info("request %s %s: %d prompt tokens (%d cached), %d completion tokens, %.3f s",
+                    st.rid, outcome, st.prompt_tokens, st.cached_tokens, st.completion_tokens,
+                    latency)
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> list[str]:
+        """Stop the request ``rid`` (or every request with ``abort_all``) wherever it is: its
+        caller gets what was generated so far with ``finish_reason`` ``{"type": "abort"}``, and
+        the scheduler frees its memory. Returns the ids aborted (none when ``rid`` is unknown or
+        already finished)."""
+        aborted = []
+        for state in list(self._states.values()):
+            if state.finished or not (abort_all or state.rid == rid):
+                continue
+            state.abort("aborted by an abort request")
+            aborted.append(state.rid)
+            if self._zmq is not None and self.dead_reason is None:
+                try:
+                    self._send.send_pyobj(AbortRequest(state.rid), flags=zmq.NOBLOCK) \
+                        .add_done_callback(_ignore_result)
+                except zmq.ZMQError:
+                    pass
+        return aborted
 
     # --- control round trips ------------------------------------------------------------------
 
@@ -328,12 +369,18 @@ class TokenizerManager:
     async def get_server_info(self) -> dict[str, Any]:
         """Settings, the model's facts and the scheduler's live state (SGLang's shape:
         settings and scheduler facts at the top level, ``internal_states`` and ``version``)."""
-        internal = await self._ask(ServerInfoRequest(rid=uuid.uuid4().hex))
+        internal = await self.get_load()
         facts = {k: v for k, v in dataclasses.asdict(self.info).items() if k not in ("ok", "error")}
         settings = self.settings.to_dict() if self.settings is not None else {}
+        if settings.get("api_key"):
+            settings["api_key"] = "<hidden>"
         from sgl import __version__
 
         return {**settings, **facts, "internal_states": [internal], "version": __version__}
+
+    async def get_load(self) -> dict[str, Any]:
+        """The scheduler's live state: running and waiting requests, KV pool use, ..."""
+        return await self._ask(ServerInfoRequest(rid=uuid.uuid4().hex))
 
     async def _ask(self, msg: FlushCacheRequest | ServerInfoRequest) -> dict[str, Any]:
         if self.dead_reason is not None:

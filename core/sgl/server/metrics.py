@@ -1,0 +1,87 @@
+"""Prometheus metrics of one server (``GET /metrics``), in SGLang's names with an ``sgl:``
+prefix.
+
+Counters and histograms are fed by the TokenizerManager once per finished request
+(:meth:`ServerMetrics.request_finished`); the gauges are read from the scheduler's load report
+when ``/metrics`` is scraped (:meth:`ServerMetrics.set_load`). Each server (and each
+:class:`sgl.Engine`) has its own registry, so several can live in one process.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from sgl.server.request_state import ReqState
+
+__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 60.0, 120.0, 300.0)
+_TOKEN_LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                          0.5, 0.75, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """The metric objects of one server, in their own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("sgl:num_requests", "Requests finished, by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("sgl:prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=r)
+        self.generation_tokens = Counter("sgl:generation_tokens",
+                                         "Tokens generated for finished requests.", registry=r)
+        self.cached_tokens = Counter("sgl:cached_tokens",
+                                     "Prompt tokens served from the prefix cache.", registry=r)
+        self.ttft = Histogram("sgl:time_to_first_token_seconds",
+                              "Seconds from receipt to the first output token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("sgl:inter_token_latency_seconds",
+                                     "Mean seconds between output tokens, one sample per request.",
+                                     buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("sgl:e2e_request_latency_seconds",
+                             "Seconds from receipt to the end of the request.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("sgl:num_running_reqs", "Requests running in the scheduler.",
+                             registry=r)
+        self.queued = Gauge("sgl:num_queue_reqs", "Requests waiting to be scheduled.", registry=r)
+        self.token_usage = Gauge("sgl:token_usage", "Fraction of the KV pool in use.", registry=r)
+        self.kv_used = Gauge("sgl:kv_used_tokens", "KV pool slots in use.", registry=r)
+        self.cache_hit_rate = Gauge("sgl:cache_hit_rate",
+                                    "Fraction of prompt tokens found in the prefix cache.",
+                                    registry=r)
+
+    def request_finished(self, state: ReqState, now: float) -> None:
+        """Count one request that finished, failed or was aborted."""
+        reason = "error" if state.error is not None else \
+            str((state.finish_reason or {}).get("type", "abort"))
+        self.requests.labels(finish_reason=reason).inc()
+        self.prompt_tokens.inc(state.prompt_tokens)
+        self.generation_tokens.inc(state.completion_tokens)
+        self.cached_tokens.inc(state.cached_tokens)
+        end = state.finished_time or now
+        self.e2e.observe(max(0.0, end - state.arrival_time))
+        if state.first_token_time is not None:
+            self.ttft.observe(max(0.0, state.first_token_time - state.arrival_time))
+            if state.completion_tokens > 1:
+                self.inter_token.observe(max(0.0, end - state.first_token_time)
+                                         / (state.completion_tokens - 1))
+
+    def set_load(self, load: dict[str, Any]) -> None:
+        """Set the gauges from the scheduler's load report (``ServerInfoRequest``)."""
+        self.running.set(load.get("num_running_reqs", 0))
+        self.queued.set(load.get("num_waiting_reqs", load.get("num_queue_reqs", 0)))
+        used, total = load.get("kv_used_tokens", 0), load.get("kv_total_tokens", 0)
+        self.kv_used.set(used)
+        self.token_usage.set(used / total if total else 0.0)
+        self.cache_hit_rate.set(load.get("cache_hit_rate") or 0.0)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,3 @@
+"""SGLang's native HTTP API as an sgl frontend plugin."""
+
+__all__: list[str] = []

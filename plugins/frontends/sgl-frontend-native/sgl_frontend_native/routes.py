@@ -1,0 +1,186 @@
+"""The routes of SGLang's native API, wire-compatible with SGLang's runtime server.
+
+``/generate`` passes the body to the core TokenizerManager, which checks it, runs it and builds
+SGLang's result dicts; this module only parses JSON, picks streaming or not and shapes errors
+as SGLang does (``{"error": {"message": ...}}``, status 400 for a bad request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from sgl.server.io_struct import GenerateError, GenerateReqInput
+from sgl.server.sse import EventStreamResponse, dumps, sse_event
+
+if TYPE_CHECKING:
+    from sgl.server.context import ServerContext
+
+__all__ = ["make_router"]
+
+#: seconds /health_generate waits for its one token before answering 503
+HEALTH_GENERATE_TIMEOUT = 20.0
+
+
+class _BadBody(Exception):
+    """The body is not the JSON the route needs."""
+
+
+def _json(status: int, body: Any) -> Response:
+    return Response(dumps(body), status_code=status, media_type="application/json")
+
+
+def _error(status: int, message: str, param: str | None = None) -> Response:
+    error: dict[str, Any] = {"message": message, "code": status}
+    if param:
+        error["param"] = param
+    return _json(status, {"error": error})
+
+
+async def _read_json(request: Request) -> Any:
+    raw = await request.body()
+    if not raw.strip():
+        raise _BadBody("the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _BadBody(f"the request body is not valid JSON: {exc}") from None
+
+
+async def _events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """SGLang's stream: one ``data:`` event per chunk, an error event if the request fails on
+    the way, then ``data: [DONE]``."""
+    try:
+        async for chunk in chunks:
+            yield sse_event(chunk)
+    except GenerateError as exc:
+        yield sse_event({"error": {"message": str(exc), "code": exc.status}})
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+    yield sse_event("[DONE]")
+
+
+def make_router(server: ServerContext) -> APIRouter:
+    """The native API's routes, bound to one server."""
+    router = APIRouter(tags=["native"])
+    tm = server.tokenizer_manager
+    model_facts: dict[str, Any] = {}
+
+    @router.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        """SGLang's ``/generate``: one prompt or a batch, streamed or not."""
+        try:
+            obj = GenerateReqInput.from_dict(await _read_json(request))
+            if obj.stream is True:
+                chunks = tm.generate_stream(obj, incremental=False)
+                return EventStreamResponse(_events(chunks))
+            result = await tm.generate(obj)
+        except _BadBody as exc:
+            return _error(400, str(exc))
+        except GenerateError as exc:
+            return _error(exc.status, str(exc), getattr(exc, "param", None))
+        except (TypeError, ValueError) as exc:  # a value of the wrong type deep inside
+            return _error(400, f"invalid request: {exc}")
+        return _json(200, result)
+
+    def model_info() -> dict[str, Any]:
+        if not model_facts:
+            model_facts["model_type"] = _model_type(server)
+        return {
+            "model_path": server.info.model_path,
+            "tokenizer_path": server.info.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": model_facts["model_type"],
+            "architectures": [server.info.architecture] if server.info.architecture else None,
+            "served_model_name": server.model_name,
+        }
+
+    @router.get("/get_model_info")
+    async def get_model_info() -> Response:
+        """The served model: path, architecture, whether it generates."""
+        return _json(200, model_info())
+
+    @router.get("/model_info")
+    async def model_info_alias() -> Response:
+        """The same as ``/get_model_info``."""
+        return _json(200, model_info())
+
+    async def server_info() -> Response:
+        try:
+            return _json(200, await tm.get_server_info())
+        except GenerateError as exc:
+            return _error(exc.status, str(exc))
+
+    @router.get("/get_server_info")
+    async def get_server_info() -> Response:
+        """Settings, the model's facts, the scheduler's load (``internal_states``), version."""
+        return await server_info()
+
+    @router.get("/server_info")
+    async def server_info_alias() -> Response:
+        """The same as ``/get_server_info``."""
+        return await server_info()
+
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        """Drop cached prefixes; 400 with the scheduler's reason when requests are running."""
+        try:
+            reply = await tm.flush_cache()
+        except GenerateError as exc:
+            return _error(exc.status, str(exc))
+        message = str(reply.get("message") or "")
+        if reply.get("success"):
+            return PlainTextResponse(f"Cache flushed.\n{message}\n".rstrip() + "\n")
+        return PlainTextResponse(f"Cache not flushed: {message}\n", status_code=400)
+
+    @router.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        """Stop a request by ``rid`` (or all with ``abort_all``); 200 even if it is unknown."""
+        try:
+            body = await _read_json(request)
+        except _BadBody as exc:
+            return _error(400, str(exc))
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object with a 'rid'")
+        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+        if not isinstance(rid, str):
+            return _error(400, f"rid must be a string, got {type(rid).__name__}", "rid")
+        if not isinstance(abort_all, bool):
+            return _error(400, f"abort_all must be true or false, got {abort_all!r}", "abort_all")
+        tm.abort_request(rid, abort_all=abort_all)
+        return Response(status_code=200)
+
+    @router.get("/health_generate")
+    async def health_generate() -> Response:
+        """200 once the model has generated one token, 503 if it cannot within 20 s."""
+        body = {"input_ids": tm.encode("Hello") or [0], "rid": f"HEALTH_CHECK_{uuid.uuid4().hex}",
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        try:
+            await asyncio.wait_for(tm.generate(body), HEALTH_GENERATE_TIMEOUT)
+        except asyncio.TimeoutError:
+            return _error(503, f"no token generated within {HEALTH_GENERATE_TIMEOUT:.0f} s")
+        except GenerateError as exc:
+            return _error(503, f"generation failed: {exc}")
+        return Response(status_code=200)
+
+    return router
+
+
+def _model_type(server: ServerContext) -> str | None:
+    """The Hugging Face ``model_type`` of the served model, or None if it cannot be read."""
+    try:
+        from sgl.model_loader import load_hf_config
+
+        return getattr(load_hf_config(server.info.model_path), "model_type", None)
+    except Exception:  # an odd model folder must not break the info route
+        return None
