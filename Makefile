@@ -16,6 +16,7 @@ PLUGINS := \
 	plugins/models/sgl-model-phi \
 	plugins/models/sgl-model-qwen \
 	plugins/attention/sgl-attn-torch \
+	plugins/cache/sgl-cache-radix \
 	plugins/frontends/sgl-frontend-openai \
 	plugins/frontends/sgl-frontend-native
 

@@ -77,8 +77,15 @@ class ServerSettings:
         "chunks interleaved with decoding. -1 turns chunking off.")
     attention_backend: str = _opt("torch", "Attention backend, by registered name.",
                                   registry="attention")
-    cache_policy: str | None = _opt(None, "Prefix-cache policy by name; default: none.",
-                                    registry="cache")
+    cache_policy: str | None = _opt(
+        None, "Prefix-cache policy by name; default: radix when its plugin is installed, else "
+        "none.", registry="cache")
+    disable_radix_cache: bool = _opt(
+        False, "Cache nothing across requests (no prefix cache), whatever --cache-policy says.")
+    schedule_policy: Literal["lpm", "dfs-weight", "fcfs", "lof", "random"] = _opt(
+        "lpm", "Order in which waiting requests are admitted: lpm (longest cached prefix "
+        "first), dfs-weight (depth-first over the cache tree), fcfs, lof (longest output "
+        "first) or random.")
     grammar_backend: str | None = _opt(None, "Grammar backend for structured output, by name.",
                                        registry="grammar")
     speculative_algorithm: str | None = _opt(

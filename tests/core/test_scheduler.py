@@ -40,10 +40,10 @@ class Result:
 class Harness:
     """A Scheduler in this process; the test plays the server's side of the sockets."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, **overrides: Any) -> None:
         settings = load_settings(env={}, cli={
             "dtype": "float32", "max_total_tokens": POOL_TOKENS, "max_running_requests": 48,
-            "chunked_prefill_size": 512, "num_threads": 1})
+            "chunked_prefill_size": 512, "num_threads": 1, **overrides})
         self.ctx = zmq.Context()
         endpoints = {"requests": f"ipc://{tmp}/req", "outputs": f"ipc://{tmp}/out"}
         self.push = self.ctx.socket(zmq.PUSH)
@@ -90,8 +90,14 @@ class Harness:
         raise AssertionError("requests did not finish")
 
     def assert_memory_empty(self) -> None:
+        """Every slot is either free or held (unlocked) by the prefix cache, and after a flush
+        every slot is free again."""
         s = self.scheduler
         assert s.idle
+        pool = s.runner.kv_pool
+        assert pool.num_free + s.cache.cached_tokens == pool.size
+        assert s.cache.evictable_tokens == s.cache.cached_tokens  # nothing locked
+        assert s.flush_cache()["success"]
         assert s.runner.kv_pool.num_free == s.runner.kv_pool.size
         assert s.runner.req_to_token_pool.num_free == s.runner.req_to_token_pool.max_requests
 
@@ -168,7 +174,9 @@ def test_chunked_prefill_matches_unchunked(harness: Harness) -> None:
     assert len(chunked.input_token_logprobs) == len(prompt)
     got = torch.tensor([e[0] for e in chunked.input_token_logprobs[1:]])
     want = torch.tensor([e[0] for e in whole.input_token_logprobs[1:]])
-    assert torch.allclose(got, want, atol=1e-4)
+    # 64-token chunks go through sgl's float32 panel matmul, the whole prompt through MKL: the
+    # same sums in another order, so equal to float32 rounding (measured: 7.5e-5 relative)
+    torch.testing.assert_close(got, want, rtol=2e-4, atol=1e-4)
 
 
 def test_abort_frees_memory_at_once(harness: Harness) -> None:

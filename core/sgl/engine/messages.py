@@ -128,3 +128,5 @@ class SchedulerInfo:
     max_running_requests: int = 0
     chunked_prefill_size: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
+    cache_policy: str = "none"
+    schedule_policy: str = "fcfs"

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import zmq
 
-from sgl.engine.batch_builder import BatchSeq, make_forward_batch, release_sequence
+from sgl.engine.batch_builder import BatchSeq, make_forward_batch
 from sgl.engine.forward_batch import ForwardMode
 from sgl.engine.logprobs import LogprobRows
 from sgl.engine.messages import (
@@ -35,7 +35,9 @@ from sgl.engine.messages import (
     TokenOutput,
 )
 from sgl.engine.sampler import SamplingInput, sample_next_tokens
+from sgl.engine.schedule_policy import CACHE_AWARE_POLICIES, defer_for_sharing, order_waiting
 from sgl.engine.sequence import Req
+from sgl.kvcache import BaseCachePolicy, NoPrefixCache, PrefixMatch
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
@@ -84,6 +86,7 @@ class Scheduler:
             max_running_requests=settings.max_running_requests,
             context_length=settings.context_length, page_size=settings.page_size)
         self.eos_token_ids = _eos_ids(self.runner.hf_config)
+        self.cache = make_cache_policy(settings, pm, self.runner)
         self.chunk_size = (settings.chunked_prefill_size if settings.chunked_prefill_size > 0
                            else self.runner.context_length)
         self.waiting: deque[Req] = deque()
@@ -113,7 +116,8 @@ class Scheduler:
             max_total_tokens=r.kv_pool.size, kv_pool_bytes=r.kv_pool_bytes,
             attention_backend=self.settings.attention_backend,
             max_running_requests=self.settings.max_running_requests,
-            chunked_prefill_size=self.chunk_size, eos_token_ids=self.eos_token_ids)
+            chunked_prefill_size=self.chunk_size, eos_token_ids=self.eos_token_ids,
+            cache_policy=self.cache.name, schedule_policy=self.settings.schedule_policy)
 
     # the loop --------------------------------------------------------------------------------
 
@@ -142,40 +146,91 @@ class Scheduler:
     def schedule(self) -> list[tuple[Req, int]]:
         """Pick this step's work: ``(request, number of new tokens)`` pairs."""
         decodes = [r for r in self.running if r.pending == 1]
-        while decodes and self.runner.kv_pool.num_free < len(decodes):
+        while decodes and self.kv_available() < len(decodes):
             self.retract(decodes.pop())
         if decodes:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                        self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         step = [(r, 1) for r in decodes]
         budget = self.chunk_size
-        free = self.runner.kv_pool.num_free - len(decodes)
+        free = self.kv_available() - len(decodes)
         for req in self.running:  # a prompt whose earlier chunks already ran
             if req.pending > 1 and budget > 0 and free > 0:
                 n = min(req.pending, budget, free)
                 step.append((req, n))
                 budget, free = budget - n, free - n
-        reserved = sum(math.ceil(r.remaining_new_tokens() * self.new_token_ratio)
-                       + r.pending for r in self.running) - len(decodes)
-        rows = self.runner.req_to_token_pool
-        while (self.waiting and budget > 0 and rows.num_free > 0
-               and len(self.running) < self.settings.max_running_requests):
-            req = self.waiting[0]
-            need = req.pending + math.ceil(req.remaining_new_tokens() * self.new_token_ratio)
-            if need > self.runner.kv_pool.num_free - reserved and self.running:
+        if self.can_admit(budget):
+            step += self.admit(budget, free, reserved=sum(
+                math.ceil(r.remaining_new_tokens() * self.new_token_ratio) + r.pending
+                for r in self.running) - len(decodes))
+        self.make_room(sum(n for _, n in step))
+        return step
+
+    def can_admit(self, budget: int) -> bool:
+        return bool(self.waiting and budget > 0 and self.runner.req_to_token_pool.num_free > 0
+                    and len(self.running) < self.settings.max_running_requests)
+
+    def admit(self, budget: int, free: int, reserved: int) -> list[tuple[Req, int]]:
+        """Move waiting requests into the running batch, in the schedule policy's order, while
+        the token budget, the KV memory they will need and the request limits allow; each
+        starts from its longest cached prefix."""
+        policy = self.settings.schedule_policy
+        order, matches = order_waiting(policy, self.waiting, self.cache, self.max_prefix_len)
+        shared_heads: set[tuple[int, ...]] = set()
+        step = []
+        for req in order:
+            if not self.can_admit(budget):
                 break
-            if req.pending > self.runner.kv_pool.num_free:
-                break  # not even the prompt fits; wait for memory to come back
-            self.waiting.popleft()
-            req.row = rows.alloc()
-            req.scheduled_time = req.scheduled_time or time.time()
-            self.running.append(req)
+            match = matches.get(id(req)) or self.cache.match_prefix(
+                req.token_slice(0, self.max_prefix_len(req)))
+            if policy in CACHE_AWARE_POLICIES and defer_for_sharing(req, match, shared_heads):
+                continue
+            self.cache.lock(match)
+            pending = req.seq_len - len(match)
+            need = pending + math.ceil(req.remaining_new_tokens() * self.new_token_ratio)
+            available = self.kv_available()
+            if (need > available - reserved and self.running) or pending > available:
+                self.cache.unlock(match)  # wait for memory to come back
+                break
+            self.waiting.remove(req)
+            self.start(req, match)
             n = min(req.pending, budget, free)
             if n > 0:
                 step.append((req, n))
                 budget, free = budget - n, free - n
             reserved += need
         return step
+
+    def start(self, req: Req, match: PrefixMatch) -> None:
+        """Give a request its row, starting from the (locked) cached prefix ``match``."""
+        req.row = self.runner.req_to_token_pool.alloc()
+        req.prefix, req.kv_len = match, len(match)
+        if len(match):
+            self.runner.req_to_token_pool.req_to_token[req.row, :len(match)] = match.slots
+        if req.cached_tokens is None:  # first admission (not a retracted request resuming)
+            req.cached_tokens = len(match)
+            self.cache.stats.queried_tokens += len(req.input_ids)
+            self.cache.stats.hit_tokens += len(match)
+        req.scheduled_time = req.scheduled_time or time.time()
+        self.running.append(req)
+
+    def max_prefix_len(self, req: Req) -> int:
+        """How many leading tokens of ``req`` may come from the cache: all but the last (whose
+        logits are needed), and none of the prompt positions whose logprobs were asked for."""
+        limit = req.seq_len - 1
+        if req.logprobs.return_logprob and req.next_input_logprob < len(req.input_ids):
+            limit = min(limit, max(req.next_input_logprob - 1, 0))
+        return max(limit, 0)
+
+    def kv_available(self) -> int:
+        """KV slots free now or freeable by evicting unlocked cached prefixes."""
+        return self.runner.kv_pool.num_free + self.cache.evictable_tokens
+
+    def make_room(self, num_tokens: int) -> None:
+        """Evict cached prefixes until ``num_tokens`` slots are free."""
+        short = num_tokens - self.runner.kv_pool.num_free
+        if short > 0:
+            self.cache.evict(short)
 
     def retract(self, req: Req) -> None:
         """Give a running request's KV memory back; it waits again and resumes from its tokens."""
@@ -203,6 +258,7 @@ class Scheduler:
         for (req, n), start in zip(step, offsets):
             self.input_logprobs(req, req.kv_len, n, hidden, start)
             req.kv_len += n
+        self.cache_prefills([req for req, n in step if n > 1])
         sampling = [(req, offsets[i + 1] - 1) for i, (req, _) in enumerate(step)
                     if req.pending == 0 and not req.finished]
         to_sample = [(r, row) for r, row in sampling if r.sampling.max_new_tokens > 0]
@@ -234,6 +290,17 @@ class Scheduler:
                 if opts.token_ids_logprob:
                     req.output_token_ids_logprobs.append(lp.of_ids(j, opts.token_ids_logprob))
             self.check_finished(req)
+
+    def cache_prefills(self, reqs: list[Req]) -> None:
+        """Hand the prefixes just computed to the cache, so requests admitted from now on
+        share them (the request keeps using them, locked)."""
+        table = self.runner.req_to_token_pool.req_to_token
+        for req in reqs:
+            new = self.cache.cache_unfinished(req.token_slice(0, req.kv_len),
+                                              table[req.row, :req.kv_len], req.prefix)
+            if new is not req.prefix:
+                table[req.row, :len(new)] = new.slots
+                req.prefix = new
 
     def input_logprobs(self, req: Req, start: int, n: int, hidden: torch.Tensor,
                        offset: int) -> None:
@@ -350,10 +417,17 @@ class Scheduler:
 
     def flush_cache(self) -> dict[str, Any]:
         if self.running or self.waiting:
-            return {"success": False, "message": f"cannot flush while {len(self.running)} "
-                    f"running and {len(self.waiting)} waiting requests use the cache"}
-        return {"success": True, "message": "nothing is cached across requests without a "
-                "cache policy plugin", "kv_free": self.runner.kv_pool.num_free}
+            return {"success": False, "message": f"cannot flush the cache while "
+                    f"{len(self.running)} running and {len(self.waiting)} waiting requests "
+                    "use it; retry when they are done"}
+        dropped = self.cache.cached_tokens
+        if not self.cache.flush():
+            return {"success": False, "message": "cannot flush: open sessions or running "
+                    "requests hold cached prefixes"}
+        message = ("nothing is cached across requests (no prefix cache)"
+                   if isinstance(self.cache, NoPrefixCache)
+                   else f"flushed the {self.cache.name} cache ({dropped} tokens)")
+        return {"success": True, "message": message, "kv_free": self.runner.kv_pool.num_free}
 
     def load_info(self) -> dict[str, Any]:
         pool = self.runner.kv_pool
@@ -361,7 +435,8 @@ class Scheduler:
                 "kv_used_tokens": pool.num_used, "kv_total_tokens": pool.size,
                 "kv_free_tokens": pool.num_free, "new_token_ratio": self.new_token_ratio,
                 "num_retractions": self.num_retractions,
-                "req_rows_free": self.runner.req_to_token_pool.num_free}
+                "req_rows_free": self.runner.req_to_token_pool.num_free,
+                "schedule_policy": self.settings.schedule_policy, **self.cache.info()}
 
     def reply_info(self, rid: str, info: dict[str, Any]) -> None:
         self.send_sock.send_pyobj(TokenBatch(info=info, info_rid=rid))
@@ -369,6 +444,7 @@ class Scheduler:
     def output_of(self, r: Req) -> TokenOutput:
         out = TokenOutput(
             rid=r.rid, new_token_ids=r.unsent(), prompt_tokens=len(r.input_ids),
+            cached_tokens=r.cached_tokens or 0,
             completion_tokens=len(r.output_ids), finish_reason=r.finish_reason, error=r.error,
             error_status=r.error_status, input_token_logprobs=r.input_token_logprobs,
             output_token_logprobs=r.output_token_logprobs,
@@ -396,9 +472,13 @@ class Scheduler:
             self.send_sock.send_pyobj(TokenBatch(outputs))
 
     def free_memory(self, req: Req) -> None:
-        if req.row is not None:
-            release_sequence(self.runner, req.row, req.kv_len)
-            req.row, req.kv_len = None, 0
+        """Hand a request's KV slots to the cache (which keeps or frees them) and free its row."""
+        if req.row is None:
+            return
+        slots = self.runner.req_to_token_pool.req_to_token[req.row, :req.kv_len].clone()
+        self.cache.cache_finished(req.token_slice(0, req.kv_len), slots, req.prefix)
+        self.runner.req_to_token_pool.free(req.row)
+        req.row, req.kv_len, req.prefix = None, 0, PrefixMatch()
 
     def release_finished(self) -> None:
         """Free the KV slots and table rows of finished requests."""
@@ -414,6 +494,21 @@ class Scheduler:
         self.recv_sock.close(linger=0)
         self.send_sock.close(linger=0)
         self.zmq.term()
+
+
+def make_cache_policy(settings: ServerSettings, pm: SglPluginManager,
+                      runner: ModelRunner) -> BaseCachePolicy:
+    """The cache policy the settings ask for: ``--cache-policy``, else ``radix`` when a plugin
+    registers it, else none; ``--disable-radix-cache`` always means none."""
+    name = settings.cache_policy
+    if name is None and "radix" in pm.registries.cache:
+        name = "radix"
+    if settings.disable_radix_cache or name is None:
+        cls: type[BaseCachePolicy] = NoPrefixCache
+    else:
+        cls = pm.registries.cache.load(name)
+    logger.info("prefix cache: %s; schedule policy: %s", cls.name, settings.schedule_policy)
+    return cls(kv_pool=runner.kv_pool, page_size=settings.page_size)
 
 
 def _eos_ids(hf_config: Any) -> list[int]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sgl.engine.messages import LogprobEntry, LogprobOptions
+from sgl.kvcache import PrefixMatch
 from sgl.sampling import SamplingParams
 
 __all__ = ["Req"]
@@ -23,6 +24,9 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     row: int | None = None  # row in req_to_token while the request holds KV memory
     kv_len: int = 0  # tokens of input_ids + output_ids whose K/V are in the pool
+    prefix: PrefixMatch = field(default_factory=PrefixMatch)  # leading slots owned by the cache
+    cached_tokens: int | None = None  # prompt tokens found in the cache at first admission
+    session_id: str | None = None
     finish_reason: dict[str, Any] | None = None
     error: str | None = None
     error_status: int = 400

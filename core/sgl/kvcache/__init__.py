@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from sgl.kvcache.base import BaseCachePolicy
+from sgl.kvcache.base import BaseCachePolicy, CacheStats, NoPrefixCache, PrefixMatch
 from sgl.kvcache.pool import KVPool, OutOfSlotsError, ReqToTokenPool
 
-__all__ = ["BaseCachePolicy", "KVPool", "OutOfSlotsError", "ReqToTokenPool"]
+__all__ = ["BaseCachePolicy", "CacheStats", "KVPool", "NoPrefixCache", "OutOfSlotsError",
+           "PrefixMatch", "ReqToTokenPool"]
