@@ -97,7 +97,7 @@ def settings_options(pm: SglPluginManager) -> list[click.Option]:
         phints = _type_hints(cls)
         for f in option_fields(cls):
             flag = f"--{pid}-{f.name}".replace("_", "-").replace(".", "-")
-            options.append(_option_for(f, phints[f.name], dest=f"plugin__{pid}__{f.name}",
+            options.append(_option_for(f, phints[f.name], dest=f"plugin__{_ident(pid)}__{f.name}",
                                        flags=(flag,), group=f"Options of plugin {pid}",
                                        env=env_var_name(f.name, pid)))
     return options
@@ -110,6 +110,12 @@ def _registry_names(pm: SglPluginManager, registry: str) -> list[str] | None:
         return getattr(pm.registries, registry).names()
     except (DuplicateRegistrationError, PluginError):
         return None
+
+
+def _ident(plugin_id: str) -> str:
+    """A plugin id as a Python identifier (click's parameter names): ``-`` and ``.`` become
+    ``_``."""
+    return plugin_id.replace("-", "_").replace(".", "_")
 
 
 def plugin_config_classes(pm: SglPluginManager) -> dict[str, type]:
@@ -129,6 +135,7 @@ def settings_from_click(ctx: click.Context, pm: SglPluginManager) -> ServerSetti
     cli: dict[str, Any] = {}
     flags: dict[str, str] = {}
     plugin_cli: dict[str, dict[str, Any]] = {}
+    plugin_ids = {_ident(pid): pid for pid in plugin_config_classes(pm)}
     for param in ctx.command.params:
         name = param.name or ""
         if name == "config_file" or ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE:
@@ -136,7 +143,7 @@ def settings_from_click(ctx: click.Context, pm: SglPluginManager) -> ServerSetti
         value = ctx.params[name]
         if name.startswith("plugin__"):
             _, pid, key = name.split("__", 2)
-            plugin_cli.setdefault(pid, {})[key] = value
+            plugin_cli.setdefault(plugin_ids.get(pid, pid), {})[key] = value
         else:
             cli[name] = value
             flags[name] = param.opts[0].split("/")[0]

@@ -18,6 +18,7 @@ from sgl.hookspecs import (
     models,
     parallel,
     speculative,
+    tools,
     transfer,
 )
 from sgl.hookspecs._marker import PROJECT_NAME, hookimpl, hookspec
@@ -36,4 +37,5 @@ SPEC_MODULES: tuple[ModuleType, ...] = (
     parallel,
     transfer,
     frontends,
+    tools,
 )

@@ -1,43 +1,208 @@
-"""Request and response shapes of the OpenAI API (the subset sgl serves)."""
+"""Request shapes of the OpenAI API (the subset sgl serves), as pydantic models.
+
+Unknown fields are refused (status 400, naming the field) rather than silently ignored. A few
+fields that only matter to OpenAI's own service (``store``, ``metadata``, ``service_tier``,
+``parallel_tool_calls``, ``user``) are accepted and ignored.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest",
+           "DetokenizeRequest", "FunctionDef", "ResponseFormat", "StreamOptions",
+           "TokenizeRequest", "Tool", "ToolChoiceFunction", "error_body"]
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FunctionDef(_Strict):
+    """A function the model may call."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class _NamedFunction(_Strict):
+    name: str
+
+
+class ToolChoiceFunction(_Strict):
+    """``{"type": "function", "function": {"name": ...}}``: call exactly this function."""
+
+    type: Literal["function"] = "function"
+    function: _NamedFunction
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """One message of a chat. Content is a string or a list of text parts."""
+
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
 
     def text(self) -> str:
+        """The content as one string; refuses parts that are not text."""
         if isinstance(self.content, list):
             parts = []
             for part in self.content:
                 if part.get("type") != "text":
-                    raise ValueError(f"content part of type {part.get('type')!r} is not supported")
+                    raise ValueError(f"content part of type {part.get('type')!r} is not supported; "
+                                     "only 'text' parts are")
                 parts.append(str(part.get("text", "")))
             return "".join(parts)
         return self.content or ""
 
 
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _SamplingFields(_Strict):
+    """Fields that /v1/chat/completions and /v1/completions share."""
 
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=0)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    # sgl and SGLang extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> _SamplingFields:
+        if isinstance(self.stop, list) and len(self.stop) > 16:
+            raise ValueError("stop: at most 16 stop strings")
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias: keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias: values must be in [-100, 100], got {bias}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """The body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: logprobs must be true when top_logprobs is given")
+        if isinstance(self.tool_choice, ToolChoiceFunction):
+            names = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice: the function {self.tool_choice.function.name!r} "
+                                 f"is not among the tools ({', '.join(names) or 'none given'})")
+        if self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice: 'required' needs tools")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    """The body of ``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: only best_of equal to n is supported")
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt: must not be an empty list")
+        return self
+
+
+class TokenizeRequest(_Strict):
+    """The body of ``POST /v1/tokenize``: a prompt, or chat messages formatted by the
+    chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """The body of ``POST /v1/detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}

@@ -1,105 +1,119 @@
-"""The routes of the OpenAI frontend."""
+"""The routes of the OpenAI frontend: chat completions, completions, models, tokenize and
+detokenize. Every error is OpenAI's error JSON with a 4xx/5xx status."""
 
 from __future__ import annotations
 
-import json
 import time
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from fastapi.responses import JSONResponse, Response
 
-from sgl.sampling import SamplingParams, SamplingParamsError
-from sgl.server.io_struct import GenerateError, GenerateReqInput
-from sgl_frontend_openai.protocol import ChatCompletionRequest, error_body
+from sgl.server.io_struct import GenerateError
+from sgl_frontend_openai.chat import create_chat_completion
+from sgl_frontend_openai.common import OpenAIError, check_model, error_response, parse_body
+from sgl_frontend_openai.completions import create_completion
+from sgl_frontend_openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from sgl_frontend_openai.tool_parsers import build_tool_parser_registry, select_tool_parser
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from sgl.server.context import ServerContext
 
 __all__ = ["make_router"]
 
-_FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
-
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(error_body(message, type=kind, param=param), status_code=status)
-
-
-def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0]
-    param = ".".join(str(p) for p in err["loc"]) or None
-    return f"{param}: {err['msg']}" if param else err["msg"], param
+async def _answer(handler: Callable[[], Awaitable[Response | dict[str, Any]]]) -> Response:
+    """Run a handler, turning sgl's and this frontend's errors into OpenAI error bodies."""
+    try:
+        out = await handler()
+    except OpenAIError as exc:
+        return exc.response()
+    except GenerateError as exc:
+        return error_response(exc.status, str(exc), getattr(exc, "param", None))
+    return out if isinstance(out, Response) else JSONResponse(out)
 
 
 def make_router(server: ServerContext) -> APIRouter:
+    """The OpenAI-compatible routes, bound to ``server``."""
     router = APIRouter(tags=["openai"])
     tm = server.tokenizer_manager
+    settings = server.settings.plugin_settings.get("frontend-openai")
+    template = tm.chat_template or getattr(tm.tokenizer, "chat_template", None)
+    parser = select_tool_parser(build_tool_parser_registry(server.plugin_manager),
+                                getattr(settings, "tool_call_parser", "auto"), template)
 
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": server.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "sgl", "max_model_len": server.info.context_length}]}
+        return {"object": "list", "data": [_model_card(server)]}
+
+    @router.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> Response:
+        async def handle() -> dict[str, Any]:
+            check_model(server, model)
+            return _model_card(server)
+        return await _answer(handle)
 
     @router.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> JSONResponse:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _error(400, f"the request body is not valid JSON: {exc}")
-        try:
-            req = ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            message, param = _validation_message(exc)
-            return _error(400, message, param)
-        if req.stream:
-            return _error(400, "stream=true is not supported yet", "stream")
-        if req.model not in (server.model_name, "default"):
-            return _error(404, f"the model {req.model!r} does not exist; this server serves "
-                               f"{server.model_name!r}", "model")
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        except ValueError as exc:
-            return _error(400, str(exc), "messages")
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
-        try:
-            sampling = SamplingParams.from_dict({
-                "max_new_tokens": max_tokens if max_tokens is not None
-                else max(1, server.info.context_length - 1),
-                "temperature": req.temperature if req.temperature is not None else 1.0,
-                "top_p": req.top_p,
-            })
-            input_ids = tm.apply_chat_template(messages)
-            if max_tokens is None:  # as much as fits in the context and the KV pool
-                room = min(server.info.context_length, server.info.max_total_tokens)
-                sampling.max_new_tokens = max(1, room - len(input_ids))
-            result = await tm.generate(GenerateReqInput(input_ids=input_ids,
-                                                        sampling_params=sampling))
-        except SamplingParamsError as exc:
-            return _error(400, str(exc))
-        except GenerateError as exc:
-            return _error(exc.status, str(exc), getattr(exc, "param", None))
-        meta = result["meta_info"]
-        reason = (meta["finish_reason"] or {}).get("type", "stop")
-        return JSONResponse({
-            "id": f"chatcmpl-{meta['id']}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": server.model_name,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": result["text"]},
-                "logprobs": None,
-                "finish_reason": _FINISH.get(reason, "stop"),
-            }],
-            "usage": {
-                "prompt_tokens": meta["prompt_tokens"],
-                "completion_tokens": meta["completion_tokens"],
-                "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"],
-            },
-        })
+    async def chat_completions(request: Request) -> Response:
+        async def handle() -> Response:
+            req = await parse_body(request, ChatCompletionRequest)
+            return await create_chat_completion(server, parser, req)
+        return await _answer(handle)
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        async def handle() -> Response:
+            req = await parse_body(request, CompletionRequest)
+            return await create_completion(server, req)
+        return await _answer(handle)
+
+    @router.post("/v1/tokenize")
+    async def tokenize(request: Request) -> Response:
+        async def handle() -> dict[str, Any]:
+            req = await parse_body(request, TokenizeRequest)
+            check_model(server, req.model)
+            if req.messages is not None:
+                messages = []
+                for i, m in enumerate(req.messages):
+                    try:
+                        messages.append({"role": m.role, "content": m.text()})
+                    except ValueError as exc:
+                        raise OpenAIError(400, f"messages[{i}].content: {exc}",
+                                          "messages") from None
+                ids = tm.apply_chat_template(messages,
+                                             add_generation_prompt=req.add_generation_prompt)
+            else:
+                ids = tm.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+            body: dict[str, Any] = {"tokens": ids, "count": len(ids),
+                                    "max_model_len": server.info.context_length}
+            if req.return_token_strs:
+                body["token_strs"] = [tm.token_text(t) for t in ids]
+            return body
+        return await _answer(handle)
+
+    @router.post("/v1/detokenize")
+    async def detokenize(request: Request) -> Response:
+        async def handle() -> dict[str, Any]:
+            req = await parse_body(request, DetokenizeRequest)
+            check_model(server, req.model)
+            bad = next((t for t in req.tokens if not 0 <= t < tm.vocab_size), None)
+            if bad is not None:
+                raise OpenAIError(400, f"tokens: token id {bad} is outside the vocabulary "
+                                       f"(ids must be in [0, {tm.vocab_size}))", "tokens")
+            return {"prompt": tm.decode(req.tokens, skip_special_tokens=False)}
+        return await _answer(handle)
 
     return router
+
+
+def _model_card(server: ServerContext) -> dict[str, Any]:
+    return {"id": server.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "sgl", "root": server.model_name,
+            "max_model_len": server.info.context_length}

@@ -1,0 +1,154 @@
+"""``POST /v1/completions``: a prompt (text or token ids, one or a batch) → text_completion.
+
+Choice ``index`` is ``prompt_index * n + sample_index``, as OpenAI numbers them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from sgl.server.io_struct import GenerateError, GenerateReqInput
+from sgl_frontend_openai.common import (
+    FINISH_REASONS,
+    OpenAIError,
+    build_sampling,
+    check_model,
+    new_id,
+    now,
+    room_for,
+    sse_stream,
+    usage,
+)
+from sgl_frontend_openai.logprobs import completion_logprobs
+
+if TYPE_CHECKING:
+    from sgl.server.context import ServerContext
+    from sgl_frontend_openai.protocol import CompletionRequest
+
+__all__ = ["create_completion"]
+
+#: OpenAI's default for /v1/completions when max_tokens is not given
+DEFAULT_MAX_TOKENS = 16
+
+
+def _prompts(server: ServerContext, req: CompletionRequest) -> tuple[dict[str, Any], list[str]]:
+    """The prompt as GenerateReqInput fields, and each prompt's text (for ``echo``)."""
+    tm = server.tokenizer_manager
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return {"text": prompt}, [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return {"text": list(prompt)}, list(prompt)  # type: ignore[arg-type]
+    if all(isinstance(p, int) for p in prompt):
+        ids = list(prompt)  # type: ignore[arg-type]
+        return {"input_ids": ids}, [tm.decode(ids) if req.echo else ""]
+    if all(isinstance(p, list) for p in prompt):
+        batch = [list(p) for p in prompt]  # type: ignore[union-attr]
+        return {"input_ids": batch}, [tm.decode(p) if req.echo else "" for p in batch]
+    raise OpenAIError(400, "prompt must be a string, a list of strings, a list of token ids or "
+                           "a list of token-id lists", "prompt")
+
+
+def _request(server: ServerContext, req: CompletionRequest) -> tuple[GenerateReqInput, list[str]]:
+    check_model(server, req.model)
+    fields, texts = _prompts(server, req)
+    max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    sampling = build_sampling(req, max_tokens)
+    want_logprobs = req.logprobs is not None
+    obj = GenerateReqInput(**fields, sampling_params=sampling, return_logprob=want_logprobs,
+                           top_logprobs_num=req.logprobs or 0,
+                           logprob_start_len=0 if want_logprobs and req.echo else None,
+                           return_text_in_logprobs=True, stream=req.stream)
+    if req.max_tokens is None:  # the default must not overflow a long prompt's context
+        longest = max(len(server.tokenizer_manager.encode(t)) for t in texts) if "text" in fields \
+            else max(len(p) for p in (fields["input_ids"] if isinstance(fields["input_ids"][0], list)
+                                      else [fields["input_ids"]]))
+        sampling.max_new_tokens = min(DEFAULT_MAX_TOKENS, room_for(server, longest))
+    return obj, texts
+
+
+def _finish(meta: dict[str, Any]) -> str:
+    return FINISH_REASONS.get((meta.get("finish_reason") or {}).get("type", "stop"), "stop")
+
+
+async def create_completion(server: ServerContext,
+                            req: CompletionRequest) -> JSONResponse | StreamingResponse:
+    """Answer one completion request, streamed (SSE) or as one body."""
+    obj, texts = _request(server, req)
+    tm = server.tokenizer_manager
+    if req.stream:
+        stream = tm.generate_stream(obj)
+        return StreamingResponse(sse_stream(_chunks(server, req, texts, stream)),
+                                 media_type="text/event-stream")
+    out = await tm.generate(obj)
+    results = out if isinstance(out, list) else [out]
+    choices = []
+    for i, result in enumerate(results):
+        meta = result["meta_info"]
+        echo = texts[i // req.n] if req.echo else ""
+        choices.append({
+            "index": i,
+            "text": echo + result["text"],
+            "logprobs": completion_logprobs(meta, echo=req.echo)
+            if req.logprobs is not None else None,
+            "finish_reason": _finish(meta),
+        })
+    return JSONResponse({
+        "id": new_id("cmpl"), "object": "text_completion", "created": now(),
+        "model": server.model_name, "choices": choices,
+        "usage": _usage(results, req.n),
+    })
+
+
+def _usage(results: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    metas = [r["meta_info"] for r in results]
+    firsts = metas[::n]  # one per prompt: its n samples share it
+    return usage(sum(m["prompt_tokens"] for m in firsts),
+                 sum(m["completion_tokens"] for m in metas),
+                 sum(m.get("cached_tokens", 0) for m in firsts))
+
+
+async def _chunks(server: ServerContext, req: CompletionRequest, texts: list[str],
+                  stream: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    """``text_completion`` chunks; with ``include_usage`` a last one with ``usage``."""
+    rid, created = new_id("cmpl"), now()
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    started: set[int] = set()
+    metas: dict[int, dict[str, Any]] = {}
+    offsets: dict[int, int] = {}
+
+    def chunk(index: int, text: str, logprobs: dict[str, Any] | None,
+              finish: str | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
+                                "model": server.model_name,
+                                "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                             "finish_reason": finish}]}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    try:
+        async for part in stream:
+            index = part.get("index", 0)
+            meta = part["meta_info"]
+            metas[index] = meta
+            text = part["text"]
+            echo = req.echo and index not in started
+            if echo:
+                text = texts[index // req.n] + text
+            started.add(index)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(meta, echo=echo, offset=offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+            finished = meta["finish_reason"] is not None
+            yield chunk(index, text, logprobs, _finish(meta) if finished else None)
+    except GenerateError as exc:
+        raise OpenAIError(exc.status, str(exc)) from None
+    if include_usage:
+        ordered = [{"meta_info": metas[i]} for i in sorted(metas)]
+        yield {"id": rid, "object": "text_completion", "created": created,
+               "model": server.model_name, "choices": [], "usage": _usage(ordered, req.n)}
