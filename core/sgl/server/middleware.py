@@ -175,6 +175,14 @@ class CancelOnDisconnectMiddleware:
                     raise failed
                 return
             await route  # finished, or finishing after its response (background tasks)
+        except asyncio.CancelledError:
+            if route.done() and not route.cancelled():
+                raise
+            # uvicorn cancels what still runs when --graceful-shutdown-timeout ends; the
+            # request is aborted below, and the cancellation ends here rather than as a
+            # traceback in uvicorn's log
+            logger.warning("%s %s aborted: the server is shutting down", scope.get("method"),
+                           scope.get("path"))
         finally:
             for task in (pumping, route):
                 if not task.done():  # our own task was cancelled (shutdown)
