@@ -31,6 +31,7 @@ class Result:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     error: str | None = None
+    cached_tokens: int = 0
     input_token_logprobs: list[Any] = field(default_factory=list)
     output_token_logprobs: list[Any] = field(default_factory=list)
     input_top_logprobs: list[Any] = field(default_factory=list)
@@ -81,6 +82,7 @@ class Harness:
                     r = results[out.rid]
                     r.output_ids += out.new_token_ids
                     r.finish_reason, r.error = out.finish_reason, out.error
+                    r.cached_tokens = out.cached_tokens
                     for name in ("input_token_logprobs", "output_token_logprobs",
                                  "input_top_logprobs", "output_top_logprobs"):
                         getattr(r, name).extend(getattr(out, name))
