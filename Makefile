@@ -18,6 +18,8 @@ PLUGINS := \
 	plugins/attention/sgl-attn-torch \
 	plugins/cache/sgl-cache-radix \
 	plugins/frontends/sgl-frontend-openai \
+	plugins/frontends/sgl-frontend-anthropic \
+	plugins/frontends/sgl-frontend-ollama \
 	plugins/frontends/sgl-frontend-native
 
 STAMP := $(VENV)/.sgl-installed

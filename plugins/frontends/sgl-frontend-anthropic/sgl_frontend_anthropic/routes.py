@@ -1,0 +1,187 @@
+"""``POST /v1/messages`` (and ``/v1/messages/count_tokens``) in Anthropic's shapes.
+
+A final ``assistant`` message is a prefill: the reply continues it, and only the continuation
+is returned, as Anthropic does. Stop reasons: ``end_turn`` (the model's end-of-turn token),
+``max_tokens``, ``stop_sequence`` (with the sequence in ``stop_sequence``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from sgl.sampling import SamplingParams, SamplingParamsError
+from sgl.server.io_struct import GenerateError, GenerateReqInput
+from sgl_frontend_anthropic.protocol import CountTokensRequest, MessagesRequest, error_body
+
+if TYPE_CHECKING:
+    from sgl.server.context import ServerContext
+
+__all__ = ["make_router"]
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class AnthropicError(Exception):
+    """An error to answer with Anthropic's error body and the given status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.status, self.message), status_code=self.status)
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AnthropicError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise AnthropicError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        msg = f"unknown field {where!r}" if err["type"] == "extra_forbidden" else err["msg"]
+        raise AnthropicError(400, f"{where}: {msg}" if where else msg) from None
+
+
+def _check_model(server: ServerContext, name: str) -> None:
+    if name not in (server.model_name, "default"):
+        raise AnthropicError(404, f"model: {name!r} not found; this server serves "
+                                  f"{server.model_name!r}")
+
+
+def _prompt_ids(server: ServerContext, req: CountTokensRequest) -> tuple[list[int], bool]:
+    """Token ids of the conversation, and whether it ends with an assistant prefill."""
+    tm = server.tokenizer_manager
+    messages: list[dict[str, Any]] = [{"role": m.role, "content": m.text()}
+                                      for m in req.messages]
+    system = req.system_text()
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
+    prefill = messages[-1]["role"] == "assistant"
+    if prefill:
+        head, last = messages[:-1], messages[-1]["content"]
+        if not head:
+            raise AnthropicError(400, "messages: the first message must be a user message")
+        return tm.apply_chat_template(head) + tm.encode(last.rstrip()), True
+    return tm.apply_chat_template(messages), False
+
+
+def _sampling(req: MessagesRequest) -> SamplingParams:
+    try:
+        return SamplingParams.from_dict({
+            "max_new_tokens": req.max_tokens,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": req.top_p, "top_k": req.top_k,
+            "stop": req.stop_sequences or None})
+    except SamplingParamsError as exc:
+        raise AnthropicError(400, str(exc)) from None
+
+
+def _stop(meta: dict[str, Any]) -> tuple[str, str | None]:
+    """``(stop_reason, stop_sequence)`` from sgl's finish reason."""
+    reason = meta.get("finish_reason") or {}
+    if reason.get("type") == "length":
+        return "max_tokens", None
+    matched = reason.get("matched")
+    if isinstance(matched, str):
+        return "stop_sequence", matched
+    return "end_turn", None
+
+
+def _message(server: ServerContext, mid: str, content: list[dict[str, Any]],
+             stop: tuple[str | None, str | None], input_tokens: int, output_tokens: int,
+             cached: int = 0) -> dict[str, Any]:
+    return {"id": mid, "type": "message", "role": "assistant", "model": server.model_name,
+            "content": content, "stop_reason": stop[0], "stop_sequence": stop[1],
+            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
+                      "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}}
+
+
+def _event(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _events(server: ServerContext, mid: str, input_tokens: int,
+                  stream: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """Anthropic's event sequence: message_start, content_block_start, ping, the deltas,
+    content_block_stop, message_delta (stop reason, usage), message_stop."""
+    yield _event("message_start", {"type": "message_start", "message": _message(
+        server, mid, [], (None, None), input_tokens, 0)})
+    yield _event("content_block_start", {"type": "content_block_start", "index": 0,
+                                         "content_block": {"type": "text", "text": ""}})
+    yield _event("ping", {"type": "ping"})
+    meta: dict[str, Any] = {}
+    try:
+        async for part in stream:
+            meta = part["meta_info"]
+            if part["text"]:
+                yield _event("content_block_delta", {
+                    "type": "content_block_delta", "index": 0,
+                    "delta": {"type": "text_delta", "text": part["text"]}})
+    except GenerateError as exc:
+        yield _event("error", error_body(exc.status, str(exc)))
+        return
+    yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    reason, sequence = _stop(meta)
+    yield _event("message_delta", {"type": "message_delta",
+                                   "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                   "usage": {"output_tokens": meta.get("completion_tokens", 0)}})
+    yield _event("message_stop", {"type": "message_stop"})
+
+
+def make_router(server: ServerContext) -> APIRouter:
+    """The Anthropic-compatible routes, bound to ``server``."""
+    router = APIRouter(tags=["anthropic"])
+    tm = server.tokenizer_manager
+
+    async def answer(request: Request) -> Response:
+        req = await _parse(request, MessagesRequest)
+        _check_model(server, req.model)
+        ids, _ = _prompt_ids(server, req)
+        sampling = _sampling(req)
+        obj = GenerateReqInput(input_ids=ids, sampling_params=sampling, stream=req.stream)
+        mid = f"msg_{uuid.uuid4().hex}"
+        if req.stream:
+            stream = tm.generate_stream(obj)  # a bad request raises here, before any byte
+            return StreamingResponse(_events(server, mid, len(ids), stream),
+                                     media_type="text/event-stream")
+        result = await tm.generate(obj)
+        meta = result["meta_info"]  # type: ignore[index]
+        content = [{"type": "text", "text": result["text"]}]  # type: ignore[index]
+        return JSONResponse(_message(server, mid, content, _stop(meta), meta["prompt_tokens"],
+                                     meta["completion_tokens"], meta.get("cached_tokens", 0)))
+
+    @router.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        try:
+            return await answer(request)
+        except AnthropicError as exc:
+            return exc.response()
+        except GenerateError as exc:
+            return JSONResponse(error_body(exc.status, str(exc)), status_code=exc.status)
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        try:
+            req = await _parse(request, CountTokensRequest)
+            _check_model(server, req.model)
+            ids, _ = _prompt_ids(server, req)
+        except AnthropicError as exc:
+            return exc.response()
+        except GenerateError as exc:
+            return JSONResponse(error_body(exc.status, str(exc)), status_code=exc.status)
+        return JSONResponse({"input_tokens": len(ids)})
+
+    return router

@@ -1,0 +1,306 @@
+"""The Ollama routes: ``/api/chat`` and ``/api/generate`` (NDJSON streams by default, one object
+with ``"stream": false``), ``/api/tags``, ``/api/show``, ``/api/version``.
+
+Errors are Ollama's ``{"error": "..."}`` with a 4xx/5xx status; an error after the stream has
+started is sent as a last line ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from sgl.sampling import SamplingParams, SamplingParamsError
+from sgl.server.io_struct import GenerateError, GenerateReqInput
+from sgl_frontend_ollama.protocol import DEFAULTS, ChatRequest, GenerateRequest, ShowRequest
+
+if TYPE_CHECKING:
+    from sgl.server.context import ServerContext
+    from sgl_frontend_ollama.protocol import Options, _Base
+
+__all__ = ["make_router"]
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class OllamaError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise OllamaError(400, f"invalid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise OllamaError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        msg = f"unknown field {where!r}" if err["type"] == "extra_forbidden" else err["msg"]
+        raise OllamaError(400, f"{where}: {msg}" if where else msg) from None
+
+
+def _names(server: ServerContext) -> set[str]:
+    name = server.model_name
+    return {name, f"{name}:latest", "default"}
+
+
+def _check_model(server: ServerContext, name: str) -> None:
+    if name not in _names(server):
+        raise OllamaError(404, f"model {name!r} not found; this server serves "
+                               f"{server.model_name!r}")
+
+
+def _check_unsupported(req: _Base) -> None:
+    if req.format:
+        raise OllamaError(400, "format: structured output needs a grammar backend; install a "
+                               "grammar backend plugin such as sgl-grammar-xgrammar")
+    if req.think not in (None, False):
+        raise OllamaError(400, "think: this model does not support thinking")
+    if req.logprobs:
+        raise OllamaError(400, "logprobs: not supported by sgl's Ollama frontend; use the "
+                               "OpenAI routes for logprobs")
+
+
+def _sampling(server: ServerContext, options: Options | None, prompt_len: int) -> SamplingParams:
+    opts = options or None
+    get = (lambda key: getattr(opts, key, None))  # noqa: E731
+    room = max(1, min(server.info.context_length, server.info.max_total_tokens) - prompt_len)
+    num_predict = get("num_predict")
+    max_new = room if num_predict is None or num_predict < 0 else min(num_predict, room)
+
+    def pick(key: str) -> Any:
+        value = get(key)
+        return DEFAULTS.get(key) if value is None else value
+
+    top_k = pick("top_k")
+    try:
+        return SamplingParams.from_dict({
+            "max_new_tokens": max_new,
+            "temperature": pick("temperature"),
+            "top_p": pick("top_p"),
+            "top_k": -1 if not top_k else top_k,
+            "min_p": get("min_p"),
+            "repetition_penalty": pick("repeat_penalty"),
+            "presence_penalty": get("presence_penalty"),
+            "frequency_penalty": get("frequency_penalty"),
+            "stop": get("stop") or None,
+            "seed": get("seed"),
+        })
+    except SamplingParamsError as exc:
+        raise OllamaError(400, f"options: {exc}") from None
+
+
+def _created_at() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _done_fields(meta: dict[str, Any], started: float) -> dict[str, Any]:
+    """The final object's counters; durations in nanoseconds, as Ollama reports them."""
+    reason = (meta.get("finish_reason") or {}).get("type")
+    total = time.perf_counter() - started
+    ttft = meta.get("time_to_first_token") or 0.0
+    return {"done": True, "done_reason": "length" if reason == "length" else "stop",
+            "total_duration": int(total * 1e9), "load_duration": 0,
+            "prompt_eval_count": meta.get("prompt_tokens", 0),
+            "prompt_eval_duration": int(ttft * 1e9),
+            "eval_count": meta.get("completion_tokens", 0),
+            "eval_duration": int(max(0.0, total - ttft) * 1e9)}
+
+
+def _ndjson(lines: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for line in lines:
+                yield json.dumps(line, ensure_ascii=False) + "\n"
+        except GenerateError as exc:
+            yield json.dumps({"error": str(exc)}) + "\n"
+
+    return StreamingResponse(body(), media_type="application/x-ndjson")
+
+
+def _details(server: ServerContext) -> dict[str, Any]:
+    path = server.info.model_path
+    quant = path.rsplit(".", 2)[-2] if path.endswith(".gguf") and path.count(".") >= 2 else ""
+    family = server.info.architecture.removesuffix("ForCausalLM").lower()
+    return {"parent_model": "", "format": "gguf" if path.endswith(".gguf") else "safetensors",
+            "family": family, "families": [family] if family else None,
+            "parameter_size": "", "quantization_level": quant}
+
+
+def make_router(server: ServerContext) -> APIRouter:
+    """The Ollama-compatible routes, bound to ``server``."""
+    router = APIRouter(tags=["ollama"])
+    tm = server.tokenizer_manager
+
+    async def run(obj: GenerateReqInput, stream: bool, started: float,
+                  shape: Any) -> Response:
+        """Generate, answering either an NDJSON stream or one object; ``shape(text)`` builds
+        the per-line fields, ``shape(text, meta)`` those of the last line."""
+        if stream:
+            parts = tm.generate_stream(obj)
+
+            async def lines() -> AsyncIterator[dict[str, Any]]:
+                output_ids: list[int] = []
+                async for part in parts:
+                    output_ids.extend(part["output_ids"])
+                    meta = {**part["meta_info"], "output_ids": output_ids}
+                    if meta["finish_reason"] is None:
+                        if part["text"]:
+                            yield {"model": server.model_name, "created_at": _created_at(),
+                                   **shape(part["text"]), "done": False}
+                        continue
+                    if part["text"]:
+                        yield {"model": server.model_name, "created_at": _created_at(),
+                               **shape(part["text"]), "done": False}
+                    yield {"model": server.model_name, "created_at": _created_at(),
+                           **shape("", meta), **_done_fields(meta, started)}
+
+            return _ndjson(lines())
+        result = await tm.generate(obj)
+        meta = result["meta_info"]  # type: ignore[index]
+        return JSONResponse({"model": server.model_name, "created_at": _created_at(),
+                             **shape(result["text"], meta),  # type: ignore[index]
+                             **_done_fields(meta, started)})
+
+    async def guarded(handler: Any) -> Response:
+        try:
+            return await handler()
+        except OllamaError as exc:
+            return _error(exc.status, exc.message)
+        except GenerateError as exc:
+            return _error(exc.status, str(exc))
+
+    @router.post("/api/chat")
+    async def chat(request: Request) -> Response:
+        async def handle() -> Response:
+            started = time.perf_counter()
+            req = await _parse(request, ChatRequest)
+            _check_model(server, req.model)
+            _check_unsupported(req)
+            if req.tools:
+                raise OllamaError(400, "tools: not supported by sgl's Ollama frontend; use the "
+                                       "OpenAI routes for tool calls")
+            if any(m.images for m in req.messages):
+                raise OllamaError(400, "images: this model does not accept images")
+            if not req.messages:  # Ollama answers an empty chat by loading the model
+                return JSONResponse({"model": server.model_name, "created_at": _created_at(),
+                                     "message": {"role": "assistant", "content": ""},
+                                     "done": True, "done_reason": "load"})
+            messages = [{"role": m.role, "content": m.content} for m in req.messages]
+            ids = tm.apply_chat_template(messages)
+            obj = GenerateReqInput(input_ids=ids, sampling_params=_sampling(
+                server, req.options, len(ids)))
+
+            def shape(text: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+                return {"message": {"role": "assistant", "content": text}}
+
+            return await run(obj, req.stream, started, shape)
+        return await guarded(handle)
+
+    @router.post("/api/generate")
+    async def generate(request: Request) -> Response:
+        async def handle() -> Response:
+            started = time.perf_counter()
+            req = await _parse(request, GenerateRequest)
+            _check_model(server, req.model)
+            _check_unsupported(req)
+            if req.images:
+                raise OllamaError(400, "images: this model does not accept images")
+            if req.suffix:
+                raise OllamaError(400, "suffix: this model does not support insertion")
+            if req.template:
+                raise OllamaError(400, "template: custom prompt templates are not supported; "
+                                       "start the server with --chat-template instead")
+            if not req.prompt and not req.context:  # Ollama: load the model, generate nothing
+                return JSONResponse({"model": server.model_name, "created_at": _created_at(),
+                                     "response": "", "done": True, "done_reason": "load"})
+            if req.raw:
+                ids = tm.encode(req.prompt)
+            else:
+                messages = [{"role": "user", "content": req.prompt}]
+                if req.system:
+                    messages.insert(0, {"role": "system", "content": req.system})
+                ids = tm.apply_chat_template(messages)
+            ids = list(req.context or []) + ids
+            obj = GenerateReqInput(input_ids=ids, sampling_params=_sampling(
+                server, req.options, len(ids)))
+
+            def shape(text: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+                out: dict[str, Any] = {"response": text}
+                if meta is not None:  # the last object: the conversation so far, as ids
+                    out["context"] = ids + list(meta.get("output_ids") or [])
+                return out
+
+            if not req.stream:
+                result = await tm.generate(obj)
+                meta = result["meta_info"]  # type: ignore[index]
+                return JSONResponse({
+                    "model": server.model_name, "created_at": _created_at(),
+                    "response": result["text"],  # type: ignore[index]
+                    "context": ids + list(result["output_ids"]),  # type: ignore[index]
+                    **_done_fields(meta, started)})
+            return await run(obj, True, started, shape)
+        return await guarded(handle)
+
+    @router.get("/api/tags")
+    async def tags() -> dict[str, Any]:
+        return {"models": [{"name": f"{server.model_name}:latest",
+                            "model": f"{server.model_name}:latest",
+                            "modified_at": _created_at(), "size": _size(server),
+                            "digest": "", "details": _details(server)}]}
+
+    @router.post("/api/show")
+    async def show(request: Request) -> Response:
+        async def handle() -> Response:
+            req = await _parse(request, ShowRequest)
+            name = req.model or req.name
+            if not name:
+                raise OllamaError(400, "model: required")
+            _check_model(server, name)
+            info = server.info
+            template = tm.chat_template or getattr(tm.tokenizer, "chat_template", None) or ""
+            return JSONResponse({
+                "modelfile": f"FROM {info.model_path}\n", "parameters": "", "template": template,
+                "license": "", "details": _details(server), "modified_at": _created_at(),
+                "model_info": {"general.architecture": info.architecture,
+                               "general.context_length": info.context_length,
+                               "general.vocab_size": info.vocab_size},
+                "capabilities": ["completion"]})
+        return await guarded(handle)
+
+    @router.get("/api/version")
+    async def version() -> dict[str, Any]:
+        from sgl import __version__
+
+        return {"version": __version__}
+
+    return router
+
+
+def _size(server: ServerContext) -> int:
+    from pathlib import Path
+
+    path = Path(server.info.model_path)
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    except OSError:
+        return 0
