@@ -4,6 +4,7 @@ requests end to end through the ``openai`` client."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import openai
 import pytest
@@ -178,3 +179,31 @@ def test_tool_conversation_round_trip_and_none(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model="default", messages=ASK, temperature=0,
                                        max_tokens=24, tools=[WEATHER], tool_choice="none")
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 100])
+def test_stream_splitter_sends_text_at_once_and_holds_calls(pieces: int) -> None:
+    """Streaming with tools: text before a call streams, the call is held and parsed at the
+    end, and a '<' that starts no call is sent in the end too."""
+    from sgl.server.io_struct import GenerateReqInput
+    from sgl_frontend_openai.chat import _Plan, _ReplySplitter
+
+    def run(reply: str, **plan: Any) -> tuple[str, str, list[dict[str, Any]]]:
+        splitter = _ReplySplitter(HermesToolParser(), _Plan(GenerateReqInput(text="x"), **plan))
+        sent = "".join(splitter.feed(reply[i:i + pieces]) for i in range(0, len(reply), pieces))
+        rest, calls = splitter.finish()
+        return sent, rest, calls
+
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    sent, rest, calls = run("Let me check. " + call, tools=True)
+    assert sent == "Let me check. " and rest == ""
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    sent, rest, calls = run(call, tools=True)
+    assert sent == "" and len(calls) == 1
+    sent, rest, calls = run("1 < 2 and <tool", tools=True)
+    assert sent + rest == "1 < 2 and <tool" and calls == []
+    assert run("plain <tool_call>", tools=False) == ("plain <tool_call>", "", [])
+    sent, rest, calls = run('{"city": "Rome"}}', tools=True, forced=True,
+                            prefix=HermesToolParser().forced_prefix("get_weather"))
+    assert sent == "" and rest == "" and json.loads(calls[0]["function"]["arguments"]) == {
+        "city": "Rome"}

@@ -169,6 +169,47 @@ async def create_chat_completion(server: ServerContext, parser: BaseToolParser,
     })
 
 
+class _ReplySplitter:
+    """Splits one streamed reply into text that can be sent at once and text held back
+    because it may be a tool call (sent as ``tool_calls`` when the reply ends)."""
+
+    def __init__(self, parser: BaseToolParser, plan: _Plan) -> None:
+        self.parser, self.plan = parser, plan
+        self.mode = "text" if not plan.tools else "call" if plan.forced else "undecided"
+        self.held = ""  # the possible call (modes "undecided" and "call")
+        self.tail = ""  # in "text" mode: an end that may be the start of a call marker
+
+    def feed(self, text: str) -> str:
+        """Take new text; return what may be sent now."""
+        if self.mode == "undecided":
+            self.held += text
+            if self.parser.may_start_call(self.held):
+                return ""
+            self.mode, text, self.held = "text", self.held, ""
+        if self.mode == "call":
+            self.held += text
+            return ""
+        marker = self.parser.call_start if self.plan.tools else None
+        if not marker:
+            return text
+        pending = self.tail + text
+        pos = pending.find(marker)
+        if pos >= 0:  # a call after some text: hold the rest
+            self.mode, self.held, self.tail = "call", pending[pos:], ""
+            return pending[:pos]
+        keep = next((k for k in range(min(len(marker) - 1, len(pending)), 0, -1)
+                     if pending.endswith(marker[:k])), 0)
+        self.tail = pending[len(pending) - keep:]
+        return pending[:len(pending) - keep]
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """What is left to send when the reply ends: text, and the calls (OpenAI dicts)."""
+        if self.mode == "text":
+            return self.tail, []
+        message, _ = _message(self.plan, self.parser, self.held)
+        return message.get("content") or "", list(message.get("tool_calls") or [])
+
+
 async def _chunks(server: ServerContext, parser: BaseToolParser, plan: _Plan,
                   req: ChatCompletionRequest, stream: AsyncIterator[dict[str, Any]]
                   ) -> AsyncIterator[dict[str, Any]]:
@@ -179,9 +220,7 @@ async def _chunks(server: ServerContext, parser: BaseToolParser, plan: _Plan,
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats and include_usage)
-    started: set[int] = set()
-    held: dict[int, str] = {}  # index -> text held back while it may be a tool call
-    streaming: set[int] = set()  # indexes decided to be plain text
+    splitters: dict[int, _ReplySplitter] = {}
     completion: dict[int, int] = {}
     prompt_tokens = cached = 0
 
@@ -204,34 +243,22 @@ async def _chunks(server: ServerContext, parser: BaseToolParser, plan: _Plan,
             meta = part["meta_info"]
             prompt_tokens, cached = meta["prompt_tokens"], meta.get("cached_tokens", 0)
             completion[index] = meta["completion_tokens"]
-            if index not in started:
-                started.add(index)
+            if index not in splitters:
+                splitters[index] = _ReplySplitter(parser, plan)
                 yield chunk(index, {"role": "assistant", "content": ""})
-                if not plan.tools:
-                    streaming.add(index)
+            splitter = splitters[index]
             logprobs = chat_logprobs(meta) if req.logprobs else None
-            text = part["text"]
-            if index not in streaming:
-                held[index] = held.get(index, "") + text
-                if not plan.forced and not parser.may_start_call(held[index]):
-                    streaming.add(index)
-                    text = held.pop(index)
-                else:
-                    text = ""
-            finished = meta["finish_reason"] is not None
+            text = splitter.feed(part["text"])
             if text or logprobs:
                 yield chunk(index, {"content": text} if text else {}, logprobs=logprobs)
-            if not finished:
+            if meta["finish_reason"] is None:
                 continue
-            if index in streaming:
-                yield chunk(index, {}, _finish(meta))
-                continue
-            message, called = _message(plan, parser, held.pop(index, ""))
-            if message.get("content"):
-                yield chunk(index, {"content": message["content"]})
-            for k, call in enumerate(message.get("tool_calls") or []):
+            rest, calls = splitter.finish()
+            if rest:
+                yield chunk(index, {"content": rest})
+            for k, call in enumerate(calls):
                 yield chunk(index, {"tool_calls": [{**call, "index": k}]})
-            yield chunk(index, {}, "tool_calls" if called else _finish(meta))
+            yield chunk(index, {}, "tool_calls" if calls else _finish(meta))
     except GenerateError as exc:
         raise OpenAIError(exc.status, str(exc)) from None
     if include_usage:

@@ -117,6 +117,8 @@ class BaseToolParser(ABC):
 
     #: the name under which the parser is registered
     name: ClassVar[str] = ""
+    #: text that opens a call anywhere in a reply (None: a call is the whole reply)
+    call_start: ClassVar[str | None] = None
     #: text that closes one call; a forced call stops there
     call_end: ClassVar[str | None] = None
 
@@ -158,7 +160,7 @@ class HermesToolParser(BaseToolParser):
 
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
-    call_end = END
+    call_start, call_end = START, END
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
     @classmethod
@@ -204,8 +206,7 @@ class HermesToolParser(BaseToolParser):
         return f'{self.START}\n{{"name": {json.dumps(name)}, "arguments": '
 
     def may_start_call(self, text: str) -> bool:
-        stripped = text.lstrip()
-        return self.START.startswith(stripped[:len(self.START)]) or self.START in text
+        return self.START.startswith(text.lstrip()[:len(self.START)])
 
 
 class JsonToolParser(BaseToolParser):
