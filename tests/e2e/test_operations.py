@@ -244,3 +244,22 @@ def test_sigterm_drains_then_aborts_and_exits_0(guarded: ServerProcess) -> None:
     assert "SIGTERM received" in log
     assert "POST /generate aborted: the server is shutting down" in log
     assert "Traceback" not in log
+
+
+# --- the settings themselves (no server) ----------------------------------------------------
+
+def test_operation_settings_defaults_env_and_ranges() -> None:
+    from sgl.config import ConfigError, load_settings
+
+    defaults = load_settings(env={})
+    assert defaults.api_key is None
+    assert defaults.max_request_body_size == 32 * 2**20
+    assert defaults.graceful_shutdown_timeout == 30.0
+    from_env = load_settings(env={"SGL_API_KEY": "k", "SGL_MAX_REQUEST_BODY_SIZE": "1024",
+                                  "SGL_GRACEFUL_SHUTDOWN_TIMEOUT": "2.5"})
+    assert (from_env.api_key, from_env.max_request_body_size,
+            from_env.graceful_shutdown_timeout) == ("k", 1024, 2.5)
+    assert load_settings(env={"SGL_API_KEY": ""}).api_key is None  # empty: no key
+    for key, value in (("max_request_body_size", 0), ("graceful_shutdown_timeout", -1)):
+        with pytest.raises(ConfigError, match=key):
+            load_settings(env={}, cli={key: value})
