@@ -52,6 +52,23 @@ def test_chat_equals_completion_of_the_templated_prompt(client: openai.OpenAI,
     assert chat.usage.prompt_tokens == len(ids)
 
 
+def test_chat_equals_native_generate(client: openai.OpenAI, server: ServerProcess) -> None:
+    """The same greedy request through SGLang's native /generate (the TokenizerManager's own
+    result shape) gives the same text and counts."""
+    ids = httpx.post(f"{server.base_url}/v1/tokenize",
+                     json={"messages": QUESTION}).json()["tokens"]
+    native = httpx.post(f"{server.base_url}/generate", timeout=120, json={
+        "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 16}})
+    if native.status_code == 404:
+        pytest.skip("the native frontend is not installed")
+    chat = client.chat.completions.create(model="default", messages=QUESTION, temperature=0,
+                                          max_tokens=16)
+    body = native.json()
+    assert chat.choices[0].message.content == body["text"]
+    assert chat.usage.completion_tokens == body["meta_info"]["completion_tokens"]
+    assert chat.usage.prompt_tokens == body["meta_info"]["prompt_tokens"]
+
+
 def test_chat_stream_matches_non_stream_and_reports_usage(client: openai.OpenAI) -> None:
     whole = client.chat.completions.create(model="default", messages=QUESTION, temperature=0,
                                            max_tokens=24)
@@ -159,6 +176,17 @@ def test_logit_bias_and_penalties_change_the_output(client: openai.OpenAI,
                                        top_p=0.9, presence_penalty=1.0, frequency_penalty=0.5,
                                        max_tokens=4, user="tester")
     assert r.usage.completion_tokens <= 4
+
+
+def test_penalties_break_repetition(client: openai.OpenAI) -> None:
+    """Greedy " a canvas of colors, a canvas of" repeats itself; either penalty changes that."""
+    def text(**extra: float) -> str:
+        return client.completions.create(model="default", prompt="The sky is", temperature=0,
+                                         max_tokens=10, **extra).choices[0].text
+
+    base = text()
+    assert base.count(" canvas") == 2
+    assert text(frequency_penalty=2.0) != base and text(presence_penalty=2.0) != base
 
 
 def test_tokenize_detokenize_round_trip(server: ServerProcess) -> None:
