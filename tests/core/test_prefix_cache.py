@@ -122,3 +122,24 @@ def test_eviction_under_memory_pressure_loses_nothing(harness: Harness) -> None:
     alone = [one(harness, p, max_new_tokens=12, temperature=0) for p in prompts[:2]]
     assert [r.output_ids for r in results[:2]] == [r.output_ids for r in alone]
     harness.assert_memory_empty()
+
+
+def test_session_keeps_its_conversation_through_eviction(harness: Harness) -> None:
+    use_cache(harness, RadixCache)
+    s = harness.scheduler
+    assert s.open_session("chat")["success"]
+    assert not s.open_session("chat")["success"]  # already open
+    turn1 = shared_prompts(harness)[2]
+    first = one(harness, turn1, max_new_tokens=6, temperature=0, session_id="chat")
+    # other traffic fills the pool: everything unprotected is evicted before the session
+    others = [list(range(2000 + 400 * i, 2000 + 400 * i + 300)) for i in range(4)]
+    run_all(harness, others)
+    assert s.cache.stats.evicted_tokens > 0
+    turn2 = turn1 + first.output_ids + shared_prompts(harness)[3][-8:]
+    second = one(harness, turn2, max_new_tokens=4, temperature=0, session_id="chat")
+    assert second.cached_tokens >= len(turn1) + len(first.output_ids) - 1
+    assert s.close_session("chat")["success"] and not s.close_session("chat")["success"]
+    unknown = one(harness, turn1, max_new_tokens=2, session_id="nope")
+    assert unknown.error is not None and "not open" in unknown.error
+    assert s.load_info()["num_sessions"] == 0
+    harness.assert_memory_empty()

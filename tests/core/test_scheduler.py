@@ -60,10 +60,11 @@ class Harness:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def submit(self, input_ids: list[int], logprobs: LogprobOptions | None = None,
-               **params: Any) -> str:
+               session_id: str | None = None, **params: Any) -> str:
         rid = f"r{next(_ids)}"
         self.push.send_pyobj(GenerateRequest(rid, list(input_ids), SamplingParams(**params),
-                                             logprobs or LogprobOptions(), time.time()))
+                                             logprobs or LogprobOptions(), time.time(),
+                                             session_id=session_id))
         return rid
 
     def run(self, rids: list[str], *, abort: dict[str, int] | None = None,

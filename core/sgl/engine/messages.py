@@ -14,9 +14,11 @@ from sgl.sampling import SamplingParams
 
 __all__ = [
     "AbortRequest",
+    "CloseSessionRequest",
     "FlushCacheRequest",
     "GenerateRequest",
     "LogprobOptions",
+    "OpenSessionRequest",
     "SchedulerInfo",
     "ServerInfoRequest",
     "ShutdownRequest",
@@ -47,6 +49,7 @@ class GenerateRequest:
     sampling: SamplingParams
     logprobs: LogprobOptions = field(default_factory=LogprobOptions)
     arrival_time: float = 0.0  # time.time() when the server received it
+    session_id: str | None = None  # an open session whose conversation this request continues
 
 
 @dataclass
@@ -68,6 +71,22 @@ class ServerInfoRequest:
     """Server -> scheduler: report load and memory (answered in :attr:`TokenBatch.info`)."""
 
     rid: str
+
+
+@dataclass
+class OpenSessionRequest:
+    """Server -> scheduler: open a session (answered in :attr:`TokenBatch.info`)."""
+
+    rid: str
+    session_id: str
+
+
+@dataclass
+class CloseSessionRequest:
+    """Server -> scheduler: close a session; its cached conversation may be evicted again."""
+
+    rid: str
+    session_id: str
 
 
 @dataclass

@@ -26,8 +26,10 @@ from sgl.engine.forward_batch import ForwardMode
 from sgl.engine.logprobs import LogprobRows
 from sgl.engine.messages import (
     AbortRequest,
+    CloseSessionRequest,
     FlushCacheRequest,
     GenerateRequest,
+    OpenSessionRequest,
     SchedulerInfo,
     ServerInfoRequest,
     ShutdownRequest,
@@ -87,6 +89,8 @@ class Scheduler:
             context_length=settings.context_length, page_size=settings.page_size)
         self.eos_token_ids = _eos_ids(self.runner.hf_config)
         self.cache = make_cache_policy(settings, pm, self.runner)
+        #: open sessions -> the cached conversation each protects (empty until its first request)
+        self.sessions: dict[str, PrefixMatch] = {}
         self.chunk_size = (settings.chunked_prefill_size if settings.chunked_prefill_size > 0
                            else self.runner.context_length)
         self.waiting: deque[Req] = deque()
@@ -375,6 +379,10 @@ class Scheduler:
                 self.reply_info(msg.rid, self.flush_cache())
             elif isinstance(msg, ServerInfoRequest):
                 self.reply_info(msg.rid, self.load_info())
+            elif isinstance(msg, OpenSessionRequest):
+                self.reply_info(msg.rid, self.open_session(msg.session_id))
+            elif isinstance(msg, CloseSessionRequest):
+                self.reply_info(msg.rid, self.close_session(msg.session_id))
             elif isinstance(msg, ShutdownRequest):
                 self.stopping = True
         if block and os.getppid() != self.parent_pid:
@@ -384,7 +392,7 @@ class Scheduler:
     def add_request(self, msg: GenerateRequest) -> None:
         seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(62)
         req = Req(msg.rid, list(msg.input_ids), msg.sampling, msg.logprobs, seed=seed,
-                  arrival_time=msg.arrival_time or time.time())
+                  arrival_time=msg.arrival_time or time.time(), session_id=msg.session_id)
         limit = self.runner.context_length
         error = None
         if not req.input_ids:
@@ -394,6 +402,8 @@ class Scheduler:
         elif len(req.input_ids) + 1 > self.runner.kv_pool.size:
             error = (f"the prompt has {len(req.input_ids)} tokens; the KV pool holds "
                      f"{self.runner.kv_pool.size} (raise --max-total-tokens)")
+        elif req.session_id is not None and req.session_id not in self.sessions:
+            error = f"session {req.session_id!r} is not open (open one with /open_session)"
         elif max(req.input_ids) >= self.runner.vocab_size or min(req.input_ids) < 0:
             error = f"input_ids must be token ids below the vocabulary size {self.runner.vocab_size}"
         if error is not None:
@@ -422,12 +432,36 @@ class Scheduler:
                     "use it; retry when they are done"}
         dropped = self.cache.cached_tokens
         if not self.cache.flush():
-            return {"success": False, "message": "cannot flush: open sessions or running "
-                    "requests hold cached prefixes"}
+            return {"success": False, "message": "cannot flush: cached prefixes are locked"}
+        self.sessions = dict.fromkeys(self.sessions, PrefixMatch())  # they start over
         message = ("nothing is cached across requests (no prefix cache)"
                    if isinstance(self.cache, NoPrefixCache)
                    else f"flushed the {self.cache.name} cache ({dropped} tokens)")
         return {"success": True, "message": message, "kv_free": self.runner.kv_pool.num_free}
+
+    def open_session(self, session_id: str) -> dict[str, Any]:
+        if session_id in self.sessions:
+            return {"success": False, "message": f"session {session_id!r} is already open"}
+        self.sessions[session_id] = PrefixMatch()
+        return {"success": True, "session_id": session_id}
+
+    def close_session(self, session_id: str) -> dict[str, Any]:
+        match = self.sessions.pop(session_id, None)
+        if match is None:
+            return {"success": False, "message": f"session {session_id!r} is not open"}
+        self.cache.unprotect(match)
+        return {"success": True, "session_id": session_id}
+
+    def keep_for_session(self, req: Req, token_ids: list[int]) -> None:
+        """After a session's request: protect its whole conversation (prompt and answer) in the
+        cache, in place of the previous turn's."""
+        previous = self.sessions.get(req.session_id or "")
+        if previous is None or req.error is not None:
+            return
+        match = self.cache.match_prefix(token_ids)
+        self.cache.protect(match)
+        self.cache.unprotect(previous)
+        self.sessions[req.session_id] = match
 
     def load_info(self) -> dict[str, Any]:
         pool = self.runner.kv_pool
@@ -436,7 +470,8 @@ class Scheduler:
                 "kv_free_tokens": pool.num_free, "new_token_ratio": self.new_token_ratio,
                 "num_retractions": self.num_retractions,
                 "req_rows_free": self.runner.req_to_token_pool.num_free,
-                "schedule_policy": self.settings.schedule_policy, **self.cache.info()}
+                "schedule_policy": self.settings.schedule_policy,
+                "num_sessions": len(self.sessions), **self.cache.info()}
 
     def reply_info(self, rid: str, info: dict[str, Any]) -> None:
         self.send_sock.send_pyobj(TokenBatch(info=info, info_rid=rid))
@@ -476,9 +511,12 @@ class Scheduler:
         if req.row is None:
             return
         slots = self.runner.req_to_token_pool.req_to_token[req.row, :req.kv_len].clone()
-        self.cache.cache_finished(req.token_slice(0, req.kv_len), slots, req.prefix)
+        token_ids = req.token_slice(0, req.kv_len)
+        self.cache.cache_finished(token_ids, slots, req.prefix)
         self.runner.req_to_token_pool.free(req.row)
         req.row, req.kv_len, req.prefix = None, 0, PrefixMatch()
+        if req.finished and req.session_id is not None:
+            self.keep_for_session(req, token_ids)
 
     def release_finished(self) -> None:
         """Free the KV slots and table rows of finished requests."""
