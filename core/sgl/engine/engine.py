@@ -141,6 +141,7 @@ class Engine:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        session_id: str | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict ``{"text", "output_ids", "meta_info"}``), a list of
         prompts or of token-id lists (a list of dicts), or ``n > 1`` samples (a list).
@@ -148,13 +149,15 @@ class Engine:
         With ``stream=True``, an iterator of chunks that each hold only the new text and ids;
         for a batch or ``n > 1`` every chunk has an ``"index"``. Bad input raises
         :class:`BadRequestError` (a ``ValueError``) at once; a failed request raises
-        :class:`GenerateError`.
+        :class:`GenerateError`. ``session_id`` (from :meth:`open_session`) keeps the
+        conversation cached for the session's next request.
         """
         obj = GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob,
-            return_text_in_logprobs=return_text_in_logprobs, stream=stream)
+            return_text_in_logprobs=return_text_in_logprobs, stream=stream,
+            session_params={"id": session_id} if session_id is not None else None)
         if stream:
             return self._iterate(self._run(self._open_stream(obj)))
         return self._run(self.tokenizer_manager.generate(obj))
@@ -171,6 +174,7 @@ class Engine:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        session_id: str | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """:meth:`generate` for asyncio code, from any event loop. With ``stream=True`` the
         awaited value is an async iterator of chunks. Cancelling the awaiting task aborts the
@@ -179,7 +183,8 @@ class Engine:
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob,
-            return_text_in_logprobs=return_text_in_logprobs, stream=stream)
+            return_text_in_logprobs=return_text_in_logprobs, stream=stream,
+            session_params={"id": session_id} if session_id is not None else None)
         if stream:
             return self._aiterate(await self._arun(self._open_stream(obj)))
         return await self._arun(self.tokenizer_manager.generate(obj))
@@ -205,6 +210,15 @@ class Engine:
     def flush_cache(self) -> dict[str, Any]:
         """Drop cached prefixes in the scheduler; returns its answer (``success``, ...)."""
         return self._run(self.tokenizer_manager.flush_cache())
+
+    def open_session(self, session_id: str | None = None) -> str:
+        """Open a session (a conversation kept in the prefix cache between its requests);
+        returns its id. See ``docs/cache.md``."""
+        return self._run(self.tokenizer_manager.open_session(session_id))
+
+    def close_session(self, session_id: str) -> None:
+        """Close a session opened with :meth:`open_session`."""
+        self._run(self.tokenizer_manager.close_session(session_id))
 
     def get_server_info(self) -> dict[str, Any]:
         """Settings, the model's facts and the scheduler's live state (SGLang's shape)."""

@@ -49,6 +49,7 @@ class OneRequest:
     logprobs: LogprobOptions
     return_text_in_logprobs: bool
     field_name: str  # "text" or "input_ids", for error messages (with the batch index)
+    session_id: str | None = None
 
 
 def _is_int(v: Any) -> bool:
@@ -59,7 +60,7 @@ def _is_int(v: Any) -> bool:
 #: its frontend language) send them with empty values, which are accepted and ignored
 UNSUPPORTED_SGLANG_FIELDS = frozenset({
     "image_data", "video_data", "audio_data", "modalities", "input_embeds", "lora_path",
-    "lora_id", "session_params", "custom_logit_processor", "return_hidden_states",
+    "lora_id", "custom_logit_processor", "return_hidden_states",
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank", "priority",
     "log_metrics", "no_logs", "extra_key", "background", "conversation_id", "label",
 })
@@ -79,6 +80,7 @@ class GenerateReqInput:
     token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
+    session_params: dict[str, Any] | None = None  # {"id": session id}; see docs/cache.md
 
     @classmethod
     def from_dict(cls, body: Any) -> GenerateReqInput:
@@ -145,6 +147,7 @@ class GenerateReqInput:
                 return list(value)
             return [value] * size
 
+        session_id = _session_id(self.session_params)
         samplings = per_prompt("sampling_params", self.sampling_params)
         rids = per_prompt("rid", self.rid)
         if batch and isinstance(self.rid, str):
@@ -181,8 +184,23 @@ class GenerateReqInput:
                     index=len(out), rid=f"{rid}-{j}" if n > 1 else rid, text=text, input_ids=ids,
                     sampling=sub, logprobs=copy.copy(logprobs),
                     return_text_in_logprobs=self.return_text_in_logprobs,
-                    field_name=f"{field_name}{where}"))
+                    field_name=f"{field_name}{where}", session_id=session_id))
         return out, batch or len(out) > 1
+
+
+def _session_id(params: Any) -> str | None:
+    """The session id of SGLang's ``session_params``; sgl's sessions keep a conversation cached
+    (the prompt carries the whole conversation), so SGLang's branching keys are refused."""
+    if params is None or params == {}:
+        return None
+    if not isinstance(params, dict) or not isinstance(params.get("id"), str):
+        raise BadRequestError("session_params must be an object with a string 'id' (from "
+                              "/open_session)", param="session_params")
+    extra = sorted(k for k, v in params.items() if k != "id" and v not in (None, False, ""))
+    if extra:
+        raise BadRequestError(f"session_params: {', '.join(extra)} not supported by sgl; send "
+                              "the whole conversation as the prompt", param="session_params")
+    return params["id"]
 
 
 def _sampling(value: Any, where: str) -> SamplingParams:

@@ -38,8 +38,10 @@ import zmq.asyncio
 
 from sgl.engine.messages import (
     AbortRequest,
+    CloseSessionRequest,
     FlushCacheRequest,
     GenerateRequest,
+    OpenSessionRequest,
     ServerInfoRequest,
     ShutdownRequest,
     TokenBatch,
@@ -300,7 +302,8 @@ class TokenizerManager:
         try:
             for state, (req, ids) in zip(states, prepared):
                 await self._send_msg(GenerateRequest(
-                    req.rid, ids, req.sampling, req.logprobs, arrival_time=state.arrival_time))
+                    req.rid, ids, req.sampling, req.logprobs, arrival_time=state.arrival_time,
+                    session_id=req.session_id))
         except BaseException:
             await self._release(states)
             raise
@@ -378,11 +381,32 @@ class TokenizerManager:
 
         return {**settings, **facts, "internal_states": [internal], "version": __version__}
 
+    async def open_session(self, session_id: str | None = None) -> str:
+        """Open a session whose conversation stays cached between its requests; returns its id.
+
+        :raises BadRequestError: when a session of that id is already open.
+        """
+        session_id = session_id or uuid.uuid4().hex
+        reply = await self._ask(OpenSessionRequest(rid=uuid.uuid4().hex, session_id=session_id))
+        if not reply.get("success"):
+            raise BadRequestError(str(reply.get("message")), param="session_id")
+        return session_id
+
+    async def close_session(self, session_id: str) -> None:
+        """Close a session.
+
+        :raises BadRequestError: when no session of that id is open.
+        """
+        reply = await self._ask(CloseSessionRequest(rid=uuid.uuid4().hex, session_id=session_id))
+        if not reply.get("success"):
+            raise BadRequestError(str(reply.get("message")), param="session_id")
+
     async def get_load(self) -> dict[str, Any]:
         """The scheduler's live state: running and waiting requests, KV pool use, ..."""
         return await self._ask(ServerInfoRequest(rid=uuid.uuid4().hex))
 
-    async def _ask(self, msg: FlushCacheRequest | ServerInfoRequest) -> dict[str, Any]:
+    async def _ask(self, msg: FlushCacheRequest | ServerInfoRequest | OpenSessionRequest
+                   | CloseSessionRequest) -> dict[str, Any]:
         if self.dead_reason is not None:
             raise GenerateError(self.dead_reason, status=503)
         if self._zmq is None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from sgl.server.io_struct import GenerateError, GenerateReqInput
+from sgl.server.io_struct import BadRequestError, GenerateError, GenerateReqInput
 from sgl.server.sse import EventStreamResponse, dumps, sse_event
 
 if TYPE_CHECKING:
@@ -158,6 +158,45 @@ def make_router(server: ServerContext) -> APIRouter:
         if not isinstance(abort_all, bool):
             return _error(400, f"abort_all must be true or false, got {abort_all!r}", "abort_all")
         tm.abort_request(rid, abort_all=abort_all)
+        return Response(status_code=200)
+
+    @router.post("/open_session")
+    async def open_session(request: Request) -> Response:
+        """Open a session whose conversation stays cached between its requests (send
+        ``"session_params": {"id": ...}`` with each); answers the session id as a JSON string.
+        SGLang's ``capacity_of_str_len`` is accepted and not needed."""
+        try:
+            body = await _read_json(request) if await request.body() else {}
+        except _BadBody as exc:
+            return _error(400, str(exc))
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        session_id = body.get("session_id")
+        if session_id is not None and not isinstance(session_id, str):
+            return _error(400, "session_id must be a string", "session_id")
+        try:
+            return _json(200, await tm.open_session(session_id))
+        except BadRequestError as exc:
+            return _error(400, str(exc), "session_id")
+        except GenerateError as exc:
+            return _error(exc.status, str(exc))
+
+    @router.post("/close_session")
+    async def close_session(request: Request) -> Response:
+        """Close a session: its conversation may be evicted from the cache again."""
+        try:
+            body = await _read_json(request)
+        except _BadBody as exc:
+            return _error(400, str(exc))
+        session_id = body.get("session_id") if isinstance(body, dict) else None
+        if not isinstance(session_id, str):
+            return _error(400, "the body must be {\"session_id\": \"...\"}", "session_id")
+        try:
+            await tm.close_session(session_id)
+        except BadRequestError as exc:
+            return _error(400, str(exc), "session_id")
+        except GenerateError as exc:
+            return _error(exc.status, str(exc))
         return Response(status_code=200)
 
     @router.get("/health_generate")
