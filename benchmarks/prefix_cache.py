@@ -7,7 +7,7 @@
   ``--system-len``-token system prompt and each adds a ``--question-len``-token question;
   ``--output-len`` greedy tokens each (EOS ignored). Every prompt is sent at once, in a
   shuffled order, to ``sgl.Engine`` with the cache (``radix``, schedule policy ``lpm``) and
-  with ``disable_radix_cache=True``.
+  with ``disable_radix_cache=True``. Each run gets a fresh engine.
 * **no hits**: the same shapes with every prompt distinct (random token ids), so the cache
   finds nothing: what it costs when it cannot help. Runs are interleaved (off, on, off, on, ...)
   and the median of ``--reps`` is reported, because the machine is shared and noisy.
@@ -24,6 +24,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 BEGIN, END = "<!-- prefix_cache:begin -->", "<!-- prefix_cache:end -->"
@@ -35,6 +36,7 @@ class Run:
     tokens: int
     mean_ttft: float
     cached_tokens: int
+    cache_seconds: float
 
     @property
     def throughput(self) -> float:
@@ -66,7 +68,8 @@ def run(engine: Any, prompts: list[list[int]], output_len: int) -> Run:
                                                  for r in results)
     ttft = statistics.mean(r["meta_info"]["time_to_first_token"] for r in results)
     cached = sum(r["meta_info"]["cached_tokens"] for r in results)
-    return Run(seconds, tokens, ttft, cached)
+    cache_seconds = engine.get_server_info()["internal_states"][0].get("cache_seconds", 0.0)
+    return Run(seconds, tokens, ttft, cached, cache_seconds)
 
 
 def main() -> None:
@@ -90,26 +93,26 @@ def main() -> None:
     shared = shared_prefix_workload(args, rng)
     common = {"dtype": args.dtype, "num_threads": args.threads, "log_level": "warning",
               "max_total_tokens": 40_000}
-    engines = {"off": sgl.Engine(disable_radix_cache=True, **common),
-               "on": sgl.Engine(**common)}
+    timed_plugin = str(Path(__file__).with_name("timed_radix_plugin.py"))
+    configs = {"off": {"disable_radix_cache": True},
+               "on": {"load_plugins": (timed_plugin,), "cache_policy": "radix-timed"}}
     results: dict[str, dict[str, list[Run]]] = {"shared": {"off": [], "on": []},
                                                   "nohit": {"off": [], "on": []}}
-    try:
-        for engine in engines.values():  # warm up: kernels, allocator
+
+    def measure(workload: str, name: str, prompts: list[list[int]]) -> None:
+        # a fresh engine (scheduler process) per run, so that neither setting keeps the
+        # memory layout of one process throughout
+        with sgl.Engine(**common, **configs[name]) as engine:
             engine.generate(input_ids=[list(range(100, 164))], sampling_params={"max_new_tokens": 4})
-        for rep in range(args.reps):
-            nohit = no_hit_workload(args, random.Random(args.seed + 1 + rep), args.no_hit_prompts)
-            for name in ("off", "on") if rep % 2 == 0 else ("on", "off"):
-                results["nohit"][name].append(run(engines[name], nohit, args.output_len))
-            print(f"no hits, rep {rep + 1}: " + ", ".join(
-                f"{k} {v[-1].seconds:.1f} s" for k, v in results["nohit"].items()), flush=True)
-        for name in ("off", "on"):
-            results["shared"][name].append(run(engines[name], shared, args.output_len))
-            print(f"shared prefix, cache {name}: {results['shared'][name][-1].seconds:.1f} s",
-                  flush=True)
-    finally:
-        for engine in engines.values():
-            engine.shutdown()
+            results[workload][name].append(run(engine, prompts, args.output_len))
+        print(f"{workload}, cache {name}: {results[workload][name][-1].seconds:.1f} s", flush=True)
+
+    for rep in range(args.reps):
+        nohit = no_hit_workload(args, random.Random(args.seed + 1 + rep), args.no_hit_prompts)
+        for name in ("off", "on") if rep % 2 == 0 else ("on", "off"):
+            measure("nohit", name, nohit)
+    for name in ("off", "on"):
+        measure("shared", name, shared)
 
     table = report(args, results)
     print(table)
@@ -136,8 +139,8 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, list[Run]]]) -
         f"{args.system_len + args.question_len} tokens, {args.output_len} output tokens; "
         f"median of {args.reps} interleaved runs",
         "",
-        "| workload | cache | seconds | tokens/s | mean TTFT (s) | cached tokens | vs cache off |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| workload | cache | seconds | tokens/s | mean TTFT (s) | cached tokens | time in the cache | vs cache off |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for workload, label in (("shared", "shared prefix"), ("nohit", "no hits")):
         base = median(results[workload]["off"], "throughput")
@@ -147,8 +150,16 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, list[Run]]]) -
             lines.append(
                 f"| {label} | {name} | {median(runs, 'seconds'):.1f} | {tput:.0f} | "
                 f"{median(runs, 'mean_ttft'):.2f} | {int(median(runs, 'cached_tokens'))} | "
-                f"**{tput / base:.2f}x** |")
+                f"{_share(runs)} | **{tput / base:.2f}x** |")
     return "\n".join(lines) + "\n"
+
+
+def _share(runs: list[Run]) -> str:
+    """The scheduler's time inside the cache policy, as a share of the wall time."""
+    if not any(r.cache_seconds for r in runs):
+        return "-"
+    share = statistics.median(r.cache_seconds / r.seconds for r in runs)
+    return f"{100 * share:.2f}%"
 
 
 if __name__ == "__main__":
