@@ -143,3 +143,16 @@ def test_session_keeps_its_conversation_through_eviction(harness: Harness) -> No
     assert unknown.error is not None and "not open" in unknown.error
     assert s.load_info()["num_sessions"] == 0
     harness.assert_memory_empty()
+
+
+def test_identical_prompts_at_once_share_one_prefill(harness: Harness) -> None:
+    """What ``n > 1`` sends the scheduler (the tokenizer manager expands it into requests with
+    the same prompt): one computes the prompt, the others wait a step and take it from the
+    cache."""
+    use_cache(harness, RadixCache)
+    prompt = shared_prompts(harness)[4]
+    rids = [harness.submit(prompt, max_new_tokens=6, temperature=0.8, seed=i) for i in range(4)]
+    results = harness.run(rids)
+    cached = sorted(results[r].cached_tokens for r in rids)
+    assert cached == [0] + [len(prompt) - 1] * 3
+    harness.assert_memory_empty()

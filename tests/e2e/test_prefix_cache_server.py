@@ -48,6 +48,16 @@ def test_repeated_generate_reports_cached_tokens(server: ServerProcess) -> None:
     assert after["meta_info"]["cached_tokens"] == 0
 
 
+def test_n_samples_share_the_prompt(server: ServerProcess) -> None:
+    flush(server)
+    results = post(server, "/generate", text=PROMPT,
+                   sampling_params={"max_new_tokens": 4, "temperature": 0.7, "n": 3}).json()
+    assert len(results) == 3
+    cached = sorted(r["meta_info"]["cached_tokens"] for r in results)
+    prompt_tokens = results[0]["meta_info"]["prompt_tokens"]
+    assert cached == [0, prompt_tokens - 1, prompt_tokens - 1]
+
+
 def test_openai_usage_reports_cached_tokens(server: ServerProcess) -> None:
     flush(server)
     body = {"model": "default", "max_tokens": 3, "temperature": 0,

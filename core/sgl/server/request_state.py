@@ -195,8 +195,8 @@ class ReqState:
     def chunk(self, cumulative: bool = False) -> dict[str, Any] | None:
         """What is new since the previous chunk, or None when there is nothing to tell.
 
-        With ``cumulative`` the chunk holds everything so far instead (text, ids and logprob
-        entries), the shape SGLang's ``/generate`` streams by default."""
+        With ``cumulative`` the chunk holds the text and ids so far instead, the shape SGLang's
+        ``/generate`` streams by default; logprob entries are always only the new ones."""
         self.dirty = False
         if self._sent_final:
             return None
@@ -213,9 +213,7 @@ class ReqState:
             return None
         if cumulative:
             new_text, new_ids = text[:max(self._sent_text, end)], list(self.output_ids)
-            slices = {k: list(v) for k, v in self.logprobs.items()}
-        else:
-            slices = {k: v[self._sent_logprobs[k]:] for k, v in self.logprobs.items()}
+        slices = {k: v[self._sent_logprobs[k]:] for k, v in self.logprobs.items()}
         self._sent_text = max(self._sent_text, end)
         self._sent_ids = len(self.output_ids)
         self._sent_logprobs = {k: len(v) for k, v in self.logprobs.items()}

@@ -132,10 +132,14 @@ def test_stream_is_cumulative_and_ends_with_done(server: ServerProcess) -> None:
     assert last["output_ids"] == whole["output_ids"]
     assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
     assert "e2e_latency" in last["meta_info"]
-    # like SGLang, each event carries the logprob entries so far (one per output token)
+    # each event carries only the new logprob entries: one per output token it adds
+    seen = 0
+    logprobs = []
     for chunk in chunks:
-        assert len(chunk["meta_info"]["output_token_logprobs"]) == len(chunk["output_ids"])
-    logprobs = last["meta_info"]["output_token_logprobs"]
+        new = chunk["meta_info"]["output_token_logprobs"]
+        assert len(new) == len(chunk["output_ids"]) - seen
+        seen += len(new)
+        logprobs += new
     assert [e[1] for e in logprobs] == whole["output_ids"]
     for got, want in zip(logprobs, whole["meta_info"]["output_token_logprobs"]):
         assert got[0] == pytest.approx(want[0], abs=1e-3)
