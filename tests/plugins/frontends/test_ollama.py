@@ -126,6 +126,9 @@ def test_unknown_model_is_404(client: ollama.Client) -> None:
                   b'"format": "json"}'),
     ("/api/generate", b'{"model": "default", "prompt": 5}'),
     ("/api/generate", b'{"model": "default", "prompt": "x", "options": {"top_p": 2}}'),
+    ("/api/generate", b'{"model": "default", "prompt": "x", "options": {"seed": 1e30}}'),
+    ("/api/generate", b'{"model": "default", "prompt": "x", '
+                      b'"options": {"seed": 18446744073709551615}}'),
     ("/api/generate", b'{"model": "default", "prompt": "' + b"hello " * 9000 + b'"}'),
     ("/api/show", b"{}"),
 ])

@@ -236,6 +236,10 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
     ("/v1/completions", b'{"model": "default", "prompt": ""}', None),
     ("/v1/completions", b'{"model": "default", "prompt": [999999]}', None),
     ("/v1/completions", b'{"model": "default", "prompt": "hi", "suffix": "x"}', "suffix"),
+    ("/v1/completions", b'{"model": "default", "prompt": "hi", "seed": 18446744073709551615}',
+     "seed"),
+    ("/v1/completions", b'{"model": "default", "prompt": "hi", "n": 2, '
+                        b'"seed": 9223372036854775807}', "seed"),
     ("/v1/chat/completions", b'{"model": "default", "messages": [{"role": "user", "content": '
                              b'"hi"}], "top_logprobs": 2}', "top_logprobs"),
     ("/v1/chat/completions", b'{"model": "default", "messages": [{"role": "user", "content": '

@@ -27,7 +27,7 @@ class Options(_Strict):
     min_p: float | None = Field(default=None, ge=0, le=1)
     num_predict: int | None = Field(default=None, ge=-2)
     stop: list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     repeat_penalty: float | None = Field(default=None, gt=0)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)

@@ -10,7 +10,7 @@ rest of the call.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -46,7 +46,6 @@ class _Plan:
     prefix: str = ""  # text the reply was started with (a forced tool call)
     tools: bool = False  # whether to parse tool calls out of the reply
     forced: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _template(server: ServerContext) -> str:

@@ -15,6 +15,10 @@ __all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest",
            "DetokenizeRequest", "FunctionDef", "ResponseFormat", "StreamOptions",
            "TokenizeRequest", "Tool", "ToolChoiceFunction", "error_body"]
 
+#: the range of seeds the sampler takes (a signed 64-bit integer)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -125,6 +129,9 @@ class _SamplingFields(_Strict):
                 raise ValueError(f"logit_bias: keys must be token ids, got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias: values must be in [-100, 100], got {bias}")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1):
+            raise ValueError("seed: must fit in a signed 64-bit integer (with n choices, "
+                             "seed + n - 1 must too)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         return self
