@@ -86,6 +86,22 @@ def test_chat_stream_matches_non_stream_and_reports_usage(client: openai.OpenAI)
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_stream_with_n_choices_matches_non_stream(client: openai.OpenAI) -> None:
+    args = dict(model="default", messages=[{"role": "user", "content": "Tell me a word."}],
+                temperature=1.0, max_tokens=6, n=2, seed=11)
+    whole = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(
+        **args, stream=True, stream_options={"include_usage": True,
+                                             "continuous_usage_stats": True}))
+    texts = {0: "", 1: ""}
+    for c in chunks[:-1]:
+        assert c.usage is not None  # continuous usage: every chunk carries the counts so far
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
 def test_stream_ends_with_done(server: ServerProcess) -> None:
     with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", timeout=120, json={
             "model": "default", "messages": QUESTION, "max_tokens": 4, "stream": True}) as r:
