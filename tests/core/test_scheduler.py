@@ -267,3 +267,26 @@ def test_bad_input_fails_the_request_not_the_scheduler(harness: Harness, ids: li
     assert r.finish_reason["type"] == "abort" and needle in r.error
     ok = one(harness, harness.chat_ids("Hi"), max_new_tokens=2, temperature=0)
     assert len(ok.output_ids) == 2
+
+
+def test_failing_forward_fails_its_requests_and_frees_their_memory(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fake fault: a forward pass that raises cannot be caused with the real model otherwise.
+    runner = harness.scheduler.runner
+    real_forward = runner.forward
+    calls = itertools.count()
+
+    def forward_failing_once(batch: Any) -> Any:
+        if next(calls) == 0:
+            raise RuntimeError("injected fault")
+        return real_forward(batch)
+
+    monkeypatch.setattr(runner, "forward", forward_failing_once)
+    prompt = harness.chat_ids("Name three colors.")
+    failed = one(harness, prompt, max_new_tokens=4, temperature=0)
+    assert failed.error is not None and "injected fault" in failed.error
+    assert failed.finish_reason["type"] == "abort"
+    harness.assert_memory_empty()
+    after = one(harness, prompt, max_new_tokens=4, temperature=0)  # the scheduler goes on
+    assert after.error is None and len(after.output_ids) == 4
+    harness.assert_memory_empty()

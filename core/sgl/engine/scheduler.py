@@ -100,6 +100,7 @@ class Scheduler:
         self.stopping = False
         self.parent_pid = os.getppid()
         self._replies: list[TokenOutput] = []  # outputs of requests rejected or aborted
+        self._step_slots: torch.Tensor | None = None  # KV slots of a forward still running
 
         self.zmq = zmq.Context()
         self.recv_sock = self.zmq.socket(zmq.PULL)
@@ -142,6 +143,9 @@ class Scheduler:
                 self.run_step(step)
             except Exception as exc:  # a failing batch must not take the others down
                 logger.error("a batch of %d failed:\n%s", len(step), traceback.format_exc())
+                if self._step_slots is not None:  # taken for the new tokens, never filled
+                    self.runner.kv_pool.free(self._step_slots)
+                    self._step_slots = None
                 for req, _ in step:
                     self.fail(req, f"internal error while running the model: {exc}", 500)
         self.send_outputs([req for req, _ in step])
@@ -255,13 +259,16 @@ class Scheduler:
         mode = ForwardMode.DECODE if all(r.pending == 1 for r, _ in step) else ForwardMode.EXTEND
         seqs = [BatchSeq(r.row, r.kv_len, r.token_slice(r.kv_len, r.kv_len + n)) for r, n in step]
         batch = make_forward_batch(self.runner, mode, seqs)
+        self._step_slots = batch.out_cache_loc
         hidden = self.runner.forward(batch)
+        self._step_slots = None  # from here on the requests own them
         offsets = [0]
         for _, n in step:
             offsets.append(offsets[-1] + n)
-        for (req, n), start in zip(step, offsets):
-            self.input_logprobs(req, req.kv_len, n, hidden, start)
+        for req, n in step:
             req.kv_len += n
+        for (req, n), start in zip(step, offsets):
+            self.input_logprobs(req, req.kv_len - n, n, hidden, start)
         self.cache_prefills([req for req, n in step if n > 1])
         sampling = [(req, offsets[i + 1] - 1) for i, (req, _) in enumerate(step)
                     if req.pending == 0 and not req.finished]
