@@ -11,7 +11,7 @@ import pytest
 
 from sgl import hookimpl
 from sgl.registry import UnknownNameError
-from sgl.testing import ServerProcess
+from sgl.testing import ServerProcess, run_cli
 from sgl_frontend_openai.tool_parsers import (
     BaseToolParser,
     HermesToolParser,
@@ -207,3 +207,20 @@ def test_stream_splitter_sends_text_at_once_and_holds_calls(pieces: int) -> None
                             prefix=HermesToolParser().forced_prefix("get_weather"))
     assert sent == "" and rest == "" and json.loads(calls[0]["function"]["arguments"]) == {
         "city": "Rome"}
+
+
+def test_tool_call_parser_option_round_trips(tmp_path) -> None:
+    """``tool_call_parser`` from a flag, the environment and a config file, as
+    ``sgl config show`` reports it (a plugin id with a dash in its flags and variables)."""
+    def shown(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+        result = run_cli(["config", "show", "--json", *args], env=env)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)["plugins.frontend-openai.tool_call_parser"]
+
+    assert shown()["value"] == "auto"
+    assert shown("--frontend-openai-tool-call-parser", "json") == {
+        "value": "json", "source": "flag --frontend-openai-tool-call-parser"}
+    assert shown(env={"SGL_FRONTEND_OPENAI_TOOL_CALL_PARSER": "hermes"})["value"] == "hermes"
+    config = tmp_path / "sgl.toml"
+    config.write_text('[plugins.frontend-openai]\ntool_call_parser = "json"\n')
+    assert shown("--config", str(config))["value"] == "json"
