@@ -113,7 +113,7 @@ def plan_chat(server: ServerContext, parser: BaseToolParser,
         sampling.stop = [*sampling.stop, parser.call_end]  # a forced reply is one call
     obj = GenerateReqInput(input_ids=input_ids, sampling_params=sampling,
                            return_logprob=req.logprobs,
-                           top_logprobs_num=req.top_logprobs or 0 if req.logprobs else None,
+                           top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else None,
                            return_text_in_logprobs=True, stream=req.stream)
     return _Plan(obj, prefix=prefix, tools=tools_on, forced=bool(prefix))
 

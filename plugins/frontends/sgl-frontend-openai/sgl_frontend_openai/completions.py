@@ -63,11 +63,18 @@ def _request(server: ServerContext, req: CompletionRequest) -> tuple[GenerateReq
                            logprob_start_len=0 if want_logprobs and req.echo else None,
                            return_text_in_logprobs=True, stream=req.stream)
     if req.max_tokens is None:  # the default must not overflow a long prompt's context
-        longest = max(len(server.tokenizer_manager.encode(t)) for t in texts) if "text" in fields \
-            else max(len(p) for p in (fields["input_ids"] if isinstance(fields["input_ids"][0], list)
-                                      else [fields["input_ids"]]))
-        sampling.max_new_tokens = min(DEFAULT_MAX_TOKENS, room_for(server, longest))
+        sampling.max_new_tokens = min(DEFAULT_MAX_TOKENS,
+                                      room_for(server, _longest_prompt(server, fields)))
     return obj, texts
+
+
+def _longest_prompt(server: ServerContext, fields: dict[str, Any]) -> int:
+    """The token count of the longest prompt of the request."""
+    if "text" in fields:
+        texts = fields["text"] if isinstance(fields["text"], list) else [fields["text"]]
+        return max(len(server.tokenizer_manager.encode(t)) for t in texts)
+    ids = fields["input_ids"]
+    return max(len(p) for p in ids) if ids and isinstance(ids[0], list) else len(ids)
 
 
 def _finish(meta: dict[str, Any]) -> str:
