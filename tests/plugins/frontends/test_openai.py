@@ -283,3 +283,34 @@ def test_bad_requests_are_4xx_openai_errors(server: ServerProcess, path: str, bo
     assert error["type"] == "invalid_request_error" and error["message"]
     if param is not None:
         assert error["param"] == param, error
+
+
+def test_response_format_with_a_grammar_backend_installed(plugin_manager, register_plugin) -> None:
+    """With a grammar backend registered, JSON formats are no longer refused for its absence
+    (they are forwarded once the sampling parameters take a schema)."""
+    from types import SimpleNamespace
+
+    from sgl import hookimpl
+    from sgl.sampling import SamplingParams
+    from sgl_frontend_openai.common import OpenAIError, check_response_format
+    from sgl_frontend_openai.protocol import ResponseFormat
+
+    server = SimpleNamespace(plugin_manager=plugin_manager)
+    schema = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {
+        "name": "city", "schema": {"type": "object"}}})
+    with pytest.raises(OpenAIError, match="sgl-grammar-xgrammar"):
+        check_response_format(server, schema)
+
+    class Grammar:
+        @hookimpl
+        def sgl_register_grammar_backends(self, register):
+            register("toy-grammar", "collections:OrderedDict")
+
+    register_plugin(Grammar(), name="toy-grammar")
+    assert check_response_format(server, ResponseFormat(type="text")) == {}
+    if "json_schema" in SamplingParams.__dataclass_fields__:
+        assert check_response_format(server, schema) == {"json_schema": '{"type": "object"}'}
+    else:
+        with pytest.raises(OpenAIError, match="toy-grammar") as exc:
+            check_response_format(server, schema)
+        assert "sgl-grammar-xgrammar" not in exc.value.message
