@@ -20,7 +20,8 @@ PLUGINS := \
 	plugins/frontends/sgl-frontend-openai \
 	plugins/frontends/sgl-frontend-anthropic \
 	plugins/frontends/sgl-frontend-ollama \
-	plugins/frontends/sgl-frontend-native
+	plugins/frontends/sgl-frontend-native \
+	plugins/frontends/sgl-lang
 
 STAMP := $(VENV)/.sgl-installed
 
