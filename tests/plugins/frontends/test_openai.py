@@ -3,6 +3,8 @@ model (greedy where outputs are compared)."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -223,6 +225,12 @@ def test_models(client: openai.OpenAI) -> None:
 
 
 def test_response_format_needs_a_grammar_backend(client: openai.OpenAI) -> None:
+    if create_plugin_manager().registries.grammar.names():  # installed: JSON comes back
+        r = client.chat.completions.create(model="default", messages=QUESTION, temperature=0,
+                                           max_tokens=64, response_format={"type": "json_object"})
+        if r.choices[0].finish_reason == "stop":
+            json.loads(r.choices[0].message.content)
+        return
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model="default", messages=QUESTION,
                                        response_format={"type": "json_object"})
@@ -285,32 +293,33 @@ def test_bad_requests_are_4xx_openai_errors(server: ServerProcess, path: str, bo
         assert error["param"] == param, error
 
 
-def test_response_format_with_a_grammar_backend_installed(plugin_manager, register_plugin) -> None:
-    """With a grammar backend registered, JSON formats are no longer refused for its absence
-    (they are forwarded once the sampling parameters take a schema)."""
+def test_response_format_and_the_grammar_registry() -> None:
+    """JSON formats are refused while no grammar backend is registered, naming the plugin to
+    install; with one they become a ``json_schema`` sampling parameter (once the sampling
+    parameters take one) or a message naming the backend."""
     from types import SimpleNamespace
 
-    from sgl import hookimpl
+    from sgl.registry import Registry
     from sgl.sampling import SamplingParams
     from sgl_frontend_openai.common import OpenAIError, check_response_format
     from sgl_frontend_openai.protocol import ResponseFormat
 
-    server = SimpleNamespace(plugin_manager=plugin_manager)
+    grammar: Registry[object] = Registry("grammar backend")
+    server = SimpleNamespace(plugin_manager=SimpleNamespace(
+        registries=SimpleNamespace(grammar=grammar)))
     schema = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {
         "name": "city", "schema": {"type": "object"}}})
     with pytest.raises(OpenAIError, match="sgl-grammar-xgrammar"):
         check_response_format(server, schema)
-
-    class Grammar:
-        @hookimpl
-        def sgl_register_grammar_backends(self, register):
-            register("toy-grammar", "collections:OrderedDict")
-
-    register_plugin(Grammar(), name="toy-grammar")
     assert check_response_format(server, ResponseFormat(type="text")) == {}
+    grammar.register("toy-grammar", "collections:OrderedDict", owner="toy")
     if "json_schema" in SamplingParams.__dataclass_fields__:
         assert check_response_format(server, schema) == {"json_schema": '{"type": "object"}'}
+        assert check_response_format(server, ResponseFormat(type="json_object")) == {
+            "json_schema": '{"type": "object"}'}
     else:
         with pytest.raises(OpenAIError, match="toy-grammar") as exc:
             check_response_format(server, schema)
         assert "sgl-grammar-xgrammar" not in exc.value.message
+    with pytest.raises(OpenAIError, match="schema is required"):
+        check_response_format(server, ResponseFormat(type="json_schema"))
