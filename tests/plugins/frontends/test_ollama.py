@@ -112,6 +112,18 @@ def test_unknown_model_is_404(client: ollama.Client) -> None:
         assert exc.value.status_code == 404 and "llama3" in exc.value.error
 
 
+def test_format_needs_a_grammar_backend(client: ollama.Client) -> None:
+    if create_plugin_manager().registries.grammar.names():  # installed: JSON comes back
+        r = client.chat(model=MODEL, messages=QUESTION, format="json",
+                        options={"temperature": 0, "num_predict": 64})
+        if r.done_reason == "stop":
+            json.loads(r.message.content)
+        return
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.chat(model=MODEL, messages=QUESTION, format="json")
+    assert exc.value.status_code == 400 and "sgl-grammar-xgrammar" in exc.value.error
+
+
 @pytest.mark.parametrize("path,body", [
     ("/api/chat", b"{nope"),
     ("/api/chat", b'{"messages": []}'),
@@ -122,8 +134,6 @@ def test_unknown_model_is_404(client: ollama.Client) -> None:
                   b'"options": {"temperature": "hot"}}'),
     ("/api/chat", b'{"model": "default", "messages": [{"role": "user", "content": "x"}], '
                   b'"options": {"warp_speed": 9}}'),
-    ("/api/chat", b'{"model": "default", "messages": [{"role": "user", "content": "x"}], '
-                  b'"format": "json"}'),
     ("/api/generate", b'{"model": "default", "prompt": 5}'),
     ("/api/generate", b'{"model": "default", "prompt": "x", "options": {"top_p": 2}}'),
     ("/api/generate", b'{"model": "default", "prompt": "x", "options": {"seed": 1e30}}'),

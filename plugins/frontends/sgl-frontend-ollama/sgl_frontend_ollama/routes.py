@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import fields
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -67,10 +68,24 @@ def _check_model(server: ServerContext, name: str) -> None:
                                f"{server.model_name!r}")
 
 
-def _check_unsupported(req: _Base) -> None:
-    if req.format:
+def _format_params(server: ServerContext, fmt: str | dict[str, Any] | None) -> dict[str, Any]:
+    """Sampling parameters for ``format`` (``"json"`` or a JSON schema): a ``json_schema``
+    constraint when a grammar backend is installed, else a 400 naming the plugin to install."""
+    if not fmt:
+        return {}
+    backends = server.plugin_manager.registries.grammar.names()
+    if not backends:
         raise OllamaError(400, "format: structured output needs a grammar backend; install a "
                                "grammar backend plugin such as sgl-grammar-xgrammar")
+    if "json_schema" not in {f.name for f in fields(SamplingParams)}:
+        raise OllamaError(400, f"format: the grammar backend(s) {', '.join(backends)} are "
+                               "installed, but this version of sgl's scheduler does not apply "
+                               "grammars yet")
+    schema = {"type": "object"} if fmt == "json" else fmt
+    return {"json_schema": json.dumps(schema)}
+
+
+def _check_unsupported(req: _Base) -> None:
     if req.think not in (None, False):
         raise OllamaError(400, "think: this model does not support thinking")
     if req.logprobs:
@@ -78,8 +93,8 @@ def _check_unsupported(req: _Base) -> None:
                                "OpenAI routes for logprobs")
 
 
-def _sampling(server: ServerContext, options: Options | None, prompt_len: int) -> SamplingParams:
-    opts = options or None
+def _sampling(server: ServerContext, req: _Base, prompt_len: int) -> SamplingParams:
+    opts: Options | None = req.options
     get = (lambda key: getattr(opts, key, None))  # noqa: E731
     room = max(1, min(server.info.context_length, server.info.max_total_tokens) - prompt_len)
     num_predict = get("num_predict")
@@ -102,6 +117,7 @@ def _sampling(server: ServerContext, options: Options | None, prompt_len: int) -
             "frequency_penalty": get("frequency_penalty"),
             "stop": get("stop") or None,
             "seed": get("seed"),
+            **_format_params(server, req.format),
         })
     except SamplingParamsError as exc:
         raise OllamaError(400, f"options: {exc}") from None
@@ -205,8 +221,7 @@ def make_router(server: ServerContext) -> APIRouter:
                                      "done": True, "done_reason": "load"})
             messages = [{"role": m.role, "content": m.content} for m in req.messages]
             ids = tm.apply_chat_template(messages)
-            obj = GenerateReqInput(input_ids=ids, sampling_params=_sampling(
-                server, req.options, len(ids)))
+            obj = GenerateReqInput(input_ids=ids, sampling_params=_sampling(server, req, len(ids)))
 
             def shape(text: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
                 return {"message": {"role": "assistant", "content": text}}
@@ -239,8 +254,7 @@ def make_router(server: ServerContext) -> APIRouter:
                     messages.insert(0, {"role": "system", "content": req.system})
                 ids = tm.apply_chat_template(messages)
             ids = list(req.context or []) + ids
-            obj = GenerateReqInput(input_ids=ids, sampling_params=_sampling(
-                server, req.options, len(ids)))
+            obj = GenerateReqInput(input_ids=ids, sampling_params=_sampling(server, req, len(ids)))
 
             def shape(text: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
                 out: dict[str, Any] = {"response": text}
