@@ -26,7 +26,8 @@ _PLUGIN_NAMES: dict[str, tuple[str, str]] = {
         "assistant", "system_begin", "system_end", "user_begin", "user_end", "assistant_begin",
         "assistant_end", "set_default_backend", "get_default_backend", "RuntimeEndpoint",
         "OpenAI", "EngineBackend", "ProgramState", "token_length_normalized",
-        "greedy_token_selection", "unconditional_likelihood_normalized",
+        "greedy_token_selection", "unconditional_likelihood_normalized", "BackendError",
+        "LangError",
     )
 }
 
