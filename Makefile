@@ -17,6 +17,9 @@ PLUGINS := \
 	plugins/models/sgl-model-qwen \
 	plugins/attention/sgl-attn-torch \
 	plugins/cache/sgl-cache-radix \
+	plugins/grammar/sgl-grammar-xgrammar \
+	plugins/grammar/sgl-grammar-outlines \
+	plugins/grammar/sgl-grammar-llguidance \
 	plugins/frontends/sgl-frontend-openai \
 	plugins/frontends/sgl-frontend-anthropic \
 	plugins/frontends/sgl-frontend-ollama \

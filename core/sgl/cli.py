@@ -89,6 +89,8 @@ def settings_options(pm: SglPluginManager) -> list[click.Option]:
     for f in option_fields(ServerSettings):
         registry = f.metadata.get("registry")
         choices = _registry_names(pm, registry) if registry else None
+        if choices is not None:
+            choices = [*f.metadata.get("keywords", ()), *choices]
         flags = f.metadata.get("flags") or (f"--{f.name.replace('_', '-')}",)
         options.append(_option_for(f, hints[f.name], dest=f.name, flags=flags,
                                    group="Server options", env=env_var_name(f.name),
@@ -161,7 +163,7 @@ def check_backends(settings: ServerSettings, pm: SglPluginManager) -> None:
             continue
         registry = getattr(pm.registries, registry_name)
         for name in value if isinstance(value, tuple) else (value,):
-            if name not in registry:
+            if name not in registry and name not in f.metadata.get("keywords", ()):
                 unavailable = [r for r in pm.records.values() if not r.available]
                 hint = "".join(f"\n  plugin {r.name!r} is unavailable: {r.reason}" for r in unavailable)
                 raise ConfigError(

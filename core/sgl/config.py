@@ -86,8 +86,13 @@ class ServerSettings:
         "lpm", "Order in which waiting requests are admitted: lpm (longest cached prefix "
         "first), dfs-weight (depth-first over the cache tree), fcfs, lof (longest output "
         "first) or random.")
-    grammar_backend: str | None = _opt(None, "Grammar backend for structured output, by name.",
-                                       registry="grammar")
+    grammar_backend: str = _opt(
+        "auto", "Grammar backend for structured output (json_schema, regex, ebnf), by name; auto: "
+        "xgrammar when its plugin is installed, else none; none: refuse constraints.",
+        registry="grammar", keywords=("auto", "none"))
+    disable_jump_forward: bool = _opt(
+        False, "Sample every token of constrained output, even where the grammar allows only one "
+        "continuation (jump-forward decoding off).")
     speculative_algorithm: str | None = _opt(
         None, "Speculative decoding algorithm by name; default: off.", registry="speculative")
     kv_transfer_backend: str | None = _opt(

@@ -6,9 +6,13 @@ The batched sampler that applies them lives in :mod:`sgl.engine.sampler`.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+#: the constraint fields, as SGLang names them (the same names as sgl.grammar.CONSTRAINT_KINDS)
+CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 __all__ = ["SamplingParams", "SamplingParamsError"]
 
@@ -47,6 +51,11 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # constrained decoding (at most one; see docs/grammar.md)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> SamplingParams:
@@ -69,6 +78,9 @@ class SamplingParams:
                 values["logit_bias"] = {int(k): v for k, v in values["logit_bias"].items()}
             except (TypeError, ValueError):
                 raise SamplingParamsError("logit_bias keys must be token ids (integers)") from None
+        for name in ("json_schema", "structural_tag"):  # SGLang takes JSON text; allow objects
+            if isinstance(values.get(name), dict):
+                values[name] = json.dumps(values[name])
         params = cls(**values)
         params.validate()
         return params
@@ -108,6 +120,13 @@ class SamplingParams:
         need(isinstance(self.logit_bias, dict)
              and all(_is_int(k) and k >= 0 and _is_num(v) for k, v in self.logit_bias.items()),
              "logit_bias", "an object of token id -> number")
+        constraints = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
+        for name in constraints:
+            need(isinstance(getattr(self, name), str) and getattr(self, name).strip() != "",
+                 name, "a non-empty string")
+        if len(constraints) > 1:
+            raise SamplingParamsError(f"give at most one of json_schema, regex, ebnf and "
+                                      f"structural_tag, got {' and '.join(constraints)}")
         if vocab_size is not None:
             for name, ids in (("stop_token_ids", self.stop_token_ids),
                               ("logit_bias", list(self.logit_bias))):
@@ -115,6 +134,16 @@ class SamplingParams:
                 if bad:
                     raise SamplingParamsError(
                         f"{name} has token id {bad[0]}, outside the vocabulary (size {vocab_size})")
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """``(kind, spec)`` of the grammar constraint (``json_schema``, ``regex``, ``ebnf`` or
+        ``structural_tag``), or None for free text."""
+        for kind in CONSTRAINT_KINDS:
+            spec = getattr(self, kind)
+            if spec is not None:
+                return kind, spec
+        return None
 
     @property
     def greedy(self) -> bool:

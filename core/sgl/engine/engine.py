@@ -95,6 +95,7 @@ class Engine:
         from sgl.engine.launch import start_scheduler
         from sgl.model_loader import load_tokenizer, resolve_model_path
         from sgl.plugins import PluginSelection, create_plugin_manager
+        from sgl.grammar.select import GrammarChecker
         from sgl.server.tokenizer_manager import TokenizerManager
 
         base = engine_settings(model_path, settings)  # unknown names fail before any work
@@ -119,7 +120,8 @@ class Engine:
         self._closed = False
         try:
             self.tokenizer_manager: TokenizerManager = TokenizerManager(
-                self.tokenizer, self._handle.endpoints, self.info, self.settings)
+                self.tokenizer, self._handle.endpoints, self.info, self.settings,
+                grammar=GrammarChecker.for_server(pm, self.info))
             self._run(self._start())
             pm.notify_startup(settings=self.settings, process="engine", context=self)
         except BaseException:

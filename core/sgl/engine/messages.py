@@ -149,3 +149,4 @@ class SchedulerInfo:
     eos_token_ids: list[int] = field(default_factory=list)
     cache_policy: str = "none"
     schedule_policy: str = "fcfs"
+    grammar_backend: str = "none"  # the backend constrained requests use; "none": refused

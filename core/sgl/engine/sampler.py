@@ -16,7 +16,7 @@ import torch
 from sgl.kernels.cpu import argmax_rows
 from sgl.sampling import SamplingParams
 
-__all__ = ["SamplingInput", "sample_next_tokens", "uniform_noise"]
+__all__ = ["SamplingInput", "apply_token_bitmask", "sample_next_tokens", "uniform_noise"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -46,6 +46,24 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     x = (x ^ _shr(x, 27)) * _MIX2
     x = x ^ _shr(x, 31)
     return (_shr(x, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """Set to -inf the logits of tokens a grammar forbids, for the rows ``rows`` of ``logits``
+    ``[batch, vocab]``; ``bitmask[j]`` (int32, ``ceil(vocab / 32)`` words) is the mask of row
+    ``rows[j]``, bit ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed (the layout of
+    xgrammar, llguidance and outlines-core). Tokens past the bitmask's width are forbidden."""
+    vocab = logits.shape[-1]
+    allowed = ((bitmask[:, :, None] >> _BITS.to(bitmask.device)) & 1).bool().flatten(1)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    index = torch.tensor(list(rows), dtype=torch.int64, device=logits.device)
+    sub = logits.index_select(0, index)
+    sub.masked_fill_(~allowed[:, :vocab].to(logits.device), float("-inf"))
+    logits.index_copy_(0, index, sub)
 
 
 @dataclass

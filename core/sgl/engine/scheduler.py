@@ -23,6 +23,7 @@ import zmq
 
 from sgl.engine.batch_builder import BatchSeq, make_forward_batch
 from sgl.engine.forward_batch import ForwardMode
+from sgl.engine.grammar_manager import IDLE_WAIT, make_grammar_manager
 from sgl.engine.logprobs import LogprobRows
 from sgl.engine.messages import (
     AbortRequest,
@@ -89,6 +90,9 @@ class Scheduler:
             context_length=settings.context_length, page_size=settings.page_size)
         self.eos_token_ids = _eos_ids(self.runner.hf_config)
         self.cache = make_cache_policy(settings, pm, self.runner)
+        self.grammar = make_grammar_manager(
+            settings, pm, tokenizer=self._tokenizer.result, vocab_size=self.runner.vocab_size,
+            stop_token_ids=self.eos_token_ids)
         #: open sessions -> the cached conversation each protects (empty until its first request)
         self.sessions: dict[str, PrefixMatch] = {}
         self.chunk_size = (settings.chunked_prefill_size if settings.chunked_prefill_size > 0
@@ -122,7 +126,8 @@ class Scheduler:
             attention_backend=self.settings.attention_backend,
             max_running_requests=self.settings.max_running_requests,
             chunked_prefill_size=self.chunk_size, eos_token_ids=self.eos_token_ids,
-            cache_policy=self.cache.name, schedule_policy=self.settings.schedule_policy)
+            cache_policy=self.cache.name, schedule_policy=self.settings.schedule_policy,
+            grammar_backend=self.grammar.name or "none")
 
     # the loop --------------------------------------------------------------------------------
 
@@ -133,10 +138,11 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.running)
+        return not (self.waiting or self.running or self.grammar.queue)
 
     def step(self) -> None:
         """Schedule, run one forward, send what changed, free what finished."""
+        self.admit_compiled()
         step = self.schedule()
         if step:
             try:
@@ -173,6 +179,15 @@ class Scheduler:
                 for r in self.running) - len(decodes))
         self.make_room(sum(n for _, n in step))
         return step
+
+    def admit_compiled(self) -> None:
+        """Requests whose grammar finished compiling join the waiting queue; those whose grammar
+        failed end with the error. With nothing else to run, wait a moment for one."""
+        ready, failed = self.grammar.take_ready(0 if self.waiting or self.running else IDLE_WAIT)
+        self.waiting.extend(ready)
+        for req, message, status in failed:
+            self.fail(req, message, status)
+            self._replies.append(self.output_of(req))
 
     def can_admit(self, budget: int) -> bool:
         return bool(self.waiting and budget > 0 and self.runner.req_to_token_pool.num_free > 0
@@ -282,7 +297,8 @@ class Scheduler:
         logits = self.runner.logits_at(hidden, rows)
         reqs = [r for r, _ in to_sample]
         wants = [i for i, r in enumerate(reqs) if r.logprobs.return_logprob]
-        lp = LogprobRows(logits[wants]) if wants else None
+        lp = LogprobRows(logits[wants]) if wants else None  # the model's, before the grammar
+        self.grammar.constrain(reqs, logits)
         next_ids = sample_next_tokens(logits, SamplingInput(
             params=[r.sampling for r in reqs], seeds=[r.seed for r in reqs],
             steps=[len(r.output_ids) for r in reqs], output_ids=[r.output_ids for r in reqs],
@@ -300,6 +316,9 @@ class Scheduler:
                     req.output_top_logprobs.append(lp.top(j, opts.top_logprobs_num))
                 if opts.token_ids_logprob:
                     req.output_token_ids_logprobs.append(lp.of_ids(j, opts.token_ids_logprob))
+            room = min(req.remaining_new_tokens(), self.runner.context_length - req.seq_len)
+            if (error := self.grammar.advance(req, room)) is not None:
+                self.fail(req, error, 500)
             self.check_finished(req)
 
     def cache_prefills(self, reqs: list[Req]) -> None:
@@ -343,12 +362,15 @@ class Scheduler:
                 req.input_token_ids_logprobs.append(lp.of_ids(j, opts.token_ids_logprob))
 
     def banned(self, req: Req) -> list[int]:
-        """EOS and stop tokens may not end the output before min_new_tokens."""
-        if len(req.output_ids) >= req.sampling.min_new_tokens:
+        """EOS and stop tokens may not end the output before min_new_tokens (unless a grammar
+        decides when the output ends)."""
+        if len(req.output_ids) >= req.sampling.min_new_tokens or req.grammar is not None:
             return []
         return sorted(set(req.sampling.stop_token_ids) | set(self.eos_token_ids))
 
     def check_finished(self, req: Req) -> None:
+        if req.finished:  # by its grammar
+            return
         token, params = req.output_ids[-1], req.sampling
         if len(req.output_ids) >= params.min_new_tokens and (
                 token in params.stop_token_ids
@@ -413,6 +435,10 @@ class Scheduler:
             error = f"session {req.session_id!r} is not open (open one with /open_session)"
         elif max(req.input_ids) >= self.runner.vocab_size or min(req.input_ids) < 0:
             error = f"input_ids must be token ids below the vocabulary size {self.runner.vocab_size}"
+        elif req.sampling.constraint is not None:
+            error = self.grammar.submit(req)  # it waits in the grammar queue while compiling
+            if error is None:
+                return
         if error is not None:
             self.fail(req, error, 400)
             self._replies.append(self.output_of(req))
@@ -424,6 +450,7 @@ class Scheduler:
         req.finish_reason = {"type": "abort", "message": message}
 
     def abort(self, rid: str) -> None:
+        self.grammar.abort(rid)
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
@@ -478,7 +505,7 @@ class Scheduler:
                 "num_retractions": self.num_retractions,
                 "req_rows_free": self.runner.req_to_token_pool.num_free,
                 "schedule_policy": self.settings.schedule_policy,
-                "num_sessions": len(self.sessions), **self.cache.info()}
+                "num_sessions": len(self.sessions), **self.cache.info(), **self.grammar.info()}
 
     def reply_info(self, rid: str, info: dict[str, Any]) -> None:
         self.send_sock.send_pyobj(TokenBatch(info=info, info_rid=rid))
@@ -536,6 +563,7 @@ class Scheduler:
         self.running = still_running
 
     def close(self) -> None:
+        self.grammar.close()
         self.recv_sock.close(linger=0)
         self.send_sock.close(linger=0)
         self.zmq.term()

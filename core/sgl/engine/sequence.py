@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sgl.engine.messages import LogprobEntry, LogprobOptions
 from sgl.kvcache import PrefixMatch
 from sgl.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from sgl.grammar import BaseGrammarMatcher
 
 __all__ = ["Req"]
 
@@ -35,6 +38,7 @@ class Req:
     scheduled_time: float | None = None
     first_token_time: float | None = None
     next_input_logprob: int = 0  # next prompt position whose logprob is still to be computed
+    grammar: BaseGrammarMatcher | None = None  # the matcher of a constrained request
     # logprob entries computed but not yet sent
     input_token_logprobs: list[LogprobEntry] = field(default_factory=list)
     input_top_logprobs: list[Any] = field(default_factory=list)

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from sgl.grammar.base import BaseGrammarBackend, BaseGrammarMatcher
+from sgl.grammar.base import CONSTRAINT_KINDS, BaseGrammarBackend, BaseGrammarMatcher, GrammarError
 
-__all__ = ["BaseGrammarBackend", "BaseGrammarMatcher"]
+__all__ = ["CONSTRAINT_KINDS", "BaseGrammarBackend", "BaseGrammarMatcher", "GrammarError"]

@@ -74,6 +74,7 @@ def run_server(settings: ServerSettings, pm: SglPluginManager) -> int:
     from sgl.model_loader import load_tokenizer, resolve_model_path
     from sgl.server.app import create_app
     from sgl.server.context import ServerContext
+    from sgl.grammar.select import GrammarChecker
     from sgl.server.tokenizer_manager import TokenizerManager
 
     setup_logging(settings.log_level, process="server")
@@ -108,7 +109,8 @@ def run_server(settings: ServerSettings, pm: SglPluginManager) -> int:
     logger.info("KV pool: %d tokens (%.0f MiB), context length %d", info.max_total_tokens, mib,
                 info.context_length)
 
-    tm = TokenizerManager(tokenizer, handle.endpoints, info, settings)
+    tm = TokenizerManager(tokenizer, handle.endpoints, info, settings,
+                          grammar=GrammarChecker.for_server(pm, info))
     ctx = ServerContext(settings=settings, plugin_manager=pm, scheduler=handle, info=info,
                         tokenizer_manager=tm)
     try:

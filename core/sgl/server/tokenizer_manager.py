@@ -55,6 +55,7 @@ from sgl.server.request_state import ReqState
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
     from sgl.engine.messages import SchedulerInfo
+    from sgl.grammar.select import GrammarChecker
 
 __all__ = ["BadRequestError", "GenerateError", "GenerateReqInput", "TokenizerManager",
            "load_chat_template"]
@@ -83,8 +84,11 @@ class TokenizerManager:
     will use it."""
 
     def __init__(self, tokenizer: Any, endpoints: dict[str, str], info: SchedulerInfo,
-                 settings: ServerSettings | None = None) -> None:
+                 settings: ServerSettings | None = None,
+                 grammar: GrammarChecker | None = None) -> None:
         self.tokenizer = tokenizer
+        #: checks json_schema/regex/ebnf/structural_tag before sending (None: the scheduler does)
+        self.grammar = grammar
         self.info = info
         self.settings = settings
         self.endpoints = endpoints
@@ -220,6 +224,12 @@ class TokenizerManager:
             req.sampling.validate(self.vocab_size)
         except SamplingParamsError as exc:
             raise BadRequestError(f"sampling_params: {exc}", param="sampling_params") from None
+        if self.grammar is not None and req.sampling.constraint is not None:
+            try:
+                self.grammar.check(req.sampling)
+            except ValueError as exc:
+                raise BadRequestError(f"sampling_params: {exc}",
+                                      param=req.sampling.constraint[0]) from None
         opts = req.logprobs
         if opts.logprob_start_len >= len(ids):
             raise BadRequestError(

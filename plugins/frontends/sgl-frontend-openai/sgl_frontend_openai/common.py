@@ -6,7 +6,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
@@ -89,12 +88,13 @@ def check_model(server: ServerContext, name: str | None) -> None:
 
 
 def check_response_format(server: ServerContext, fmt: ResponseFormat | None) -> dict[str, Any]:
-    """Sampling parameters for ``response_format``: nothing for ``text``; for JSON output a
-    grammar backend plugin is needed, and without one the request is refused."""
+    """Sampling parameters for ``response_format``: nothing for ``text``; ``json_schema`` for
+    JSON output (``json_object`` is any JSON object, as SGLang maps it). Without a grammar
+    backend plugin the request is refused, naming one to install; other constraint problems
+    (a bad schema, a backend that is off) are answered by the TokenizerManager's check."""
     if fmt is None or fmt.type == "text":
         return {}
-    backends = server.plugin_manager.registries.grammar.names()
-    if not backends:
+    if not server.plugin_manager.registries.grammar.names():
         raise OpenAIError(400, f"response_format {fmt.type!r} needs constrained decoding, and no "
                                "grammar backend is installed; install a grammar backend plugin "
                                "such as sgl-grammar-xgrammar", "response_format")
@@ -102,14 +102,8 @@ def check_response_format(server: ServerContext, fmt: ResponseFormat | None) -> 
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise OpenAIError(400, "response_format.json_schema.schema is required",
                               "response_format")
-        wanted = {"json_schema": json.dumps(fmt.json_schema.schema_)}
-    else:
-        wanted = {"json_schema": json.dumps({"type": "object"})}
-    if "json_schema" not in {f.name for f in fields(SamplingParams)}:
-        raise OpenAIError(400, f"response_format {fmt.type!r}: the grammar backend(s) "
-                               f"{', '.join(backends)} are installed, but this version of sgl's "
-                               "scheduler does not apply grammars yet", "response_format")
-    return wanted
+        return {"json_schema": json.dumps(fmt.json_schema.schema_)}
+    return {"json_schema": json.dumps({"type": "object"})}
 
 
 def build_sampling(req: _SamplingFields, max_tokens: int | None,
@@ -132,6 +126,8 @@ def build_sampling(req: _SamplingFields, max_tokens: int | None,
         "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens,
         "logit_bias": {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        "regex": req.regex,
+        "ebnf": req.ebnf,
         **(extra or {}),
     }
     if max_tokens is None:

@@ -119,6 +119,8 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    regex: str | None = None  # constrained decoding (SGLang's extra body fields)
+    ebnf: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> _SamplingFields:
@@ -134,6 +136,8 @@ class _SamplingFields(_Strict):
                              "seed + n - 1 must too)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.regex is not None and self.ebnf is not None:
+            raise ValueError("regex: give at most one of regex and ebnf")
         return self
 
 

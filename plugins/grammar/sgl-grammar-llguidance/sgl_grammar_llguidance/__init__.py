@@ -1,0 +1,5 @@
+"""The llguidance grammar backend for sgl."""
+
+from __future__ import annotations
+
+__all__: list[str] = []
