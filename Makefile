@@ -17,6 +17,7 @@ PLUGINS := \
 	plugins/models/sgl-model-qwen \
 	plugins/attention/sgl-attn-torch \
 	plugins/cache/sgl-cache-radix \
+	plugins/tools/sgl-bench \
 	plugins/grammar/sgl-grammar-xgrammar \
 	plugins/grammar/sgl-grammar-outlines \
 	plugins/grammar/sgl-grammar-llguidance \
