@@ -286,7 +286,8 @@ def bench() -> None:
 @click.option("--max-concurrency", type=click.IntRange(min=1),
               help="At most this many requests in flight.")
 @click.option("--warmup-requests", type=click.IntRange(min=0), default=1, show_default=True,
-              help="Requests (of at most 16 output tokens) sent before the measured run.")
+              help="Requests of at most 16 output tokens, sharing no prefix with the measured "
+                   "ones, sent before the run.")
 @click.option("--flush-cache", is_flag=True,
               help="POST /flush_cache before the run (after the warm-up), when the server has it.")
 @click.option("--timeout", type=float, help="Seconds a request may take; default: no limit.")
@@ -305,8 +306,18 @@ def serving_cmd(**params: Any) -> None:
         raise _fail(exc) from None
 
 
+def warmup_request(req: BenchRequest) -> BenchRequest:
+    """A short request shaped like ``req`` that shares no prefix with it (reversed ids, or
+    text with another start), so that the warm-up leaves nothing in a prefix cache that the
+    measured run could hit."""
+    if isinstance(req.prompt, str):
+        prompt: str | list[int] = "Warm-up. " + req.text
+    else:
+        prompt = list(reversed(req.prompt))
+    return BenchRequest(prompt, req.prompt_len, min(req.output_len, 16))
+
+
 def _serving(p: dict[str, Any]) -> None:
-    import dataclasses
     import os
 
     from sgl_bench.metrics import compute_metrics
@@ -336,8 +347,7 @@ def _serving(p: dict[str, Any]) -> None:
                f"{sum(r.prompt_len for r in requests)} prompt tokens")
 
     if p["warmup_requests"]:
-        warm = [dataclasses.replace(r, output_len=min(r.output_len, 16))
-                for r in requests[:p["warmup_requests"]]]
+        warm = [warmup_request(r) for r in requests[:p["warmup_requests"]]]
         results, _ = run_serving(run, warm)
         failed = [r for r in results if not r.success]
         if failed:
