@@ -58,13 +58,16 @@ def run_all(h: Harness, prompts: list[list[int]], **params: object) -> list:
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
 def test_outputs_with_cache_equal_outputs_without(harness: Harness, policy: str) -> None:
     prompts = shared_prompts(harness) * 2  # every prompt twice: exact repeats too
-    harness.scheduler.settings = dataclasses.replace(harness.scheduler.settings,
-                                                     schedule_policy=policy)
-    use_cache(harness, NoPrefixCache)
-    plain = run_all(harness, prompts)
-    assert all(r.cached_tokens == 0 for r in plain)
-    use_cache(harness, RadixCache)
-    cached = run_all(harness, prompts)
+    settings = harness.scheduler.settings
+    harness.scheduler.settings = dataclasses.replace(settings, schedule_policy=policy)
+    try:
+        use_cache(harness, NoPrefixCache)
+        plain = run_all(harness, prompts)
+        assert all(r.cached_tokens == 0 for r in plain)
+        use_cache(harness, RadixCache)
+        cached = run_all(harness, prompts)
+    finally:
+        harness.scheduler.settings = settings
     assert [r.output_ids for r in cached] == [r.output_ids for r in plain]
     hits = sum(r.cached_tokens for r in cached)
     shared = len(shared_prompts(harness)[0]) - 20
@@ -150,6 +153,7 @@ def test_identical_prompts_at_once_share_one_prefill(harness: Harness) -> None:
     the same prompt): one computes the prompt, the others wait a step and take it from the
     cache."""
     use_cache(harness, RadixCache)
+    assert harness.scheduler.settings.schedule_policy == "lpm"  # the default, cache-aware
     prompt = shared_prompts(harness)[4]
     rids = [harness.submit(prompt, max_new_tokens=6, temperature=0.8, seed=i) for i in range(4)]
     results = harness.run(rids)
