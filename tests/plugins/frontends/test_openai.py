@@ -295,8 +295,7 @@ def test_bad_requests_are_4xx_openai_errors(server: ServerProcess, path: str, bo
 
 def test_response_format_and_the_grammar_registry() -> None:
     """JSON formats are refused while no grammar backend is registered, naming the plugin to
-    install; with one they become a ``json_schema`` sampling parameter (once the sampling
-    parameters take one) or a message naming the backend."""
+    install; with one they become a ``json_schema`` sampling parameter."""
     from types import SimpleNamespace
 
     from sgl.registry import Registry
@@ -313,13 +312,9 @@ def test_response_format_and_the_grammar_registry() -> None:
         check_response_format(server, schema)
     assert check_response_format(server, ResponseFormat(type="text")) == {}
     grammar.register("toy-grammar", "collections:OrderedDict", owner="toy")
-    if "json_schema" in SamplingParams.__dataclass_fields__:
-        assert check_response_format(server, schema) == {"json_schema": '{"type": "object"}'}
-        assert check_response_format(server, ResponseFormat(type="json_object")) == {
-            "json_schema": '{"type": "object"}'}
-    else:
-        with pytest.raises(OpenAIError, match="toy-grammar") as exc:
-            check_response_format(server, schema)
-        assert "sgl-grammar-xgrammar" not in exc.value.message
+    assert check_response_format(server, schema) == {"json_schema": '{"type": "object"}'}
+    assert check_response_format(server, ResponseFormat(type="json_object")) == {
+        "json_schema": '{"type": "object"}'}
+    assert "json_schema" in SamplingParams.__dataclass_fields__
     with pytest.raises(OpenAIError, match="schema is required"):
         check_response_format(server, ResponseFormat(type="json_schema"))
