@@ -172,11 +172,8 @@ class GrammarManager:
         token = req.output_ids[-1]
         if not matcher.accept_token(token):
             return f"the {self.name} grammar rejected token {token}"
-        if matcher.is_terminated():  # a stop token, or the end of the grammar's language
-            stops = (*self.backend.stop_token_ids, *req.sampling.stop_token_ids)
-            req.finish_reason = {"type": "stop", "matched": token if token in stops else None}
-            return None
-        if self.jump_forward and room > 0 and not req.logprobs.return_logprob:
+        if not self.finish_if_terminated(req) and self.jump_forward and room > 0 \
+                and not req.logprobs.return_logprob:
             forced = []
             for t in matcher.find_jump_forward_tokens()[:room]:
                 if not matcher.accept_token(t):
@@ -184,7 +181,19 @@ class GrammarManager:
                 forced.append(t)
             req.output_ids.extend(forced)
             self.stats.jump_forward_tokens += len(forced)
+            self.finish_if_terminated(req)
         return None
+
+    def finish_if_terminated(self, req: Req) -> bool:
+        """Finish ``req`` (``stop``) when its grammar accepts nothing more: after a stop token
+        (``matched`` is that token) or at the end of the grammar's language (``matched`` None,
+        so no text is trimmed)."""
+        if req.grammar is None or not req.grammar.is_terminated():
+            return False
+        token = req.output_ids[-1]
+        stops = (*self.backend.stop_token_ids, *req.sampling.stop_token_ids)
+        req.finish_reason = {"type": "stop", "matched": token if token in stops else None}
+        return True
 
     def info(self) -> dict[str, Any]:
         s = self.stats

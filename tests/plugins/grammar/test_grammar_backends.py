@@ -1,0 +1,273 @@
+"""Each grammar backend in a real scheduler with the real SmolLM2, in-process (xgrammar also
+behind the real server in test_grammar_server.py): JSON schemas, regexes and EBNF grammars
+constrain the output, a batch mixes constrained and unconstrained requests, grammars compile on
+worker threads while the others decode, matchers roll back, jump-forward on and off, bad and
+unsupported constraints fail with a message."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "core"))
+from _cases import (  # noqa: E402
+    EBNF, EBNF_PROMPT, PERSON, PERSON_PROMPT, REGEX, REGEX_PROMPT, check_ebnf, check_json,
+    check_regex, without_bounds,
+)
+from sgl_grammar_xgrammar.backend import XGrammarBackend  # noqa: E402
+from test_scheduler import POOL_TOKENS, Harness, Result  # noqa: E402
+
+from sgl import hookimpl  # noqa: E402
+from sgl.config import load_settings  # noqa: E402
+from sgl.engine.messages import TokenBatch  # noqa: E402
+from sgl.engine.scheduler import Scheduler  # noqa: E402
+from sgl.grammar import GrammarError  # noqa: E402
+from sgl.grammar.select import GrammarChecker  # noqa: E402
+from sgl.plugins import create_plugin_manager  # noqa: E402
+from sgl.sampling import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.slow
+BACKENDS = ["xgrammar", "llguidance", "outlines"]
+
+
+class GatedXGrammar(XGrammarBackend):
+    """xgrammar whose compile of a constraint mentioning "gated" waits for :attr:`gate`: a
+    grammar that takes as long to compile as the test wants."""
+
+    name = "gated-xgrammar"
+    gate = threading.Event()
+
+    def compile(self, kind: str, spec: str) -> Any:
+        if "gated" in spec:
+            self.gate.wait(120)
+        return super().compile(kind, spec)
+
+
+class GatedPlugin:
+    @hookimpl
+    def sgl_register_grammar_backends(self, register: Any) -> None:
+        register("gated-xgrammar", GatedXGrammar)
+
+
+class GrammarHarness(Harness):
+    """The scheduler harness with one grammar backend (the gated xgrammar for "xgrammar")."""
+
+    def __init__(self, tmp: Path, backend: str) -> None:
+        pm = create_plugin_manager()
+        if backend == "xgrammar":
+            pm.register(GatedPlugin(), name="gated-grammar")
+            backend = "gated-xgrammar"
+        settings = load_settings(env={}, cli={
+            "dtype": "float32", "max_total_tokens": POOL_TOKENS, "max_running_requests": 16,
+            "chunked_prefill_size": 512, "num_threads": 1, "grammar_backend": backend})
+        self.ctx = zmq.Context()
+        endpoints = {"requests": f"ipc://{tmp}/req", "outputs": f"ipc://{tmp}/out"}
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.bind(endpoints["requests"])
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(endpoints["outputs"])
+        self.scheduler = Scheduler(settings, pm, endpoints)
+        self.tokenizer = self.scheduler.tokenizer
+
+    def text(self, r: Result) -> str:
+        return self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+
+    def drive(self, rids: list[str], until: list[str], max_steps: int = 3000) -> dict[str, Result]:
+        """Step until the requests ``until`` finished; results of all ``rids``."""
+        results = {rid: Result() for rid in rids}
+        for _ in range(max_steps):
+            self.scheduler.recv_requests(block=False)
+            self.scheduler.step()
+            while self.pull.poll(0):
+                batch: TokenBatch = self.pull.recv_pyobj()
+                for out in batch.outputs:
+                    r = results[out.rid]
+                    r.output_ids += out.new_token_ids
+                    r.finish_reason, r.error = out.finish_reason, out.error
+            if all(results[rid].finish_reason for rid in until):
+                return results
+        raise AssertionError("requests did not finish")
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def gh(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+       ) -> Iterator[GrammarHarness]:
+    h = GrammarHarness(tmp_path_factory.mktemp(request.param), request.param)
+    h.backend_name = request.param  # type: ignore[attr-defined]
+    with torch.inference_mode():
+        yield h
+    h.close()
+
+
+def test_plugins_are_installed() -> None:
+    pm = create_plugin_manager()
+    for backend, plugin in (("xgrammar", "grammar-xgrammar"), ("outlines", "grammar-outlines"),
+                            ("llguidance", "grammar-llguidance")):
+        assert pm.records[plugin].available, pm.records[plugin].reason
+        assert "sgl_register_grammar_backends" in pm.records[plugin].hooks
+        assert pm.registries.grammar.entry(backend).owner == plugin
+
+
+def test_constrained_and_free_requests_in_one_batch(gh: GrammarHarness) -> None:
+    """JSON schema, regex, EBNF (where the backend does it) and a free request run together;
+    each constrained output validates and ends with finish_reason stop."""
+    name = gh.backend_name  # type: ignore[attr-defined]
+    schema = without_bounds(PERSON) if name == "outlines" else PERSON
+    free_alone = gh.run([gh.submit(gh.chat_ids("Say hello."), max_new_tokens=8,
+                                   temperature=0)])
+    rids = {
+        "json": gh.submit(gh.chat_ids(PERSON_PROMPT), max_new_tokens=120, temperature=0,
+                          json_schema=json.dumps(PERSON)),
+        "regex": gh.submit(gh.chat_ids(REGEX_PROMPT), max_new_tokens=40, temperature=0,
+                           regex=REGEX),
+        "free": gh.submit(gh.chat_ids("Say hello."), max_new_tokens=8, temperature=0),
+    }
+    if name != "outlines":
+        rids["ebnf"] = gh.submit(gh.chat_ids(EBNF_PROMPT), max_new_tokens=40, temperature=0,
+                                 ebnf=EBNF)
+    res = gh.run(list(rids.values()))
+    for kind, rid in rids.items():
+        assert res[rid].error is None, (kind, res[rid].error)
+        if kind != "free":
+            assert res[rid].finish_reason["type"] == "stop", (kind, gh.text(res[rid]))
+    check_json(gh.text(res[rids["json"]]), schema)
+    check_regex(gh.text(res[rids["regex"]]))
+    if "ebnf" in rids:
+        check_ebnf(gh.text(res[rids["ebnf"]]))
+    assert res[rids["free"]].output_ids == next(iter(free_alone.values())).output_ids
+    gh.assert_memory_empty()
+
+
+def test_unbounded_array_ends_cleanly(gh: GrammarHarness) -> None:
+    """An array without maxItems may make the model repeat until max_new_tokens: the request
+    then ends with finish_reason length, without an error."""
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}}
+    if gh.backend_name == "outlines":  # type: ignore[attr-defined]
+        schema["items"] = {"type": "integer"}
+    rid = gh.submit(gh.chat_ids("Count from 1 to 100 as a JSON array."), max_new_tokens=24,
+                    temperature=0, json_schema=json.dumps(schema))
+    r = gh.run([rid])[rid]
+    assert r.error is None
+    if r.finish_reason["type"] == "length":
+        assert len(r.output_ids) == 24
+    else:
+        check_json(gh.text(r), schema)
+
+
+def test_matcher_rollback(gh: GrammarHarness) -> None:
+    """After rollback the matcher allows exactly what it allowed before those tokens."""
+    backend = gh.scheduler.grammar.backend
+    matcher = backend.new_matcher(backend.compile("json_schema", json.dumps(PERSON)))
+    masks = torch.zeros((3, (backend.vocab_size + 31) // 32), dtype=torch.int32)
+    matcher.fill_next_token_bitmask(masks, 0)
+    tokens = gh.tokenizer.encode('{"name', add_special_tokens=False)
+    assert all(matcher.accept_token(t) for t in tokens)
+    matcher.fill_next_token_bitmask(masks, 1)
+    assert not torch.equal(masks[0], masks[1])
+    matcher.rollback(len(tokens))
+    matcher.fill_next_token_bitmask(masks, 2)
+    assert torch.equal(masks[0], masks[2])
+    bad = gh.tokenizer.encode("hello", add_special_tokens=False)[0]
+    assert not matcher.accept_token(bad)
+
+
+def test_bad_and_unsupported_constraints(gh: GrammarHarness) -> None:
+    """A constraint that does not compile fails with status 400 naming the problem; a kind the
+    backend cannot compile is refused naming a backend that can."""
+    name = gh.backend_name  # type: ignore[attr-defined]
+    ids = gh.chat_ids("Hi")
+    bad = gh.submit(ids, max_new_tokens=4, regex="(ab")
+    schema = gh.submit(ids, max_new_tokens=4, json_schema='{"type": "foo"}')
+    rids = [bad, schema]
+    if name == "outlines":
+        rids.append(gh.submit(ids, max_new_tokens=4, ebnf=EBNF))
+    res = gh.run(rids)
+    assert "invalid regex" in res[bad].error
+    assert "invalid json_schema" in res[schema].error and "foo" in res[schema].error
+    if name == "outlines":
+        error = res[rids[2]].error
+        assert "outlines grammar backend cannot compile ebnf" in error
+        assert "xgrammar" in error and "llguidance" in error
+    with pytest.raises(GrammarError, match="invalid regex"):
+        gh.scheduler.grammar.backend.compile("regex", "[a-")
+
+
+def test_slow_compilation_blocks_nobody_and_jump_forward(gh: GrammarHarness) -> None:
+    """(xgrammar) A grammar held compiling waits in the grammar queue while a free request and
+    a request whose grammar compiled meanwhile (on the other worker) finish; then it runs.
+    Jump-forward appends forced tokens; off, every token is sampled; both outputs validate."""
+    if gh.backend_name != "xgrammar":  # type: ignore[attr-defined]
+        pytest.skip("the gated backend wraps xgrammar")
+    gate = GatedXGrammar.gate
+    gate.clear()
+    s = gh.scheduler
+    slow = gh.submit(gh.chat_ids(PERSON_PROMPT), max_new_tokens=120, temperature=0,
+                     json_schema=json.dumps({**PERSON, "title": "gated"}))
+    regex = gh.submit(gh.chat_ids(REGEX_PROMPT), max_new_tokens=40, temperature=0, regex=REGEX)
+    free = gh.submit(gh.chat_ids("Say hello."), max_new_tokens=16, temperature=0)
+    try:
+        res = gh.drive([slow, regex, free], until=[regex, free])
+        assert res[slow].finish_reason is None and not res[slow].output_ids
+        assert [r.rid for r, _ in s.grammar.queue] == [slow]
+        check_regex(gh.text(res[regex]))
+    finally:
+        gate.set()
+    done = gh.drive([slow], until=[slow])[slow]
+    check_json(gh.text(done), PERSON)
+    jumped = s.grammar.stats.jump_forward_tokens
+    assert jumped > 0
+    hits = s.grammar.stats.cache_hits
+    s.grammar.jump_forward = False
+    try:
+        rid = gh.submit(gh.chat_ids(PERSON_PROMPT), max_new_tokens=120, temperature=0,
+                        json_schema=json.dumps({**PERSON, "title": "gated"}))
+        off = gh.run([rid])[rid]
+    finally:
+        s.grammar.jump_forward = True
+    assert s.grammar.stats.cache_hits == hits + 1  # compiled once, reused
+    assert s.grammar.stats.jump_forward_tokens == jumped
+    check_json(gh.text(off), PERSON)
+
+
+def test_checker_in_the_server_process() -> None:
+    """The server-side check: syntax errors, an unsupported kind naming a backend that can, and
+    the backend switched off."""
+    registry = create_plugin_manager().registries.grammar
+    xgr = GrammarChecker("xgrammar", registry)
+    for params, match in [
+        (SamplingParams(regex="(ab"), "invalid regex: .*parenthesis"),
+        (SamplingParams(json_schema="{not json"), "invalid json_schema: not valid JSON"),
+        (SamplingParams(json_schema='{"type": "foo"}'), "invalid json_schema: .*foo"),
+        (SamplingParams(ebnf='root ::= foo'), 'invalid ebnf: .*"foo" is not defined'),
+        (SamplingParams(structural_tag='{"structures": 1}'), "invalid structural_tag"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            xgr.check(params)
+    xgr.check(SamplingParams(json_schema=json.dumps(PERSON)))
+    with pytest.raises(ValueError, match="invalid regex: .*unterminated"):
+        GrammarChecker("outlines", registry).check(SamplingParams(regex="(ab"))
+    with pytest.raises(ValueError, match="invalid ebnf"):
+        GrammarChecker("llguidance", registry).check(SamplingParams(ebnf="root ::= foo"))
+    with pytest.raises(ValueError, match="the outlines grammar backend cannot compile ebnf; the "
+                                         "llguidance and xgrammar backends can"):
+        GrammarChecker("outlines", registry).check(SamplingParams(ebnf=EBNF))
+    with pytest.raises(ValueError, match="structural_tag.*the xgrammar backend can"):
+        GrammarChecker("llguidance", registry).check(SamplingParams(structural_tag="{}"))
+    with pytest.raises(ValueError, match=r"off \(--grammar-backend none\)"):
+        GrammarChecker(None, registry).check(SamplingParams(regex="a"))
+    with pytest.raises(ValueError, match="sgl-grammar-xgrammar"):
+        GrammarChecker(None, type(registry)("grammar backend")).check(SamplingParams(regex="a"))
+    with pytest.raises(ValueError, match="at most one of"):
+        SamplingParams.from_dict({"regex": "a", "ebnf": EBNF})
+    start = time.perf_counter()
+    xgr.check(SamplingParams(json_schema=json.dumps(PERSON)))
+    assert time.perf_counter() - start < 0.01  # remembered
