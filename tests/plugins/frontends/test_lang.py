@@ -207,6 +207,11 @@ def test_gen_int(backend: Any) -> None:
 
     state = arithmetic.run()
     assert state["n"] == 5 and isinstance(state["n"], int)
+    # without a grammar backend, dtype=int parses the free text instead
+    plain = sgl.RuntimeEndpoint(backend.base_url)
+    plain.supports_regex = False
+    state = arithmetic.run(backend=plain)
+    assert state["n"] == 5 and isinstance(state["n"], int)
 
 
 def test_fork_and_join(server: ServerProcess, backend: Any) -> None:
