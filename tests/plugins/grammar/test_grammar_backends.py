@@ -271,3 +271,30 @@ def test_checker_in_the_server_process() -> None:
     start = time.perf_counter()
     xgr.check(SamplingParams(json_schema=json.dumps(PERSON)))
     assert time.perf_counter() - start < 0.01  # remembered
+
+
+def test_grammar_settings_round_trip(tmp_path: Path) -> None:
+    """--grammar-backend and --disable-jump-forward from flags, environment and config file;
+    auto and none are accepted beside the registered names, anything else is refused."""
+    from sgl.cli import check_backends
+    from sgl.config import ConfigError
+    from sgl.grammar.select import resolve_backend
+
+    pm = create_plugin_manager()
+    assert load_settings(env={}).grammar_backend == "auto"
+    assert resolve_backend("auto", pm.registries.grammar) == "xgrammar"
+    assert resolve_backend("none", pm.registries.grammar) is None
+    flag = load_settings(env={}, cli={"grammar_backend": "none", "disable_jump_forward": True})
+    assert (flag.grammar_backend, flag.disable_jump_forward) == ("none", True)
+    env = load_settings(env={"SGL_GRAMMAR_BACKEND": "llguidance",
+                             "SGL_DISABLE_JUMP_FORWARD": "1"})
+    assert (env.grammar_backend, env.disable_jump_forward) == ("llguidance", True)
+    config = tmp_path / "sgl.toml"
+    config.write_text('grammar_backend = "outlines"\n')
+    from_file = load_settings(env={}, config_file=config)
+    assert from_file.grammar_backend == "outlines"
+    assert from_file.sources["grammar_backend"].startswith("file")
+    for settings in (flag, env, from_file):
+        check_backends(settings, pm)
+    with pytest.raises(ConfigError, match="'foo'.*available: llguidance, outlines, xgrammar"):
+        check_backends(load_settings(env={}, cli={"grammar_backend": "foo"}), pm)
