@@ -115,8 +115,11 @@ class SamplingParams:
         for name in ("no_stop_trim", "ignore_eos", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
-        need(self.seed is None or _is_int(self.seed), "seed", "an integer")
         need(_is_int(self.n) and 1 <= self.n <= 128, "n", "an integer in [1, 128]")
+        # the sampler keys its draws on int64 seeds; sample j of n uses seed + j
+        need(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed
+                                   and self.seed + (self.n if _is_int(self.n) else 1) <= 2**63),
+             "seed", "an integer in the signed 64-bit range (seed + n - 1 included)")
         need(isinstance(self.logit_bias, dict)
              and all(_is_int(k) and k >= 0 and _is_num(v) for k, v in self.logit_bias.items()),
              "logit_bias", "an object of token id -> number")

@@ -22,6 +22,9 @@ from sgl.sampling import SamplingParams, SamplingParamsError
     ({"stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"n": 0}, "n"),
     ({"seed": 1.5}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": 2**63 - 2, "n": 3}, "seed"),
+    ({"seed": -2**63 - 1}, "seed"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"temprature": 0.5}, "temprature"),
     ({"min_new_tokens": 5, "max_new_tokens": 2}, "min_new_tokens"),
@@ -30,6 +33,11 @@ from sgl.sampling import SamplingParams, SamplingParamsError
 def test_bad_sampling_params_name_the_field(data: dict, needle: str) -> None:
     with pytest.raises(SamplingParamsError, match=needle):
         SamplingParams.from_dict(data)
+
+
+def test_seed_range_edges_accepted() -> None:
+    SamplingParams.from_dict({"seed": 2**63 - 3, "n": 3}).validate()
+    SamplingParams.from_dict({"seed": -2**63}).validate()
 
 
 def test_out_of_vocabulary_ids_rejected() -> None:
