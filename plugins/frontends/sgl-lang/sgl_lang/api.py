@@ -28,7 +28,10 @@ def as_backend(backend: Any) -> BaseBackend | None:
     if engine_module is not None and isinstance(backend, engine_module.Engine):
         from sgl_lang.backends.engine import EngineBackend
 
-        return EngineBackend(backend)
+        wrapped = getattr(backend, "_sgl_lang_backend", None)
+        if wrapped is None:  # one per engine: it asks the engine for its chat template once
+            wrapped = backend._sgl_lang_backend = EngineBackend(backend)
+        return wrapped
     return backend
 
 
