@@ -367,7 +367,8 @@ def _serving(p: dict[str, Any]) -> None:
         click.echo(f"{len(errors)} request(s) failed; the first: {errors[0]}", err=True)
     print_report("Serving benchmark", [
         ("Backend:", p["backend"]),
-        ("Request rate (req/s):", "inf" if p["request_rate"] == float("inf") else p["request_rate"]),
+        ("Request rate (req/s):",
+         "inf" if p["request_rate"] == float("inf") else p["request_rate"]),
         ("Max concurrency:", p["max_concurrency"] or "-"),
         ("Successful requests:", metrics["completed"]),
         ("Failed requests:", metrics["failed"]),
@@ -511,7 +512,8 @@ def _one_batch(p: dict[str, Any], settings: dict[str, Any]) -> None:
         for b, i, o in cases:
             results.append(run_one_batch(runner, batch_size=b, input_len=i, output_len=o,
                                          seed=p["seed"], on_step=lambda: bar.update(1)))
-    click.echo(f"model {runner.model_path.name}, {runner.dtype}, backend "
+    dtype = str(runner.dtype).replace("torch.", "")
+    click.echo(f"model {runner.model_path.name}, {dtype}, backend "
                f"{settings.get('attention_backend', 'torch')}")
     click.echo("| batch | input | output | prefill (s) | prefill tok/s | median decode (ms) "
                "| decode tok/s | total (s) | overall tok/s |")
@@ -525,4 +527,4 @@ def _one_batch(p: dict[str, Any], settings: dict[str, Any]) -> None:
                    f"{r['overall_throughput']:.1f} |")
     write_results(p["output_file"], result_document(
         "one-batch", {**p, "engine": settings}, results,
-        model={"path": str(runner.model_path), "dtype": str(runner.dtype).replace("torch.", "")}))
+        model={"path": str(runner.model_path), "dtype": dtype}))

@@ -263,8 +263,9 @@ async def _run(run: ServingRun, requests: list[BenchRequest], *, request_rate: f
     return list(results), end - start
 
 
-def run_serving(run: ServingRun, requests: list[BenchRequest], *, request_rate: float = float("inf"),
-                max_concurrency: int | None = None, seed: int = 0,
+def run_serving(run: ServingRun, requests: list[BenchRequest], *,
+                request_rate: float = float("inf"), max_concurrency: int | None = None,
+                seed: int = 0,
                 on_done: Callable[[RequestResult], None] = lambda r: None,
                 ) -> tuple[list[RequestResult], float]:
     """Send ``requests`` (arrivals by ``request_rate``, at most ``max_concurrency`` in flight);
