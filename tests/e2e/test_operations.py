@@ -42,7 +42,7 @@ def wait_for(predicate: Any, timeout: float, what: str) -> None:
 
 def metrics(server: ServerProcess) -> dict[str, float]:
     """Every sample of /metrics by name and labels, e.g. ``sgl:num_requests_total{...}``."""
-    response = httpx.get(f"{server.base_url}/metrics")
+    response = httpx.get(f"{server.base_url}/metrics", timeout=60)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     samples = {}
@@ -154,8 +154,9 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
 ])
 def test_routes_need_the_api_key(guarded: ServerProcess, method: str, path: str) -> None:
     url = f"{guarded.base_url}{path}"
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        response = httpx.request(method, url, headers=headers, json={"text": "hi"})
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                    {"x-api-key": "wrong"}, {"x-api-key": f"Bearer {KEY}"}):
+        response = httpx.request(method, url, headers=headers, json={"text": "hi"}, timeout=60)
         assert response.status_code == 401, (headers, response.text)
         assert "API key" in response.json()["error"]["message"]
 
@@ -164,20 +165,23 @@ def test_the_api_key_opens_routes_and_health_stays_open(guarded: ServerProcess) 
     response = httpx.post(f"{guarded.base_url}/generate", headers=AUTH, timeout=60, json={
         "text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
     assert response.status_code == 200, response.text
-    assert httpx.get(f"{guarded.base_url}/get_model_info", headers=AUTH).status_code == 200
+    assert httpx.get(f"{guarded.base_url}/get_model_info", headers=AUTH, timeout=60).status_code == 200
+    # Anthropic's clients send the key as x-api-key
+    assert httpx.get(f"{guarded.base_url}/get_model_info",
+                     headers={"x-api-key": KEY}, timeout=60).status_code == 200
     assert load(guarded, AUTH)["num_running_reqs"] == 0
     assert httpx.get(f"{guarded.base_url}/get_server_info",
-                     headers=AUTH).json()["api_key"] == "<hidden>"
-    assert httpx.get(f"{guarded.base_url}/health").status_code == 200
+                     headers=AUTH, timeout=60).json()["api_key"] == "<hidden>"
+    assert httpx.get(f"{guarded.base_url}/health", timeout=60).status_code == 200
     assert httpx.get(f"{guarded.base_url}/health_generate", timeout=60).status_code == 200
-    assert httpx.get(f"{guarded.base_url}/metrics").status_code == 200
+    assert httpx.get(f"{guarded.base_url}/metrics", timeout=60).status_code == 200
 
 
 def test_body_size_limit(guarded: ServerProcess) -> None:
     url = f"{guarded.base_url}/generate"
     padding = " " * (BODY_LIMIT + 10)
     big = f'{{"text": "hi", "rid": "{padding}"}}'.encode()
-    response = httpx.post(url, content=big, headers=AUTH)
+    response = httpx.post(url, content=big, headers=AUTH, timeout=60)
     assert response.status_code == 413
     assert str(BODY_LIMIT) in response.json()["error"]["message"]
 
@@ -185,7 +189,7 @@ def test_body_size_limit(guarded: ServerProcess) -> None:
         for start in range(0, len(big), 8192):
             yield big[start:start + 8192]
 
-    response = httpx.post(url, content=chunks(), headers=AUTH)
+    response = httpx.post(url, content=chunks(), headers=AUTH, timeout=60)
     assert response.status_code == 413
     small = httpx.post(url, headers=AUTH, timeout=60, json={
         "text": "hi" + " " * 1000, "sampling_params": {"max_new_tokens": 1}})
@@ -200,7 +204,7 @@ def test_sigterm_drains_then_aborts_and_exits_0(guarded: ServerProcess) -> None:
     def short() -> None:
         results["short"] = httpx.post(f"{guarded.base_url}/generate", headers=AUTH, timeout=60,
                                       json={"text": "Hello", "sampling_params": {
-                                          "max_new_tokens": 24, "ignore_eos": True}})
+                                          "max_new_tokens": 8, "ignore_eos": True}})
 
     def endless() -> None:
         events = []
@@ -232,7 +236,7 @@ def test_sigterm_drains_then_aborts_and_exits_0(guarded: ServerProcess) -> None:
 
     assert code == 0
     assert results["short"].status_code == 200
-    assert results["short"].json()["meta_info"]["completion_tokens"] == 24
+    assert results["short"].json()["meta_info"]["completion_tokens"] == 8
     # the endless request was aborted: an error event (or a cut connection), never a finish
     events = [json.loads(e[len("data: "):]) for e in results["endless"] if e != "data: [DONE]"]
     assert events and "finish_reason" in events[0]["meta_info"]

@@ -47,19 +47,23 @@ async def send_json(send: Send, status: int, body: dict[str, Any],
 
 
 class ApiKeyMiddleware:
-    """Refuse requests without ``Authorization: Bearer <api_key>`` (status 401)."""
+    """Refuse requests without ``Authorization: Bearer <api_key>`` or ``x-api-key: <api_key>``
+    (the header Anthropic's clients send) with status 401."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_x_api_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") == "OPTIONS" \
                 or scope.get("path", "").startswith(OPEN_PATH_PREFIXES):
             await self.app(scope, receive, send)
             return
-        given = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
+        headers = dict(scope.get("headers") or [])
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+        x_api_key = hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected_x_api_key)
+        if not (bearer or x_api_key):
             await send_json(send, 401, {"error": {
                 "message": "missing or wrong API key: send 'Authorization: Bearer <key>'",
                 "type": "authentication_error", "code": 401}},
