@@ -15,7 +15,10 @@ def sgl_register_grammar_backends(register: RegisterFn) -> None:
     """Register grammar backends (JSON schema, regex, EBNF constrained decoding) by name.
 
     Call ``register(name, "module:Class")``; the class subclasses
-    :class:`sgl.grammar.BaseGrammarBackend` and is chosen with ``--grammar-backend NAME``.
+    :class:`sgl.grammar.BaseGrammarBackend` (``kinds``, ``validate``, ``compile``,
+    ``new_matcher``) and is chosen with ``--grammar-backend NAME`` (default ``auto``: ``xgrammar``
+    when registered, else none). The scheduler compiles on worker threads, caches compiled
+    grammars and applies the matchers' bitmasks; see docs/grammar.md.
 
     :param register: ``register(name: str, target: str | type) -> None``.
     :return: nothing.
