@@ -110,7 +110,7 @@ def main() -> None:
 def report(args: argparse.Namespace, results: dict[str, list[Run]]) -> str:
     base = statistics.median(r.seconds for r in results["cache disabled|warm-up"])
     lines = [
-        "Command: `.venv/bin/python benchmarks/lang_run_batch.py`",
+        f"Command: `.venv/bin/python benchmarks/lang_run_batch.py --reps {args.reps}`",
         "",
         f"- {platform.processor() or platform.machine()}, {platform.python_version()}, "
         f"`sgl serve` defaults (float32) but `--max-total-tokens 65536`",

@@ -54,6 +54,8 @@ def gen(
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
+    min_p: float | None = None,
+    stop_token_ids: list[int] | None = None,
     frequency_penalty: float | None = None,
     presence_penalty: float | None = None,
     ignore_eos: bool | None = None,
@@ -79,8 +81,8 @@ def gen(
 
         json_schema = json.dumps(json_schema)
     params = SamplingParams(max_new_tokens=max_tokens, min_new_tokens=min_tokens, stop=stop,
-                            temperature=temperature, top_p=top_p, top_k=top_k,
-                            frequency_penalty=frequency_penalty,
+                            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                            stop_token_ids=stop_token_ids, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, ignore_eos=ignore_eos,
                             regex=regex, json_schema=json_schema)
     return Gen(name, params, dtype, return_logprob)

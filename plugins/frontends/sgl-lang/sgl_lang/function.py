@@ -60,14 +60,17 @@ class SglFunction:
 
     def run(self, *args: Any, max_new_tokens: int | None = 128,
             stop: str | list[str] | None = None, temperature: float | None = None,
-            top_p: float | None = None, top_k: int | None = None,
+            top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+            stop_token_ids: list[int] | None = None,
             frequency_penalty: float | None = None, presence_penalty: float | None = None,
             ignore_eos: bool | None = None, stream: bool = False, backend: Any = None,
-            **kwargs: Any) -> ProgramState:
+            use_thread: bool = True, **kwargs: Any) -> ProgramState:
         """Run the program; the sampling arguments are defaults for every ``gen`` that does not
-        set them. With ``stream=True`` it returns at once; read ``state.text_iter()``."""
+        set them. With ``stream=True`` it returns at once; read ``state.text_iter()``.
+        ``use_thread`` is accepted for SGLang's signature: every state has its worker thread."""
         defaults = SamplingParams(max_new_tokens=max_new_tokens, stop=stop,
                                   temperature=temperature, top_p=top_p, top_k=top_k,
+                                  min_p=min_p, stop_token_ids=stop_token_ids,
                                   frequency_penalty=frequency_penalty,
                                   presence_penalty=presence_penalty, ignore_eos=ignore_eos)
         arguments = self._arguments(args, kwargs)

@@ -97,6 +97,8 @@ class SamplingParams:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    stop_token_ids: list[int] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     ignore_eos: bool | None = None

@@ -53,7 +53,8 @@ class OpenAI(BaseBackend):
         for key in ("stop", "temperature", "top_p", "frequency_penalty", "presence_penalty"):
             if key in p:
                 out[key] = p[key]
-        extra = {k: p[k] for k in ("top_k", "min_new_tokens") if k in p}
+        extra = {k: p[k] for k in ("top_k", "min_p", "stop_token_ids", "min_new_tokens")
+                 if k in p}
         if "min_new_tokens" in extra:
             extra["min_tokens"] = extra.pop("min_new_tokens")
         if extra:
