@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -43,6 +44,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     stop: list[str] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)  # stop where the output matches one
     stop_token_ids: list[int] = field(default_factory=list)
     no_stop_trim: bool = False
     ignore_eos: bool = False
@@ -71,8 +73,9 @@ class SamplingParams:
                 f"unknown sampling parameter(s): {', '.join(unknown)}; supported: "
                 f"{', '.join(sorted(known))}")
         values = {k: v for k, v in data.items() if v is not None}
-        if isinstance(values.get("stop"), str):
-            values["stop"] = [values["stop"]]
+        for name in ("stop", "stop_regex"):
+            if isinstance(values.get(name), str):
+                values[name] = [values[name]]
         if isinstance(values.get("logit_bias"), dict):
             try:
                 values["logit_bias"] = {int(k): v for k, v in values["logit_bias"].items()}
@@ -109,6 +112,8 @@ class SamplingParams:
              "presence_penalty", "a number in [-2, 2]")
         need(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
              "stop", "a string or a list of non-empty strings")
+        need(isinstance(self.stop_regex, list) and all(_is_regex(r) for r in self.stop_regex),
+             "stop_regex", "a regular expression (Python syntax) or a list of them")
         need(isinstance(self.stop_token_ids, list) and all(_is_int(t) and t >= 0
                                                            for t in self.stop_token_ids),
              "stop_token_ids", "a list of token ids")
@@ -156,3 +161,13 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
+
+
+def _is_regex(value: Any) -> bool:
+    if not isinstance(value, str) or not value:
+        return False
+    try:
+        re.compile(value)
+    except re.error:
+        return False
+    return True

@@ -22,6 +22,8 @@ from sgl.sampling import SamplingParams, SamplingParamsError
     ({"stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"n": 0}, "n"),
     ({"seed": 1.5}, "seed"),
+    ({"stop_regex": "(unclosed"}, "stop_regex"),
+    ({"stop_regex": [""]}, "stop_regex"),
     ({"seed": 2**63}, "seed"),
     ({"seed": 2**63 - 2, "n": 3}, "seed"),
     ({"seed": -2**63 - 1}, "seed"),

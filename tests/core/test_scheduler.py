@@ -5,6 +5,7 @@ logprobs (against transformers) and bad input."""
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -201,6 +202,21 @@ def test_stop_string_spanning_tokens(harness: Harness) -> None:
     stopped = one(harness, prompt, max_new_tokens=16, temperature=0, stop=[stop])
     assert stopped.finish_reason == {"type": "stop", "matched": stop}
     assert stopped.output_ids == free.output_ids[:k + 2]
+
+
+def test_stop_regex(harness: Harness) -> None:
+    """SGLang's stop_regex (its frontend language sends it): the output ends at the first token
+    after which its end matches the pattern; finish_reason carries the matched text."""
+    prompt = harness.chat_ids("What is the capital of France?")
+    free = one(harness, prompt, max_new_tokens=16, temperature=0)
+    text = harness.tokenizer.decode(free.output_ids)
+    word = next(w for w in text.split() if len(w) >= 4 and w.isalpha())
+    pattern = word[0] + "[a-z]+" + word[-1]  # matches the word, not as a plain string
+    stopped = one(harness, prompt, max_new_tokens=16, temperature=0, stop_regex=[pattern])
+    assert stopped.finish_reason["type"] == "stop"
+    assert re.fullmatch(pattern, stopped.finish_reason["matched"])
+    assert free.output_ids[:len(stopped.output_ids)] == stopped.output_ids
+    assert len(stopped.output_ids) < len(free.output_ids)
 
 
 def test_eos_and_min_new_tokens(harness: Harness) -> None:

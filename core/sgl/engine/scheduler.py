@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import random
+import re
 import time
 import traceback
 from collections import deque
@@ -55,6 +56,8 @@ logger = logging.getLogger("sgl.scheduler")
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002
+#: output tokens a stop_regex is matched against (the end of the output)
+STOP_REGEX_WINDOW = 32
 
 
 def default_num_threads() -> int:
@@ -376,7 +379,8 @@ class Scheduler:
                 token in params.stop_token_ids
                 or (not params.ignore_eos and token in self.eos_token_ids)):
             req.finish_reason = {"type": "stop", "matched": token}
-        elif params.stop and (matched := self.matched_stop_string(req)) is not None:
+        elif (params.stop or params.stop_regex) and \
+                (matched := self.matched_stop_string(req)) is not None:
             req.finish_reason = {"type": "stop", "matched": matched}
         elif len(req.output_ids) >= params.max_new_tokens:
             req.finish_reason = {"type": "length", "length": params.max_new_tokens}
@@ -386,11 +390,16 @@ class Scheduler:
     def matched_stop_string(self, req: Req) -> str | None:
         if len(req.output_ids) < req.sampling.min_new_tokens:
             return None
-        window = max(len(s) for s in req.sampling.stop) + 4
+        window = max((len(s) for s in req.sampling.stop), default=0) + 4
+        if req.sampling.stop_regex:
+            window = max(window, STOP_REGEX_WINDOW)
         tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False)
         for stop in req.sampling.stop:
             if stop in tail:
                 return stop
+        for pattern in req.sampling.stop_regex:  # the re module caches compiled patterns
+            if (found := re.search(pattern, tail)) and found.group(0):
+                return found.group(0)
         return None
 
     # messages --------------------------------------------------------------------------------
