@@ -63,6 +63,7 @@ UNSUPPORTED_SGLANG_FIELDS = frozenset({
     "lora_id", "custom_logit_processor", "return_hidden_states",
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank", "priority",
     "log_metrics", "no_logs", "extra_key", "background", "conversation_id", "label",
+    "return_routed_experts", "routed_dp_rank", "return_entropy",  # sent by SGLang's bench_serving
 })
 
 

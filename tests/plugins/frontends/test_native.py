@@ -304,3 +304,13 @@ def test_bad_abort_requests_get_400(server: ServerProcess, body: bytes) -> None:
 
 def test_server_still_serves_after_bad_requests(server: ServerProcess) -> None:
     assert generate(server, text=PROMPT, sampling_params=GREEDY).status_code == 200
+
+
+def test_the_payload_of_sglangs_serving_benchmark_is_accepted(server: ServerProcess) -> None:
+    """SGLang's bench_serving (sglang backend) sends these fields with empty values; checked by
+    hand against sglang 0.5.23's bench_serving, which ran unchanged against sgl."""
+    events = stream_events(server, input_ids=[504, 3575, 282], sampling_params={
+        "temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}, lora_path=None,
+        return_logprob=False, return_routed_experts=False, logprob_start_len=-1)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["meta_info"]["completion_tokens"] == 4
