@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ IN_QUEUE_SHARING_TOKENS = 32
 
 
 def order_waiting(policy: str, waiting: Sequence[Req], cache: BaseCachePolicy,
-                  match_len: Any) -> tuple[list[Req], dict[int, PrefixMatch]]:
+                  match_len: Callable[[Req], int]) -> tuple[list[Req], dict[int, PrefixMatch]]:
     """Waiting requests in admission order, and the cache match of each (by ``id(req)``) where
     the policy looked them up.
 

@@ -207,8 +207,9 @@ class Scheduler:
         for req in order:
             if not self.can_admit(budget):
                 break
-            match = matches.get(id(req)) or self.cache.match_prefix(
-                req.token_slice(0, self.max_prefix_len(req)))
+            match = matches.get(id(req))  # an empty match is falsy: test for None
+            if match is None:
+                match = self.cache.match_prefix(req.token_slice(0, self.max_prefix_len(req)))
             if policy in CACHE_AWARE_POLICIES and defer_for_sharing(req, match, shared_heads):
                 continue
             self.cache.lock(match)

@@ -19,6 +19,8 @@ import click
 
 from sgl_bench.datasets import DATASETS, BenchError, BenchRequest
 
+from sgl.cli import GroupedCommand  # engine settings under their own heading in --help
+
 __all__ = ["RESULT_SCHEMA", "bench"]
 
 #: ``"schema"`` of every results file; bumped when a field changes meaning or goes away
@@ -244,20 +246,6 @@ def split_engine_settings(params: dict[str, Any]) -> tuple[dict[str, Any], dict[
     return own, engine
 
 
-class _Grouped(click.Command):
-    """Lists the engine settings under their own heading in ``--help``."""
-
-    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        groups: dict[str, list[tuple[str, str]]] = {}
-        for param in self.get_params(ctx):
-            record = param.get_help_record(ctx)
-            if record is not None:
-                groups.setdefault(getattr(param, "sgl_group", "Options"), []).append(record)
-        for title, rows in groups.items():
-            with formatter.section(title):
-                formatter.write_dl(rows)
-
-
 # --- the commands -------------------------------------------------------------------------------
 
 @click.group("bench", context_settings={"max_content_width": 100})
@@ -397,7 +385,7 @@ def _serving(p: dict[str, Any]) -> None:
         raise BenchError("every request failed")
 
 
-@bench.command("offline", cls=_Grouped, epilog=RESULTS_HELP)
+@bench.command("offline", cls=GroupedCommand, epilog=RESULTS_HELP)
 @dataset_options
 @engine_options()
 @click.option("--tokenizer", help="Tokenizer for the prompts; default: the model's.")
@@ -451,7 +439,7 @@ def _offline(p: dict[str, Any], settings: dict[str, Any]) -> None:
         "offline", {**p, "engine": settings}, metrics))
 
 
-@bench.command("one-batch", cls=_Grouped, epilog=RESULTS_HELP)
+@bench.command("one-batch", cls=GroupedCommand, epilog=RESULTS_HELP)
 @click.option("--batch-size", type=click.IntRange(min=1), multiple=True,
               help="Sequences in the batch (repeatable; default 1).")
 @click.option("--input-len", type=click.IntRange(min=1), multiple=True,
