@@ -64,6 +64,10 @@ class ServerSettings:
         "auto", "Data type of weights and activations; auto picks float32 on CPU.")
     num_threads: int | None = _opt(
         None, "torch intra-op threads of the scheduler; default: one less than the CPU count.")
+    kernel_threads: int | None = _opt(
+        None, "Threads of sgl's own CPU matmul (bfloat16 on AMX) when torch runs on one thread; "
+        "they share the work chunk by chunk, so a busy core slows it little. Default: the CPU "
+        "count.")
     max_total_tokens: int | None = _opt(
         None, "Size of the KV pool in tokens; default: from --mem-fraction-static.")
     mem_fraction_static: float = _opt(
@@ -355,6 +359,8 @@ def _check_ranges(s: ServerSettings) -> None:
         fail("port", "expected 1-65535")
     if s.num_threads is not None and s.num_threads < 1:
         fail("num_threads", "expected at least 1")
+    if s.kernel_threads is not None and s.kernel_threads < 1:
+        fail("kernel_threads", "expected at least 1")
     if s.max_total_tokens is not None and s.max_total_tokens < 1:
         fail("max_total_tokens", "expected at least 1")
     if not 0 < s.mem_fraction_static <= 1:

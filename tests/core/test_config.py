@@ -53,6 +53,7 @@ def test_toml_file_and_plugin_table(tmp_path: Path) -> None:
     ("port: abc\n", "invalid value 'abc' for 'port': expected an integer"),
     ("port: 70000\n", "invalid value 70000 for 'port'"),
     ("dtype: float64\n", "invalid value 'float64' for 'dtype'"),
+    ("kernel_threads: 0\n", "invalid value 0 for 'kernel_threads': expected at least 1"),
     ("plugins:\n  nobody:\n    x: 1\n", "unknown plugin 'nobody'"),
     ("- just\n- a list\n", "expected a mapping"),
     ("port: [unclosed\n", "cannot parse"),

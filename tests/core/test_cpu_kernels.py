@@ -46,6 +46,35 @@ def test_amx_linear(n: int, k: int, rows: int) -> None:
     torch.testing.assert_close(got, expected, rtol=0.02, atol=0.05)
 
 
+@needs_amx
+@pytest.mark.parametrize("n,k", [(49152, 576), (960, 576), (100, 40)])
+@pytest.mark.parametrize("rows", [1, 17, 300])
+def test_amx_linear_threads_share_the_columns(n: int, k: int, rows: int) -> None:
+    """On two kernel threads the product has the same bits as on one (each column is computed
+    by one thread, in the same order): a chunk that no thread ran would leave torch.empty's
+    garbage. With two threads linear() takes the kernel above AMX_MAX_ROWS rows too."""
+    torch.manual_seed(n + rows)
+    weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    packed = pack_weight(weight, bias)
+    assert packed is not None and packed.kind == "amx"
+    x = torch.randn(rows, k).bfloat16()
+    before, before_kernel = torch.get_num_threads(), cpu.kernel_threads()
+    torch.set_num_threads(1)
+    try:
+        assert cpu.set_threads(1) == 1
+        one = KERNELS.linear_bf16(x, packed.tensor, n, packed.bias)
+        assert cpu.set_threads(2) == 2 == cpu.kernel_threads()
+        two = [KERNELS.linear_bf16(x, packed.tensor, n, packed.bias) for _ in range(3)]
+        via_layer = linear(x, weight, bias, packed)
+    finally:
+        cpu.set_threads(before_kernel)
+        torch.set_num_threads(before)
+    for got in two + [via_layer]:
+        assert torch.equal(got, one)
+    torch.testing.assert_close(one.float(), F.linear(x.float(), weight.float(), bias.float()),
+                               rtol=0.02, atol=0.1)
+
+
 @needs_kernels
 @pytest.mark.parametrize("n,k", [(960, 576), (100, 40), (49, 7)])
 @pytest.mark.parametrize("rows", [4, 7, 8, 9, 32, 64])

@@ -78,6 +78,9 @@ class Scheduler:
         self.settings = settings
         self.num_threads = settings.num_threads or default_num_threads()
         torch.set_num_threads(self.num_threads)
+        from sgl.kernels import cpu
+
+        cpu.set_threads(settings.kernel_threads or os.cpu_count() or 1)
         # the tokenizer (for stop strings) loads while the model does; transformers' lazy
         # module is not safe to import from two threads at once, so import it here first
         from transformers import AutoConfig, AutoTokenizer  # noqa: F401

@@ -10,8 +10,11 @@ source, the compiler and the flags, and loads it. Without a compiler or AVX-512,
 architecture, or with ``SGL_CPU_KERNELS=0``, :func:`load` returns None and callers keep their
 torch code.
 
-The kernels are single-threaded. The matmul is used only when torch runs on one thread (with
-more, oneDNN's multi-threaded matmul is the better choice); see ``docs/benchmarks.md``.
+The matmul is used only when torch runs on one thread (with more, torch's OpenMP threads and the
+kernel's would fight over the cores). It splits its output columns over :func:`set_threads`
+threads of its own: helpers that claim chunks from one atomic counter, so a helper the OS delays
+costs only the chunk it holds, and that sleep after 200 us idle. The other kernels are
+single-threaded; see ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DTYPES", "CpuKernels", "argmax_rows", "fits", "load", "pack_amx_weight"]
+__all__ = ["DTYPES", "CpuKernels", "argmax_rows", "fits", "kernel_threads", "load",
+           "pack_amx_weight", "set_threads"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,7 @@ _FLAGS = ["-O2", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-ffp-cont
 _lock = threading.Lock()
 _loaded: CpuKernels | None = None
 _tried = False
+_threads = 1
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 
@@ -173,7 +178,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True,
+        subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm", "-lpthread"], check=True,
                        capture_output=True, text=True)
         os.replace(tmp, target)  # atomic: concurrent builders agree on the result
     finally:
@@ -185,6 +190,8 @@ def _build(cc: str) -> Path:
 def _declare(lib: ctypes.CDLL) -> None:
     lib.sgl_kernels_version.restype = _int
     lib.sgl_amx_init.restype = _int
+    lib.sgl_set_threads.restype = _int
+    lib.sgl_set_threads.argtypes = [_int]
     lib.sgl_linear_bf16_amx.restype = _int
     lib.sgl_linear_bf16_amx.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr]
     lib.sgl_linear_f32.restype = _int
@@ -235,6 +242,23 @@ def load() -> CpuKernels | None:
             amx = False
         _loaded = CpuKernels(lib=lib, amx=amx, avx512=True, avx512_bf16=flags["avx512_bf16"])
         return _loaded
+
+
+def set_threads(threads: int) -> int:
+    """Use ``threads`` threads (the caller included) in the bfloat16 matmul from now on; returns
+    the number in use (1 without the kernels)."""
+    global _threads
+    kernels = load()
+    if kernels is None:
+        return 1
+    with _lock:
+        _threads = int(kernels.lib.sgl_set_threads(max(1, int(threads))))
+    return _threads
+
+
+def kernel_threads() -> int:
+    """Threads of the bfloat16 matmul (see :func:`set_threads`)."""
+    return _threads
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,10 @@ the weight into its blocked layout on every call. :func:`pack_weight` prepares a
 
 * ``"amx"``: on CPUs with AMX (Intel Sapphire Rapids and later), the layout of
   :func:`sgl.kernels.cpu.pack_amx_weight`, multiplied by sgl's own tile kernel, which reads the
-  weight in one sequential pass. Used for up to :data:`AMX_MAX_ROWS` rows on one torch thread;
-  bigger inputs (prefill) and multi-threaded runs use ``F.linear`` on the plain weight.
+  weight in one sequential pass, split over the kernel's own threads
+  (:func:`sgl.kernels.cpu.set_threads`). Used when torch runs on one thread: for any number of
+  rows with two or more kernel threads, for up to :data:`AMX_MAX_ROWS` rows with one; otherwise
+  ``F.linear`` on the plain weight.
 * ``"onednn"``: elsewhere with oneDNN bfloat16 support, oneDNN's own packed layout.
 
 The matmuls of one SmolLM2-135M decode step (30 layers plus the LM head, bfloat16, weights not
@@ -53,12 +55,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sgl.kernels import cpu
+
 __all__ = ["AMX_MAX_ROWS", "F32_MAX_ROWS", "F32_MIN_ROWS", "PACKED_DTYPES", "PackedWeight",
            "linear", "pack_weight"]
 
 #: weight dtypes that :func:`pack_weight` prepares
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
-#: above this many rows the AMX kernel loses to oneDNN (compute-bound prefill)
+#: above this many rows the AMX kernel on one thread loses to oneDNN (compute-bound prefill); on
+#: two or more kernel threads it wins at every size measured (up to 512 rows)
 AMX_MAX_ROWS = 128
 #: the row range where the float32 panel kernel beats MKL
 F32_MIN_ROWS, F32_MAX_ROWS = 4, 64
@@ -98,7 +103,6 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
     if (weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or weight.dim() != 2
             or not _packing_enabled()):
         return None
-    from sgl.kernels import cpu
 
     kernels = cpu.load()
     with torch.no_grad():
@@ -127,7 +131,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if packed.kind == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    low, high = (F32_MIN_ROWS, F32_MAX_ROWS) if packed.kind == "f32" else (1, AMX_MAX_ROWS)
+    if packed.kind == "f32":
+        low, high = F32_MIN_ROWS, F32_MAX_ROWS
+    else:
+        low, high = 1, (AMX_MAX_ROWS if cpu.kernel_threads() == 1 else 1 << 62)
     if low <= rows <= high and torch.get_num_threads() == 1:
         x2 = x.reshape(rows, x.shape[-1])
         if x2.stride(-1) != 1:

