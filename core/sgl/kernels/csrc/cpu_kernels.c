@@ -643,6 +643,53 @@ AVX512_TARGET static inline __attribute__((always_inline)) void attend_seq(
     }
 }
 
+typedef struct {
+    const void *q;
+    int64_t q_stride_t, q_stride_h;
+    char *kp, *vp;
+    int64_t k_row, v_row;
+    const int64_t *table, *rows, *lens;
+    int64_t table_stride;
+    void *out;
+    int64_t out_stride_t, B, Hq, Hk, D, Dv, window, max_len, es;
+    float scale, softcap;
+    int dtype, bf16_dot;
+    atomic_int failed;
+} attention_job;
+
+/* Sequences [b0, b1) of a decode attention batch. */
+AVX512_TARGET static void decode_attention_range(void *ctx, int64_t b0, int64_t b1) {
+    attention_job *j = ctx;
+    float *scores = scratch_f32(j->Hq * (j->max_len + 16)); /* per thread */
+    if (!scores) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t len = j->lens[b];
+        const int64_t start = j->window > 0 && len > j->window ? len - j->window : 0;
+        const int64_t *slots = j->table + j->rows[b] * j->table_stride + start;
+        kv_prefetch pf = {j->kp, j->vp, j->k_row, j->v_row, slots, NULL, len - start, 0};
+        if (b + 1 < j->B) {
+            const int64_t next_len = j->lens[b + 1];
+            const int64_t next_start =
+                j->window > 0 && next_len > j->window ? next_len - j->window : 0;
+            pf.next_slots = j->table + j->rows[b + 1] * j->table_stride + next_start;
+            pf.next_n = next_len - next_start;
+        }
+        const char *qb = (const char *)j->q + b * j->q_stride_t * j->es;
+        char *ob = (char *)j->out + b * j->out_stride_t * j->es;
+        if (j->dtype) /* constant dtypes: the loads compile without a branch */
+            attend_seq(qb, j->q_stride_h, j->kp, j->vp, j->k_row, j->v_row, slots, len - start,
+                       ob, scores, j->Hq, j->Hk, j->D, j->Dv, j->scale, j->softcap, 1, 2,
+                       j->bf16_dot && j->D % 32 == 0, &pf);
+        else
+            attend_seq(qb, j->q_stride_h, j->kp, j->vp, j->k_row, j->v_row, slots, len - start,
+                       ob, scores, j->Hq, j->Hk, j->D, j->Dv, j->scale, j->softcap, 0, 4, 0, &pf);
+    }
+}
+
+/* The batch's sequences are shared out over the kernel threads (see parallel_for). */
 AVX512_TARGET int sgl_decode_attention(
     const void *q, int64_t q_stride_t, int64_t q_stride_h,
     const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride,
@@ -658,34 +705,17 @@ AVX512_TARGET int sgl_decode_attention(
     const int64_t k_row = Hk * D * es, v_row = Hk * Dv * es;
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
-    float *scores = scratch_f32(Hq * (max_len + 16));
-    if (!scores) return -2;
     if (k_new)
         for (int64_t b = 0; b < B; b++) {
             memcpy(kp + loc[b] * k_row, (const char *)k_new + b * k_new_stride * es, (size_t)k_row);
             memcpy(vp + loc[b] * v_row, (const char *)v_new + b * v_new_stride * es, (size_t)v_row);
         }
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t len = lens[b];
-        const int64_t start = window > 0 && len > window ? len - window : 0;
-        const int64_t *slots = table + rows[b] * table_stride + start;
-        kv_prefetch pf = {kp, vp, k_row, v_row, slots, NULL, len - start, 0};
-        if (b + 1 < B) {
-            const int64_t next_len = lens[b + 1];
-            const int64_t next_start = window > 0 && next_len > window ? next_len - window : 0;
-            pf.next_slots = table + rows[b + 1] * table_stride + next_start;
-            pf.next_n = next_len - next_start;
-        }
-        const char *qb = (const char *)q + b * q_stride_t * es;
-        char *ob = (char *)out + b * out_stride_t * es;
-        if (dtype) /* constant dtypes: the loads compile without a branch */
-            attend_seq(qb, q_stride_h, kp, vp, k_row, v_row, slots, len - start, ob, scores, Hq,
-                       Hk, D, Dv, scale, softcap, 1, 2, bf16_dot && D % 32 == 0, &pf);
-        else
-            attend_seq(qb, q_stride_h, kp, vp, k_row, v_row, slots, len - start, ob, scores, Hq,
-                       Hk, D, Dv, scale, softcap, 0, 4, 0, &pf);
-    }
-    return 0;
+    attention_job job = {q, q_stride_t, q_stride_h, kp, vp, k_row, v_row, table, rows, lens,
+                         table_stride, out, out_stride_t, B, Hq, Hk, D, Dv, window, max_len, es,
+                         scale, softcap, dtype, bf16_dot, 0};
+    const int64_t chunk = B / (4 * (int64_t)pool_threads());
+    parallel_for(decode_attention_range, &job, B, chunk < 1 ? 1 : chunk);
+    return atomic_load(&job.failed) ? -2 : 0;
 }
 
 /* -- elementwise ---------------------------------------------------------------------------
