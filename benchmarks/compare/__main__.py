@@ -286,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {
         "schema": report.SCHEMA, "date": time.strftime("%Y-%m-%d"),
-        "command": "python benchmarks/compare " + shlex.join(argv if argv is not None
-                                                             else sys.argv[1:]),
+        "command": (".venv/bin/python benchmarks/compare " + shlex.join(
+            argv if argv is not None else sys.argv[1:])).strip(),
         "machine": machine_summary(), "concurrencies": args.concurrencies,
         "baseline": "vllm" if "vllm" in args.engines else None,
         "workloads": [{"name": w.name, "label": w.label, "description": w.describe()}

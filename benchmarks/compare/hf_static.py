@@ -31,7 +31,9 @@ class TransformersStatic:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path),
                                                           dtype=torch.bfloat16).eval()
-        self.settings = f"bf16, {threads} torch threads, greedy, batches of the concurrency"
+        self.settings = (f"bf16, {threads} torch threads, greedy, batches of the concurrency; "
+                         "timed in-process, so its TTFT has no HTTP, tokenizing or streaming "
+                         "in it")
 
     def _batch(self, batch: list[BenchRequest]) -> list[Any]:
         import torch
