@@ -187,14 +187,9 @@ def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int) -> tuple[
 def machine() -> dict[str, str]:
     import transformers
 
-    cpu = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from machine_info import cpu_model
+
+    cpu = cpu_model()
     caps = getattr(torch._C._cpu, "_get_cpu_capability", lambda: {})()
     isa = ", ".join(k for k in ("avx512_f", "avx512_bf16", "amx_bf16") if caps.get(k))
     return {

@@ -42,6 +42,7 @@ from compare.engines import (  # noqa: E402
     vllm_spec,
 )
 from compare.peers import PeerError, Peers  # noqa: E402
+from machine_info import cpu_model  # noqa: E402
 from compare.workloads import (  # noqa: E402
     Workload,
     default_workloads,
@@ -116,14 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def machine_summary() -> dict[str, Any]:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     load = os.getloadavg()[0]
     return {"cpu": cpu, "cores": os.cpu_count(), "load_avg_1m_at_start": round(load, 2),
             "python": platform.python_version(), "torch": torch.__version__,
