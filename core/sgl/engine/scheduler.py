@@ -65,7 +65,8 @@ def default_num_threads() -> int:
     # Measured on a 2-core VM (docs/benchmarks.md, "Threads"): torch's OpenMP threads spin at
     # barriers, so when another process keeps a core busy, 2 threads decode 13-18x slower than 1
     # (SmolLM2 bfloat16, batch 1: 2.0 vs 26.5 tokens/s). Never claim every core; on 2 cores
-    # this gives 1 thread, which sgl's single-threaded CPU kernels also want.
+    # this gives 1 thread, which sgl's CPU kernels also want: they run their own threads
+    # (--kernel-threads), which do not spin at barriers.
     return max(1, (os.cpu_count() or 2) - 1)
 
 

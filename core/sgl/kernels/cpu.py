@@ -13,8 +13,9 @@ torch code.
 The matmul is used only when torch runs on one thread (with more, torch's OpenMP threads and the
 kernel's would fight over the cores). It splits its output columns over :func:`set_threads`
 threads of its own: helpers that claim chunks from one atomic counter, so a helper the OS delays
-costs only the chunk it holds, and that sleep after 200 us idle. The other kernels are
-single-threaded; see ``docs/benchmarks.md``.
+costs only the chunk it holds, and that sleep after 200 us idle. The decode attention shares a
+batch's sequences over the same threads; the elementwise kernels are single-threaded. See
+``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
