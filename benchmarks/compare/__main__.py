@@ -146,9 +146,11 @@ def speed_probe() -> float:
 
 
 def _version(cmd: list[str]) -> str:
+    """The line of ``cmd``'s output that names a version (else its last line)."""
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        return (out.stdout or out.stderr).strip().splitlines()[-1]
+        lines = (out.stdout or out.stderr).strip().splitlines()
+        return next((line for line in lines if "version" in line), lines[-1])
     except (OSError, subprocess.SubprocessError, IndexError):
         return "?"
 
@@ -195,6 +197,7 @@ def server_spec(name: str, args: argparse.Namespace, peers: Peers, port: int) ->
 
 def run_engine(name: str, args: argparse.Namespace, peers: Peers, workloads: list[Workload],
                tokenizer: Any, run_dir: Path, doc: dict[str, Any]) -> None:
+    from sgl_bench.serving import resolve_model
     from tqdm.auto import tqdm
 
     cells = [(w, c) for w in workloads for c in args.concurrencies]
@@ -211,17 +214,17 @@ def run_engine(name: str, args: argparse.Namespace, peers: Peers, workloads: lis
             m = baseline.measure(w.requests(tokenizer, c, args.seed), c)
             _record(doc, name, w, c, m)
         return
-    spec = server_spec(name, args, peers, free_port())
+    port = free_port()
+    spec = server_spec(name, args, peers, port)
     entry = {"name": name, "label": spec.label, "settings": spec.settings, "error": None,
              "probe_ms": probe}
     doc["engines"].append(entry)
-    port = int(spec.command[spec.command.index("--port") + 1])
     logger.info("starting %s: %s", name, shlex.join(spec.command))
     started = time.perf_counter()
     try:
         with RunningServer(spec, port, run_dir / f"{name}.log") as server:
             logger.info("%s ready in %.0f s", name, time.perf_counter() - started)
-            model = measure_server_model(server.base_url)
+            model = resolve_model(server.base_url) or "default"
             warm = measure_server(server.base_url, warmup_requests(tokenizer), 2, model)
             if warm["completed"] == 0:
                 raise EngineError(f"warm-up failed: {warm['first_error']}")
@@ -231,12 +234,6 @@ def run_engine(name: str, args: argparse.Namespace, peers: Peers, workloads: lis
     except EngineError as exc:
         entry["error"] = str(exc).splitlines()[0]
         logger.error("%s", exc)
-
-
-def measure_server_model(base_url: str) -> str:
-    from sgl_bench.serving import resolve_model
-
-    return resolve_model(base_url) or "default"
 
 
 def _record(doc: dict[str, Any], engine: str, w: Workload, c: int, m: dict[str, Any]) -> None:

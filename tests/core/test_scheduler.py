@@ -19,7 +19,7 @@ import zmq
 from sgl.config import load_settings
 from sgl.engine.messages import AbortRequest, GenerateRequest, LogprobOptions, TokenBatch
 from sgl.engine.scheduler import Scheduler
-from sgl.plugins import create_plugin_manager
+from sgl.plugins import SglPluginManager, create_plugin_manager
 from sgl.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ class Result:
 class Harness:
     """A Scheduler in this process; the test plays the server's side of the sockets."""
 
-    def __init__(self, tmp: Path, **overrides: Any) -> None:
+    def __init__(self, tmp: Path, pm: SglPluginManager | None = None, **overrides: Any) -> None:
         settings = load_settings(env={}, cli={
             "dtype": "float32", "max_total_tokens": POOL_TOKENS, "max_running_requests": 48,
             "chunked_prefill_size": 512, "num_threads": 1, **overrides})
@@ -52,7 +52,7 @@ class Harness:
         self.push.bind(endpoints["requests"])
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind(endpoints["outputs"])
-        self.scheduler = Scheduler(settings, create_plugin_manager(), endpoints)
+        self.scheduler = Scheduler(settings, pm or create_plugin_manager(), endpoints)
         self.tokenizer = self.scheduler.tokenizer
 
     def chat_ids(self, question: str) -> list[int]:

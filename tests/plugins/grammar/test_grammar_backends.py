@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-import zmq
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "core"))
 from _cases import (  # noqa: E402
@@ -24,12 +23,11 @@ from _cases import (  # noqa: E402
     check_regex, without_bounds,
 )
 from sgl_grammar_xgrammar.backend import XGrammarBackend  # noqa: E402
-from test_scheduler import POOL_TOKENS, Harness, Result  # noqa: E402
+from test_scheduler import Harness, Result  # noqa: E402
 
 from sgl import hookimpl  # noqa: E402
 from sgl.config import load_settings  # noqa: E402
 from sgl.engine.messages import TokenBatch  # noqa: E402
-from sgl.engine.scheduler import Scheduler  # noqa: E402
 from sgl.grammar import GrammarError  # noqa: E402
 from sgl.grammar.select import GrammarChecker  # noqa: E402
 from sgl.plugins import create_plugin_manager  # noqa: E402
@@ -66,17 +64,7 @@ class GrammarHarness(Harness):
         if backend == "xgrammar":
             pm.register(GatedPlugin(), name="gated-grammar")
             backend = "gated-xgrammar"
-        settings = load_settings(env={}, cli={
-            "dtype": "float32", "max_total_tokens": POOL_TOKENS, "max_running_requests": 16,
-            "chunked_prefill_size": 512, "num_threads": 1, "grammar_backend": backend})
-        self.ctx = zmq.Context()
-        endpoints = {"requests": f"ipc://{tmp}/req", "outputs": f"ipc://{tmp}/out"}
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.bind(endpoints["requests"])
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.bind(endpoints["outputs"])
-        self.scheduler = Scheduler(settings, pm, endpoints)
-        self.tokenizer = self.scheduler.tokenizer
+        super().__init__(tmp, pm, max_running_requests=16, grammar_backend=backend)
 
     def text(self, r: Result) -> str:
         return self.tokenizer.decode(r.output_ids, skip_special_tokens=True)

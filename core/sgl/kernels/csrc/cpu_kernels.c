@@ -51,6 +51,7 @@ typedef void (*range_fn)(void *ctx, int64_t begin, int64_t end);
 static struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
+    pthread_mutex_t busy;        /* held by the thread whose job the pool runs */
     int threads;                 /* threads in use: the caller plus threads - 1 helpers */
     int started;                 /* helpers started (they are never stopped) */
     atomic_ullong ticket;        /* job << 40 | chunks << 20 | next chunk */
@@ -59,7 +60,8 @@ static struct {
     range_fn fn;                 /* the current job; written before its ticket */
     void *ctx;
     int64_t n, chunk;
-} pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .threads = 1};
+} pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER,
+            .busy = PTHREAD_MUTEX_INITIALIZER, .threads = 1};
 
 static int pool_threads(void) { return pool.threads; }
 
@@ -136,7 +138,10 @@ int sgl_set_threads(int threads) {
 
 static void parallel_for(range_fn fn, void *ctx, int64_t n, int64_t chunk) {
     const int64_t chunks = (n + chunk - 1) / chunk;
-    if (pool.threads == 1 || chunks <= 1 || chunks > MAX_CHUNKS) {
+    /* a second caller thread while a job runs (the kernels are called from one thread in sgl,
+     * but ctypes lets any thread in) runs its loop alone instead of sharing the one job slot */
+    if (pool.threads == 1 || chunks <= 1 || chunks > MAX_CHUNKS
+        || pthread_mutex_trylock(&pool.busy) != 0) {
         fn(ctx, 0, n);
         return;
     }
@@ -154,6 +159,7 @@ static void parallel_for(range_fn fn, void *ctx, int64_t n, int64_t chunk) {
     }
     run_chunks();
     while (atomic_load(&pool.done) < chunks) _mm_pause();
+    pthread_mutex_unlock(&pool.busy);
 }
 
 /* -- bfloat16 linear on AMX ------------------------------------------------------------------
