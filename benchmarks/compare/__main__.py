@@ -111,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--workloads: unknown workload {name!r}; choose random or shared-prefix")
     if not args.concurrencies or min(args.concurrencies) < 1:
         p.error("--concurrencies: give positive integers, e.g. 1,8,32")
+    if args.from_results and not args.from_results.is_file():
+        p.error(f"--from-results: no such file {str(args.from_results)!r}")
     return args
 
 

@@ -118,6 +118,7 @@ def test_charts_are_written(tmp_path: Path) -> None:
     (["--workloads", "sharegpt"], "unknown workload 'sharegpt'"),
     (["--concurrencies", "0,8"], "positive integers"),
     (["--concurrencies", "one"], "comma-separated list of int"),
+    (["--from-results", "/nonexistent/compare.json"], "--from-results: no such file"),
 ])
 def test_bad_arguments_name_the_flag(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
