@@ -1,7 +1,7 @@
 """Prefill and decode throughput of sgl's model runner next to transformers' ``generate``.
 
 Runs the bundled SmolLM2-135M-Instruct GGUF (dequantized to the dtype under test) in both, in
-one process, with the same prompts, dtype and torch thread count::
+one process, with the same prompts, dtype and number of threads::
 
     .venv/bin/python benchmarks/model_throughput.py                 # the table in docs/benchmarks.md
     .venv/bin/python benchmarks/model_throughput.py --threads 1,2 --busy   # threads, other core busy
@@ -19,6 +19,11 @@ What is measured (every case ``--reps`` times, sgl and transformers alternating;
   call of a logits processor inside ``generate``.
 
 ``match`` is the share of sequences whose greedy tokens are identical in both.
+
+Threads: with ``--threads N`` each engine runs on N threads the way it runs by default.
+transformers: ``torch.set_num_threads(N)``. sgl: as ``sgl serve --kernel-threads N`` does,
+torch on one thread (its OpenMP threads spin at barriers, see docs/benchmarks.md) and sgl's CPU
+kernels (the bfloat16 matmul, decode attention) on N threads of their own.
 """
 
 from __future__ import annotations
@@ -66,7 +71,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--batch-sizes", default="1,8,32,64")
-    p.add_argument("--threads", default="1", help="comma-separated torch thread counts")
+    p.add_argument("--threads", default="1",
+                   help="comma-separated thread counts: transformers' torch threads, sgl's "
+                        "kernel threads (sgl's torch stays on 1)")
     p.add_argument("--prefill-len", type=int, default=1024)
     p.add_argument("--decode-prompt-len", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=128)
@@ -206,6 +213,18 @@ def start_busy_loop() -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
+def use_threads(engine: str, n: int) -> None:
+    """n threads the way ``engine`` uses them by default (see the module docstring)."""
+    from sgl.kernels import cpu
+
+    if engine == "sgl":
+        torch.set_num_threads(1)
+        cpu.set_threads(n)
+    else:
+        torch.set_num_threads(n)
+        cpu.set_threads(1)
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -232,13 +251,14 @@ def run(args: argparse.Namespace) -> dict[tuple[int, str], list[Case]]:
                 reference32 = load_reference(runner)
             reference = copy.deepcopy(reference32).to(getattr(torch, dtype))
         for n_threads in threads:
-            torch.set_num_threads(n_threads)
             cases = ([] if args.no_prefill else [Case("prefill", 1)]) + [
                 Case("decode", b) for b in batches]
             # warm-up: one-off allocations and oneDNN primitives for every shape used
+            use_threads("sgl", n_threads)
             sgl_generate(runner, [prefill_prompt], 2)
             sgl_generate(runner, prompts[batches[0]], 3)
             if reference is not None:
+                use_threads("hf", n_threads)
                 hf_generate(reference, [prefill_prompt], 2)
                 hf_generate(reference, prompts[batches[0]], 3)
             steps = [(case, rep) for rep in range(args.reps) for case in cases]
@@ -250,6 +270,7 @@ def run(args: argparse.Namespace) -> dict[tuple[int, str], list[Case]]:
                     engines.reverse()  # alternate who goes first, against drift
                 tokens: dict[str, list[list[int]]] = {}
                 for engine in engines:
+                    use_threads(engine, n_threads)
                     if case.kind == "prefill":
                         fn = sgl_generate if engine == "sgl" else hf_generate
                         model = runner if engine == "sgl" else reference

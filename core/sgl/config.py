@@ -393,15 +393,26 @@ def settings_from_dict(data: Mapping[str, Any], plugin_classes: Mapping[str, typ
     return ServerSettings(**data, plugin_settings=plugin_settings)
 
 
+#: what ``sgl config show`` prints instead of a setting marked ``secret`` that is set
+SECRET_MASK = "<set>"
+
+
+def _shown(f: Any, value: Any) -> Any:
+    """``value`` as ``sgl config show`` prints it: a ``secret`` setting's value is not shown
+    (terminals, CI logs and shared screens keep what they print)."""
+    return SECRET_MASK if f.metadata.get("secret") and value is not None else value
+
+
 def format_settings(settings: ServerSettings, as_json: bool = False) -> str:
     """The effective settings and the source of each, for ``sgl config show``."""
     rows: list[tuple[str, Any, str]] = []
     for f in option_fields(ServerSettings):
-        rows.append((f.name, getattr(settings, f.name), settings.sources.get(f.name, "default")))
+        rows.append((f.name, _shown(f, getattr(settings, f.name)),
+                     settings.sources.get(f.name, "default")))
     for pid, obj in settings.plugin_settings.items():
         for f in option_fields(type(obj)):
             key = f"plugins.{pid}.{f.name}"
-            rows.append((key, getattr(obj, f.name), settings.sources.get(key, "default")))
+            rows.append((key, _shown(f, getattr(obj, f.name)), settings.sources.get(key, "default")))
     if as_json:
         return json.dumps({k: {"value": list(v) if isinstance(v, tuple) else v, "source": s}
                            for k, v, s in rows}, indent=2)

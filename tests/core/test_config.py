@@ -104,6 +104,16 @@ def test_config_show_reports_sources(tmp_path: Path) -> None:
     assert "port" in text and "(flag --port)" in text
 
 
+def test_config_show_hides_the_api_key() -> None:
+    result = run_cli(["config", "show", "--json", "--api-key", "hunter2-key"])
+    assert result.returncode == 0, result.stderr
+    assert "hunter2-key" not in result.stdout
+    assert json.loads(result.stdout)["api_key"] == {"value": "<set>", "source": "flag --api-key"}
+    text = run_cli(["config", "show"], env={"SGL_API_KEY": "hunter2-key"}).stdout
+    assert "hunter2-key" not in text and "<set>" in text and "(env SGL_API_KEY)" in text
+    assert json.loads(run_cli(["config", "show", "--json"]).stdout)["api_key"]["value"] is None
+
+
 def test_plugin_options_in_help_flags_and_file(tmp_path: Path) -> None:
     plugin = tmp_path / "knobs.py"
     plugin.write_text(
