@@ -81,6 +81,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--busy", action="store_true",
                    help="keep one other core busy (a Python spin loop) while measuring")
     p.add_argument("--no-transformers", action="store_true", help="measure sgl only")
+    p.add_argument("--disable-cpu-graph", action="store_true",
+                   help="sgl: run every decode forward through the model code (no replays)")
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--update-docs", metavar="PATH", default=None,
                    help=f"replace the text between {DOCS_BEGIN} and {DOCS_END} in PATH")
@@ -104,14 +106,14 @@ def decode_prompts(tokenizer: Any, batch: int, length: int) -> list[list[int]]:
 
 # -- sgl --------------------------------------------------------------------------------------
 
-def load_sgl(dtype: str, max_batch: int, max_tokens: int) -> Any:
+def load_sgl(dtype: str, max_batch: int, max_tokens: int, cpu_graphs: bool = True) -> Any:
     from sgl.engine.model_runner import ModelRunner
     from sgl.plugins import create_plugin_manager
 
     pm = create_plugin_manager()
     return ModelRunner(model_path=None, dtype=dtype, registries=pm.registries, plugin_manager=pm,
                        max_total_tokens=max_tokens, max_running_requests=max_batch,
-                       context_length=2048, show_progress=False)
+                       context_length=2048, show_progress=False, cpu_graphs=cpu_graphs)
 
 
 def sgl_generate(runner: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, float,
@@ -244,7 +246,7 @@ def run(args: argparse.Namespace) -> dict[tuple[int, str], list[Case]]:
     results: dict[tuple[int, str], list[Case]] = {}
     reference32 = None
     for dtype in dtypes:
-        runner = load_sgl(dtype, max_batch, pool)
+        runner = load_sgl(dtype, max_batch, pool, cpu_graphs=not args.disable_cpu_graph)
         reference = None
         if not args.no_transformers:
             if reference32 is None:

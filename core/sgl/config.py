@@ -68,6 +68,10 @@ class ServerSettings:
         None, "Threads of sgl's own CPU matmul (bfloat16 on AMX) when torch runs on one thread; "
         "they share the work chunk by chunk, so a busy core slows it little. Default: the CPU "
         "count.")
+    disable_cpu_graph: bool = _opt(
+        False, "Run every decode forward through the model's Python code instead of replaying "
+        "the kernel calls recorded for its batch size (CPU; what --disable-cuda-graph is on a "
+        "GPU).")
     max_total_tokens: int | None = _opt(
         None, "Size of the KV pool in tokens; default: from --mem-fraction-static.")
     mem_fraction_static: float = _opt(

@@ -134,6 +134,57 @@ def test_rotary_bit_identical(dtype: torch.dtype, head_dim: int, rotary_dim: int
     expected = rope._rotate(q, cos, sin)  # the torch path
     got = KERNELS.rotary(q, q_heads, head_dim, rotary_dim, rope._table_rows(positions, dtype))
     assert torch.equal(got, expected)
+    # the whole table with the positions, as RotaryEmbedding passes it
+    table = rope._kernel_table(dtype)
+    assert torch.equal(KERNELS.rotary(q, q_heads, head_dim, rotary_dim, table, positions),
+                       expected)
+    assert torch.equal(rope(positions, q, k)[0], expected)
+
+
+@needs_kernels
+def test_rotary_position_outside_the_table() -> None:
+    rope = RotaryEmbedding(64, 64, 128, {"rope_type": "default", "rope_theta": 10000.0})
+    q = torch.randn(2, 3 * 64)
+    table = rope._kernel_table(torch.float32)
+    for bad in (128, -1):
+        with pytest.raises(IndexError, match="outside the 128 rows"):
+            KERNELS.rotary(q, 3, 64, 64, table, torch.tensor([5, bad]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_kernel(dtype: torch.dtype) -> None:
+    from sgl.layers.embedding import VocabParallelEmbedding
+
+    torch.manual_seed(1)
+    emb = VocabParallelEmbedding(100, 24, dtype=dtype)
+    emb.weight.data.copy_(torch.randn(100, 24))
+    ids = torch.tensor([0, 99, 7, 7, 42])
+    assert torch.equal(KERNELS.embedding(emb.weight, ids), F.embedding(ids, emb.weight))
+    assert torch.equal(emb(ids), F.embedding(ids, emb.weight))
+    assert KERNELS.embedding(emb.weight, ids[:0]).shape == (0, 24)
+    for bad in (100, -1):
+        with pytest.raises(IndexError, match="outside the embedding table of 100 rows"):
+            emb(torch.tensor([3, bad]))
+
+
+@needs_kernels
+def test_recording_keeps_the_calls_and_replays_them() -> None:
+    x = torch.randn(3, 8)
+    weight = torch.randn(1, 8)
+    with cpu.recording() as tape:
+        out, _ = KERNELS.rmsnorm(x, None, weight, 1e-6)
+        with pytest.raises(RuntimeError, match="already being recorded"):
+            with cpu.recording():
+                pass
+    assert len(tape.calls) == 1 and any(t is out for t in tape.tensors)
+    first = out.clone()
+    x.copy_(torch.randn(3, 8))  # replay reads the recorded tensors as they are now
+    tape.replay()
+    assert not torch.equal(out, first)
+    torch.testing.assert_close(out, KERNELS.rmsnorm(x, None, weight, 1e-6)[0], rtol=0, atol=0)
+    KERNELS.rmsnorm(x, None, weight, 1e-6)  # outside the block: not recorded
+    assert len(tape.calls) == 1
 
 
 def test_argmax_rows() -> None:

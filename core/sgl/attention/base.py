@@ -50,6 +50,18 @@ class BaseAttentionBackend(ABC):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:  # noqa: B027 - optional hook
         """Prepare per-batch state before the first layer runs. Default: nothing."""
 
+    def graph_inputs(self, batch: ForwardBatch) -> list[torch.Tensor] | None:
+        """The per-batch tensors this backend's kernels read during ``batch``'s forward, for
+        replaying a recorded decode forward (:mod:`sgl.engine.cpu_graph`); called after
+        :meth:`init_forward_metadata`.
+
+        The runner records one decode forward of a batch size and, for a later batch of the same
+        size, copies that batch's tensors (same order, same shapes) into the recorded ones and
+        replays the kernel calls. Return every per-batch tensor a kernel gets a pointer to
+        (persistent ones such as the pools need not be listed). Default: None, the forward of
+        this backend is never replayed."""
+        return None
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:

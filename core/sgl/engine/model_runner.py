@@ -13,7 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sgl.engine.cpu_graph import CpuGraphRunner
+from sgl.engine.forward_batch import ForwardMode
 from sgl.engine.memory import available_memory_bytes, kv_pool_tokens
+from sgl.kernels import cpu
 from sgl.kvcache.pool import KVPool, ReqToTokenPool
 from sgl.layers.attention import Attention
 from sgl.model_loader import ModelLoadError, load_hf_config, open_weights, resolve_model_path
@@ -129,7 +132,8 @@ class ModelRunner:
                  plugin_manager: Any = None, max_total_tokens: int | None = None,
                  mem_fraction: float = 0.5, max_running_requests: int = 64,
                  context_length: int | None = None, page_size: int = 1,
-                 device: str | torch.device = "cpu", show_progress: bool = True) -> None:
+                 device: str | torch.device = "cpu", show_progress: bool = True,
+                 cpu_graphs: bool = True) -> None:
         self.device = torch.device(device)
         self.model_path = resolve_model_path(model_path)
         self.hf_config = load_hf_config(self.model_path)
@@ -163,6 +167,10 @@ class ModelRunner:
         logger.info("model %s (%s, %s): KV pool of %d tokens (%.1f MiB), backend %s",
                     self.model_path.name, model_cls.__name__, self.dtype, size,
                     self.kv_pool_bytes / 2**20, attention_backend)
+        #: replays recorded decode forwards (sgl.engine.cpu_graph); None when off
+        self.cpu_graphs: CpuGraphRunner | None = None
+        if cpu_graphs and self.device.type == "cpu" and cpu.load() is not None:
+            self.cpu_graphs = CpuGraphRunner(self.model, self.attn_backend)
 
     def _context_length(self, requested: int | None) -> int:
         limit = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
@@ -213,6 +221,8 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model; hidden states ``[num_tokens, hidden]`` of every new token."""
         self.attn_backend.init_forward_metadata(batch)
+        if self.cpu_graphs is not None and batch.mode == ForwardMode.DECODE:
+            return self.cpu_graphs.forward(batch)
         return self.model(batch)
 
     @torch.inference_mode()

@@ -94,7 +94,8 @@ class Scheduler:
             plugin_manager=pm, max_total_tokens=settings.max_total_tokens,
             mem_fraction=settings.mem_fraction_static,
             max_running_requests=settings.max_running_requests,
-            context_length=settings.context_length, page_size=settings.page_size)
+            context_length=settings.context_length, page_size=settings.page_size,
+            cpu_graphs=not settings.disable_cpu_graph)
         self.eos_token_ids = _eos_ids(self.runner.hf_config)
         self.cache = make_cache_policy(settings, pm, self.runner)
         self.grammar = make_grammar_manager(

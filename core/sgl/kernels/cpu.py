@@ -20,6 +20,7 @@ batch's sequences over the same threads; the elementwise kernels are single-thre
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -29,13 +30,15 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["DTYPES", "CpuKernels", "argmax_rows", "fits", "kernel_threads", "load",
-           "pack_amx_weight", "set_threads"]
+__all__ = ["DTYPES", "CpuKernels", "KernelTape", "argmax_rows", "fits", "kernel_threads", "load",
+           "pack_amx_weight", "recording", "run", "set_threads"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +68,9 @@ class CpuKernels:
         ``W [n, K]``; ``bias`` float32 ``[n]`` or None. Returns ``[M, n]`` bfloat16."""
         m, k = x.shape
         y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-        rc = self.lib.sgl_linear_bf16_amx(x.data_ptr(), x.stride(0), packed.data_ptr(),
-                                          y.data_ptr(), n, m, n, k,
-                                          None if bias is None else bias.data_ptr())
+        rc = run(self.lib.sgl_linear_bf16_amx,
+                 (x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), n, m, n, k,
+                  None if bias is None else bias.data_ptr()), x, packed, y, bias)
         if rc:
             raise RuntimeError(f"sgl_linear_bf16_amx failed ({rc})")
         return y
@@ -78,8 +81,9 @@ class CpuKernels:
         ``W [n, K]``; ``bias`` float32 ``[n]`` or None. Returns ``[M, n]`` float32."""
         m, k = x.shape
         y = torch.empty((m, n), dtype=torch.float32, device=x.device)
-        self.lib.sgl_linear_f32(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), n,
-                                m, n, k, None if bias is None else bias.data_ptr())
+        run(self.lib.sgl_linear_f32, (x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(),
+                                      n, m, n, k, None if bias is None else bias.data_ptr()),
+            x, packed, y, bias)
         return y
 
     # The methods below take 2-D tensors of one dtype in DTYPES whose last dimension has unit
@@ -92,45 +96,113 @@ class CpuKernels:
         t, h = x.shape
         out = torch.empty((t, h), dtype=x.dtype)
         summed = x if residual is None else torch.empty((t, h), dtype=x.dtype)
-        self.lib.sgl_rmsnorm(x.data_ptr(), x.stride(0),
-                             None if residual is None else residual.data_ptr(),
-                             0 if residual is None else residual.stride(0),
-                             None if residual is None else summed.data_ptr(), h,
-                             weight.data_ptr(), out.data_ptr(), h, t, h, eps, DTYPES[x.dtype])
+        run(self.lib.sgl_rmsnorm, (x.data_ptr(), x.stride(0),
+                                   None if residual is None else residual.data_ptr(),
+                                   0 if residual is None else residual.stride(0),
+                                   None if residual is None else summed.data_ptr(), h,
+                                   weight.data_ptr(), out.data_ptr(), h, t, h, eps,
+                                   DTYPES[x.dtype]), x, residual, summed, weight, out)
         return out, summed
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(x[:, :d]) * x[:, d:]`` for ``x [T, 2d]``."""
         t, d = x.shape[0], x.shape[1] // 2
         out = torch.empty((t, d), dtype=x.dtype)
-        self.lib.sgl_silu_mul(x.data_ptr(), x.stride(0), out.data_ptr(), d, t, d,
-                              DTYPES[x.dtype])
+        run(self.lib.sgl_silu_mul, (x.data_ptr(), x.stride(0), out.data_ptr(), d, t, d,
+                                    DTYPES[x.dtype]), x, out)
         return out
 
     def rotary(self, x: torch.Tensor, heads: int, head_dim: int, rotary_dim: int,
-               cos_sin: torch.Tensor) -> torch.Tensor:
+               cos_sin: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate-half rotary of ``x [T, heads * head_dim]`` (a row-strided view is fine) with
-        per-token rows ``cos_sin [T, 2 * rotary_dim]`` (``cos | cos`` then ``-sin | sin``, in
-        ``x``'s dtype); returns a new contiguous tensor."""
+        rows ``cos_sin [R, 2 * rotary_dim]`` (``cos | cos`` then ``-sin | sin``, in ``x``'s
+        dtype): token t uses row ``positions[t]`` (contiguous int64), or row t without
+        ``positions``. Returns a new contiguous tensor."""
         t = x.shape[0]
         out = torch.empty((t, heads * head_dim), dtype=x.dtype)
-        rc = self.lib.sgl_rotary(x.data_ptr(), x.stride(0), cos_sin.data_ptr(),
-                                 cos_sin.stride(0), out.data_ptr(), t, heads, head_dim,
-                                 rotary_dim, DTYPES[x.dtype])
+        rc = run(self.lib.sgl_rotary,
+                 (x.data_ptr(), x.stride(0), cos_sin.data_ptr(), cos_sin.stride(0),
+                  None if positions is None else positions.data_ptr(), cos_sin.shape[0],
+                  out.data_ptr(), t, heads, head_dim, rotary_dim, DTYPES[x.dtype]),
+                 x, cos_sin, positions, out)
+        if rc == -2:
+            raise IndexError(f"sgl_rotary: a position outside the {cos_sin.shape[0]} rows of "
+                             "the rotary table")
         if rc:
             raise ValueError(f"sgl_rotary: rotary_dim {rotary_dim} for head_dim {head_dim}")
+        return out
+
+    def embedding(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``weight[ids]`` for a 2-D ``weight`` with unit stride in its rows and contiguous int64
+        ``ids [T]``; IndexError for an id outside the table."""
+        t, h = ids.shape[0], weight.shape[1]
+        out = torch.empty((t, h), dtype=weight.dtype)
+        rc = run(self.lib.sgl_embedding, (weight.data_ptr(), weight.stride(0), weight.shape[0],
+                                          ids.data_ptr(), t, out.data_ptr(), h, h,
+                                          weight.element_size()), weight, ids, out)
+        if rc:
+            raise IndexError(f"token id outside the embedding table of {weight.shape[0]} rows")
         return out
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits.argmax(-1)`` for float32 ``[B, V]`` rows (first maximum; NaN wins)."""
         b, v = logits.shape
         out = torch.empty(b, dtype=torch.int64)
-        self.lib.sgl_argmax_f32(logits.data_ptr(), logits.stride(0), b, v, out.data_ptr())
+        run(self.lib.sgl_argmax_f32, (logits.data_ptr(), logits.stride(0), b, v, out.data_ptr()),
+            logits, out)
         return out
 
 
 #: tensor dtype -> the kernels' dtype code
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class KernelTape:
+    """The kernel calls one thread made while :func:`recording`: each function with its exact
+    arguments (pointers included), and every tensor those pointers lie in, kept alive so that
+    the memory is not handed to anything else. :meth:`replay` runs the calls again on whatever
+    those tensors hold now (see :mod:`sgl.engine.cpu_graph`)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, tuple[Any, ...]]] = []
+        self.tensors: list[torch.Tensor] = []
+
+    def replay(self) -> None:
+        """Run the recorded calls in order; RuntimeError naming the first that fails."""
+        for fn, args in self.calls:
+            if fn(*args):
+                raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed on replay")
+
+
+class _Recording(threading.local):
+    tape: KernelTape | None = None
+
+
+_recording = _Recording()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[KernelTape]:
+    """Record the kernel calls this thread makes inside the block into a new
+    :class:`KernelTape`."""
+    if _recording.tape is not None:
+        raise RuntimeError("kernel calls are already being recorded on this thread")
+    tape = _recording.tape = KernelTape()
+    try:
+        yield tape
+    finally:
+        _recording.tape = None
+
+
+def run(fn: Any, args: tuple[Any, ...], *tensors: torch.Tensor | None) -> Any:
+    """``fn(*args)``, a kernel of the library; while :func:`recording`, also onto the tape, with
+    ``tensors``: every tensor whose memory ``args`` point into (None entries are skipped)."""
+    rc = fn(*args)
+    tape = _recording.tape
+    if tape is not None:
+        tape.calls.append((fn, args))
+        tape.tensors.extend(t for t in tensors if t is not None)
+    return rc
 
 
 def fits(*tensors: torch.Tensor | None) -> bool:
@@ -203,7 +275,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sgl_silu_mul.restype = _int
     lib.sgl_silu_mul.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _int]
     lib.sgl_rotary.restype = _int
-    lib.sgl_rotary.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int]
+    lib.sgl_rotary.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
+                               _int]
+    lib.sgl_embedding.restype = _int
+    lib.sgl_embedding.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64]
     lib.sgl_argmax_f32.restype = _int
     lib.sgl_argmax_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
     lib.sgl_decode_attention.restype = _int

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl.kernels import cpu
 from sgl.layers.cpu_gemm import PackedWeight, linear, pack_weight
 from sgl.layers.tp import get_tp_group, tp_all_gather, tp_all_reduce
 
@@ -50,13 +51,25 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            out = F.embedding(input_ids, self.weight)
+            out = _cpu_embedding(input_ids, self.weight)
+            if out is None:
+                out = F.embedding(input_ids, self.weight)
         else:
             outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
             local = torch.where(outside, 0, input_ids - self.vocab_start)
             out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0)
             out = tp_all_reduce(out)
         return out if self.scale is None else out * self.scale
+
+
+def _cpu_embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight[ids]`` for flat int64 ids through sgl's CPU kernel (row copies, no torch op, so
+    :mod:`sgl.engine.cpu_graph` can replay it), else None."""
+    if (ids.device.type != "cpu" or ids.dim() != 1 or ids.dtype != torch.int64
+            or not ids.is_contiguous() or not cpu.fits(weight)):
+        return None
+    kernels = cpu.load()
+    return None if kernels is None else kernels.embedding(weight, ids)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

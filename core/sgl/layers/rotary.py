@@ -123,6 +123,19 @@ class RotaryEmbedding(nn.Module):
         self._batch_rows = (positions, version, dtype, table)
         return table
 
+    def _kernel_table(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[max_position, 2 * rotary_dim]``: ``cos | cos | -sin | sin`` of every position in
+        ``dtype``, the rows :meth:`_table_rows` gathers (built once per dtype)."""
+        tables = self.__dict__.setdefault("_kernel_tables", {})
+        cached = tables.get(dtype)
+        if cached is not None and cached[0] is self.cos_sin:
+            return cached[1]
+        half = self.rotary_dim // 2
+        cos, sin = self.cos_sin[:, :half], self.cos_sin[:, half:]
+        table = torch.cat([cos, cos, -sin, sin], dim=-1).to(dtype)
+        tables[dtype] = (self.cos_sin, table)
+        return table
+
     def _rotate(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
         """``x * cos + rotate_half(x) * sin`` on the rotary features of ``x [T, H * head_dim]``
         (a view is fine), in ``x``'s dtype with the operations transformers does, so float32
@@ -147,13 +160,20 @@ class RotaryEmbedding(nn.Module):
         both = _adjacent(q, k)
         kernels = cpu.load() if q.device.type == "cpu" else None
         if kernels is not None and cpu.fits(q, k):  # sgl's CPU kernel, bit-identical
-            table = self._table_rows(positions, q.dtype)
+            # the kernel reads each token's row of the whole table itself, so a forward pass
+            # needs no torch op here (sgl.engine.cpu_graph replays it)
+            pos: torch.Tensor | None = positions
+            if (positions.dim() == 1 and positions.dtype == torch.int64
+                    and positions.is_contiguous() and positions.shape[0] == q.shape[0]):
+                table = self._kernel_table(q.dtype)
+            else:
+                table, pos = self._table_rows(positions, q.dtype), None
             dim, hd = self.rotary_dim, self.head_dim
             if both is not None:
-                out = kernels.rotary(both, both.shape[1] // hd, hd, dim, table)
+                out = kernels.rotary(both, both.shape[1] // hd, hd, dim, table, pos)
                 return out[:, :q.shape[1]], out[:, q.shape[1]:]
-            return (kernels.rotary(q, q.shape[1] // hd, hd, dim, table),
-                    kernels.rotary(k, k.shape[1] // hd, hd, dim, table))
+            return (kernels.rotary(q, q.shape[1] // hd, hd, dim, table, pos),
+                    kernels.rotary(k, k.shape[1] // hd, hd, dim, table, pos))
         cos2, sin2 = self._rows(positions, q.dtype)
         if both is not None:
             out = self._rotate(both, cos2, sin2)

@@ -821,14 +821,19 @@ AVX512_TARGET int sgl_silu_mul(const void *x, int64_t x_stride, void *out, int64
 
 /* Rotate-half rotary on the first `rot` features of each of H heads of x [T, H, D] (row stride
    x_stride, head stride D) into out [T, H, D] (contiguous): out = x * c + rotate_half(x) * s with
-   c = cos | cos and s = -sin | sin given per token as rows of `rot` values in the dtype
-   (cs rows: c then s, 2 * rot values, row stride cs_stride). Features past `rot` are copied. */
+   c = cos | cos and s = -sin | sin given as rows of `rot` values in the dtype (cs rows: c then
+   s, 2 * rot values, row stride cs_stride): token t uses row pos[t] of the cs_rows rows, or row t
+   when pos is NULL. Features past `rot` are copied. -1: bad rot; -2: a position outside cs. */
 AVX512_TARGET int sgl_rotary(const void *x, int64_t x_stride, const void *cs, int64_t cs_stride,
-                             void *out, int64_t T, int64_t H, int64_t D, int64_t rot, int dtype) {
+                             const int64_t *pos, int64_t cs_rows, void *out, int64_t T, int64_t H,
+                             int64_t D, int64_t rot, int dtype) {
     const int64_t es = dtype ? 2 : 4, half = rot / 2;
     if (rot % 2 || rot > D) return -1;
+    if (pos)
+        for (int64_t t = 0; t < T; t++)
+            if (pos[t] < 0 || pos[t] >= cs_rows) return -2;
     for (int64_t t = 0; t < T; t++) {
-        const char *c = (const char *)cs + t * cs_stride * es;
+        const char *c = (const char *)cs + (pos ? pos[t] : t) * cs_stride * es;
         const char *sn = c + rot * es;
         for (int64_t h = 0; h < H; h++) {
             const char *xr = (const char *)x + (t * x_stride + h * D) * es;
@@ -854,6 +859,19 @@ AVX512_TARGET int sgl_rotary(const void *x, int64_t x_stride, const void *cs, in
             if (rot < D) memcpy(orow + rot * es, xr + rot * es, (size_t)((D - rot) * es));
         }
     }
+    return 0;
+}
+
+/* Embedding lookup: row t of out (row stride o_stride elements) = row ids[t] of w [vocab, H]
+   (row stride w_stride), `es`-byte elements. -1 (nothing written) when an id is outside
+   [0, vocab). */
+int sgl_embedding(const void *w, int64_t w_stride, int64_t vocab, const int64_t *ids, int64_t T,
+                  void *out, int64_t o_stride, int64_t H, int64_t es) {
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= vocab) return -1;
+    for (int64_t t = 0; t < T; t++)
+        memcpy((char *)out + t * o_stride * es, (const char *)w + ids[t] * w_stride * es,
+               (size_t)(H * es));
     return 0;
 }
 

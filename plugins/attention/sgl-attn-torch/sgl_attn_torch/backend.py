@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sgl.attention.base import AttentionLayerSpec, BaseAttentionBackend
+from sgl.kernels import cpu
 from sgl.engine.forward_batch import ForwardMode
 from sgl_attn_torch.kernels import attend, decode_mask, extend_mask
 
@@ -49,8 +50,6 @@ _NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 def _native_kernels() -> Any:
     """sgl's CPU kernels (None without them, or with ``SGL_CPU_KERNELS=0``)."""
-    from sgl.kernels import cpu
-
     kernels = cpu.load()
     return kernels if kernels is not None and kernels.avx512 else None
 
@@ -205,14 +204,22 @@ class TorchAttentionBackend(BaseAttentionBackend):
         tokens = q.shape[0]
         out = q.new_empty(tokens, layer.num_heads * v_dim)
         table = native.table
-        rc = native.kernel(
+        rc = cpu.run(native.kernel, (
             q.data_ptr(), q.stride(0), head_dim, k.data_ptr(), k.stride(0), v.data_ptr(),
             v.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr(), table.stride(0),
             native.rows.data_ptr(), native.lens.data_ptr(), native.loc.data_ptr(),
             out.data_ptr(), out.stride(0), tokens, layer.num_heads, layer.num_kv_heads, head_dim,
             v_dim, layer.scaling, layer.logit_softcap or 0.0, layer.sliding_window or 0,
-            _NATIVE_DTYPES[dtype], native.bf16_dot)
+            _NATIVE_DTYPES[dtype], native.bf16_dot),
+            q, k, v, k_pool, v_pool, table, native.rows, native.lens, native.loc, out)
         return out if rc == 0 else None
+
+    def graph_inputs(self, batch: ForwardBatch) -> list[torch.Tensor] | None:
+        """A decode batch on sgl's CPU kernel: its rows, lengths and new slots."""
+        plan = batch.attn_metadata
+        if not isinstance(plan, TorchAttentionMetadata) or plan.native is None:
+            return None
+        return [plan.native.rows, plan.native.lens, plan.native.loc]
 
     def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 layer: AttentionLayerSpec, plan: TorchAttentionMetadata) -> None:

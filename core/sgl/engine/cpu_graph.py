@@ -1,0 +1,190 @@
+"""Replaying recorded decode forwards on CPU, what CUDA graphs do for a GPU.
+
+On CPU a decode step of a small model spends much of its time in Python around the kernels:
+module calls, shape and dtype checks, tensor allocations, argument conversion. For
+SmolLM2-135M (30 layers, about nine kernel calls each) that is 9-10 ms of every step on this
+project's 2-core VM, measured with a model of the same depth whose kernels cost next to nothing;
+a batch-1 bfloat16 step is about 36 ms.
+
+:class:`CpuGraphRunner` runs the second decode forward of a batch size as usual while
+:func:`sgl.kernels.cpu.recording` takes down every kernel call (the function, its exact
+arguments, the tensors its pointers lie in) and a torch dispatch mode checks that nothing else
+computed: only allocations and views may run outside the kernels. A later decode batch of the
+same size copies its inputs (token ids, positions, and what the attention backend lists in
+:meth:`~sgl.attention.base.BaseAttentionBackend.graph_inputs`) into the recorded tensors and
+replays the calls; no module code runs. A forward that computes anything with torch (a torch
+fallback, a model's own elementwise op, float16) is not recorded and stays eager. Recording
+costs about 1.6 eager forwards, hence not the first forward of a size: a size the batch passes
+through only once is not worth it. The recorded activations stay allocated for the replays;
+graphs are dropped least recently used first beyond ``max_bytes``.
+
+As with CUDA graphs, the hidden states returned by a replay are the recorded tensor: they stay
+valid until the next forward. The models' and the attention backend's kernels must not decide
+anything from data that :meth:`graph_inputs` does not cover; the kernel path of every layer in
+:mod:`sgl.layers` depends only on shapes, dtypes and the thread counts (part of the key).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from sgl.kernels import cpu
+
+if TYPE_CHECKING:
+    from sgl.attention.base import BaseAttentionBackend
+    from sgl.engine.forward_batch import ForwardBatch
+
+__all__ = ["DEFAULT_MAX_BYTES", "CpuGraphRunner"]
+
+logger = logging.getLogger(__name__)
+
+#: memory the recorded activations of all kept graphs may hold (least recently used dropped
+#: first); a batch-32 SmolLM2 graph holds about 20 MiB
+DEFAULT_MAX_BYTES = 256 * 2**20
+#: recording costs about 1.6 eager forwards (the dispatch mode's Python runs for every torch
+#: op), so a batch size is recorded when it comes back, not the first time it is seen
+SEEN_BEFORE_RECORDING = 1
+_ALLOCATING = frozenset({"empty", "empty_strided", "new_empty", "new_empty_strided",
+                         "empty_like"})
+
+_aten = torch.ops.aten
+#: torch ops that allocate or make views, the only ones a recorded forward may run
+_NO_COMPUTE = frozenset({
+    _aten.empty, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided,
+    _aten.empty_like, _aten.view, _aten._unsafe_view, _aten.slice, _aten.split,
+    _aten.split_with_sizes, _aten.select, _aten.unsqueeze, _aten.squeeze, _aten.t,
+    _aten.transpose, _aten.permute, _aten.expand, _aten.alias, _aten.detach, _aten.as_strided,
+    _aten.narrow, _aten.unbind,
+})
+#: ops that return a view when they can and a copy otherwise (under inference mode torch
+#: dispatches them whole): allowed when the result shares the input's memory
+_VIEW_OR_COPY = frozenset({_aten.reshape, _aten.flatten, _aten.unflatten, _aten.contiguous})
+
+
+class _ComputeWatch(TorchDispatchMode):
+    """Notes every torch op outside :data:`_NO_COMPUTE` that runs inside the block, and the
+    bytes that the block allocates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.compute: list[str] = []
+        self.allocated = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        packet = func.overloadpacket
+        out = func(*args, **(kwargs or {}))
+        if packet in _VIEW_OR_COPY:
+            if out.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr():
+                self.compute.append(f"{packet} (a copy)")
+        elif packet not in _NO_COMPUTE:
+            self.compute.append(str(packet))
+        if packet.__name__ in _ALLOCATING:
+            self.allocated += out.untyped_storage().nbytes()
+        return out
+
+
+@dataclasses.dataclass
+class _Graph:
+    tape: cpu.KernelTape
+    inputs: list[torch.Tensor]  # what the recorded calls read of the batch, in _inputs' order
+    output: torch.Tensor
+    nbytes: int  # what the recording allocated (activations, kept for the replays)
+
+
+class CpuGraphRunner:
+    """Records and replays the decode forwards of one model (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, backend: BaseAttentionBackend,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.model = model
+        self.backend = backend
+        self.max_bytes = max_bytes
+        #: key -> recorded graph, or None where that forward cannot be recorded (or is larger
+        #: than max_bytes); least recently used first
+        self.graphs: OrderedDict[tuple[int, ...], _Graph | None] = OrderedDict()
+        self._seen: dict[tuple[int, ...], int] = {}  # forwards of keys not recorded yet
+        self.replays = 0  # for tests and logs
+        self.captures = 0
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The hidden states of a decode batch whose attention metadata is planned: replayed
+        when its batch size was recorded, else computed (and recorded when it can be)."""
+        inputs = self._inputs(batch)
+        if inputs is None:
+            return self.model(batch)
+        key = (batch.batch_size, cpu.kernel_threads(), torch.get_num_threads())
+        if key in self.graphs:
+            self.graphs.move_to_end(key)
+            graph = self.graphs[key]
+            if graph is None:
+                return self.model(batch)
+            if all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(graph.inputs, inputs)):
+                return self._replay(graph, inputs, batch, key)
+        seen = self._seen.get(key, 0)
+        if seen < SEEN_BEFORE_RECORDING:
+            if len(self._seen) >= 1024:
+                self._seen.clear()
+            self._seen[key] = seen + 1
+            return self.model(batch)
+        self._seen.pop(key, None)
+        return self._capture(batch, key)
+
+    def _inputs(self, batch: ForwardBatch) -> list[torch.Tensor] | None:
+        extra = self.backend.graph_inputs(batch)
+        if extra is None:
+            return None
+        return [batch.input_ids, batch.positions, *extra]
+
+    def _replay(self, graph: _Graph, inputs: list[torch.Tensor], batch: ForwardBatch,
+                key: tuple[int, ...]) -> torch.Tensor:
+        for recorded, new in zip(graph.inputs, inputs):
+            if recorded is not new:
+                recorded.copy_(new)
+        try:
+            graph.tape.replay()
+        except RuntimeError as exc:  # a kernel refused these inputs: compute them eagerly
+            logger.warning("replaying the decode forward of batch size %d failed (%s); "
+                           "running it eagerly", batch.batch_size, exc)
+            del self.graphs[key]
+            return self.model(batch)
+        self.replays += 1
+        return graph.output
+
+    def _capture(self, batch: ForwardBatch, key: tuple[int, ...]) -> torch.Tensor:
+        # the recording keeps the batch tensors it reads and replays overwrite them: give it
+        # copies, so that the caller's batch is never changed behind its back
+        own = dataclasses.replace(batch, **{
+            f.name: getattr(batch, f.name).clone() for f in dataclasses.fields(batch)
+            if isinstance(getattr(batch, f.name), torch.Tensor)})
+        self.backend.init_forward_metadata(own)
+        inputs = self._inputs(own) or []
+        watch = _ComputeWatch()
+        with cpu.recording() as tape, watch:
+            output = self.model(own)
+        graph = None
+        if watch.compute:
+            logger.debug("decode forward of batch size %d not recorded: it runs torch ops "
+                         "(%s)", batch.batch_size, ", ".join(sorted(set(watch.compute))))
+        elif watch.allocated > self.max_bytes:
+            logger.debug("decode forward of batch size %d not recorded: its activations "
+                         "(%.0f MiB) exceed the %.0f MiB for graphs", batch.batch_size,
+                         watch.allocated / 2**20, self.max_bytes / 2**20)
+        elif tape.calls:
+            graph = _Graph(tape, inputs, output, watch.allocated)
+            self.captures += 1
+        self.graphs[key] = graph
+        while self.nbytes > self.max_bytes:
+            self.graphs.popitem(last=False)
+        return output
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the kept graphs' activations hold."""
+        return sum(g.nbytes for g in self.graphs.values() if g is not None)

@@ -1,0 +1,169 @@
+"""Replaying recorded decode forwards (``sgl.engine.cpu_graph``) against the model's own code,
+on a tiny random-weight Llama saved by transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from sgl.engine.batch_builder import BatchSeq, make_forward_batch
+from sgl.engine.forward_batch import ForwardMode
+from sgl.engine.model_runner import ModelRunner
+from sgl.kernels import cpu
+from sgl.plugins import create_plugin_manager
+
+pytestmark = pytest.mark.skipif(cpu.load() is None, reason="sgl's CPU kernels are unavailable")
+
+PROMPTS = [[5, 9, 2], [7] * 9, [1], list(range(3, 20)), [11, 12, 13, 14, 15]]
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """As the scheduler runs torch on a 2-core machine: sgl's matmul kernels need it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def make_runner(path: Path, dtype: str, **kwargs: Any) -> ModelRunner:
+    pm = create_plugin_manager()
+    return ModelRunner(model_path=str(path), dtype=dtype, registries=pm.registries,
+                       plugin_manager=pm, max_total_tokens=2048, max_running_requests=8,
+                       show_progress=False, **kwargs)
+
+
+class Sequences:
+    """Greedy decoding of ``prompts`` on ``runner``, one forward at a time."""
+
+    def __init__(self, runner: ModelRunner, prompts: list[list[int]]) -> None:
+        self.runner = runner
+        self.rows = [runner.req_to_token_pool.alloc() for _ in prompts]
+        batch = make_forward_batch(runner, ForwardMode.EXTEND,
+                                   [BatchSeq(r, 0, p) for r, p in zip(self.rows, prompts)])
+        self.lengths = [len(p) for p in prompts]
+        self.next = self.pick(runner.forward(batch), batch)
+
+    def pick(self, hidden: torch.Tensor, batch: Any) -> list[int]:
+        last = torch.cumsum(batch.extend_seq_lens, dim=0) - 1
+        return self.runner.logits_at(hidden, last).argmax(-1).tolist()
+
+    def decode_batch(self) -> Any:
+        batch = make_forward_batch(self.runner, ForwardMode.DECODE, [
+            BatchSeq(r, n, [t]) for r, n, t in zip(self.rows, self.lengths, self.next)])
+        self.lengths = [n + 1 for n in self.lengths]
+        return batch
+
+
+def eager_then_graph(runner: ModelRunner, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same decode batch run by the model's code and then through the graph runner (the
+    second pass writes the same K/V into the same slots)."""
+    graphs, runner.cpu_graphs = runner.cpu_graphs, None
+    try:
+        eager = runner.forward(batch).clone()
+    finally:
+        runner.cpu_graphs = graphs
+    return eager, runner.forward(batch)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_replay_equals_the_model_code(model_dir: Path, dtype: str) -> None:
+    runner = make_runner(model_dir, dtype)
+    graphs = runner.cpu_graphs
+    assert graphs is not None
+    seqs = Sequences(runner, PROMPTS)
+    first = None
+    for step in range(6):
+        batch = seqs.decode_batch()
+        if first is None:
+            first = batch
+            kept = {name: getattr(batch, name).clone() for name in (
+                "input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc")}
+        eager, replayed = eager_then_graph(runner, batch)
+        assert torch.equal(replayed, eager), f"step {step}"
+        seqs.next = seqs.pick(replayed, batch)
+    # step 0 eager (a size seen once is not recorded), step 1 recorded, then replays
+    assert (graphs.captures, graphs.replays) == (1, 4)
+    assert 0 < graphs.nbytes < 2**20
+    # the recording ran on copies: the batch it was recorded from is not overwritten by replays
+    for name, value in kept.items():
+        assert torch.equal(getattr(first, name), value), name
+
+
+def test_batch_sizes_are_recorded_separately_and_evicted(model_dir: Path) -> None:
+    runner = make_runner(model_dir, "bfloat16")
+    graphs = runner.cpu_graphs
+    assert graphs is not None
+    runs = {size: Sequences(runner, PROMPTS[:size]) for size in (1, 2, 3)}
+
+    def step(size: int) -> None:
+        eager, replayed = eager_then_graph(runner, runs[size].decode_batch())
+        assert torch.equal(replayed, eager)
+
+    for size in (1, 1, 2, 2):  # seen, recorded; seen, recorded
+        step(size)
+    assert [key[0] for key in graphs.graphs] == [1, 2]
+    # the activations grow with the batch (r per sequence: 1 r and 2 r so far); room for 5 r
+    # keeps sizes 1 and 3 but not 1, 2 and 3
+    sizes = {key[0]: g.nbytes for key, g in graphs.graphs.items() if g is not None}
+    assert sizes[2] == 2 * sizes[1]
+    graphs.max_bytes = 5 * sizes[1]
+    for size in (1, 3, 3):  # 1 replayed; 3 seen, recorded, and 2 dropped
+        step(size)
+    assert [key[0] for key in graphs.graphs] == [1, 3]
+    assert (graphs.captures, graphs.replays) == (3, 1)
+    graphs.max_bytes = 1  # a graph larger than the budget is not kept
+    graphs.graphs.clear()
+    for size in (2, 2, 2):
+        step(size)
+    assert list(graphs.graphs.values()) == [None] and graphs.replays == 1
+
+
+def test_forward_with_torch_compute_is_not_recorded(model_dir: Path) -> None:
+    """float32 below F32_MIN_ROWS rows goes through torch's matmul: that batch size stays
+    eager (and right) while a larger one is recorded."""
+    from sgl.layers.cpu_gemm import F32_MIN_ROWS
+
+    runner = make_runner(model_dir, "float32")
+    graphs = runner.cpu_graphs
+    assert graphs is not None
+    small = Sequences(runner, PROMPTS[:F32_MIN_ROWS - 1])
+    for _ in range(3):
+        eager, replayed = eager_then_graph(runner, small.decode_batch())
+        assert torch.equal(replayed, eager)
+    assert list(graphs.graphs.values()) == [None]
+    assert (graphs.captures, graphs.replays) == (0, 0)
+
+
+def test_cpu_graphs_can_be_turned_off(model_dir: Path) -> None:
+    assert make_runner(model_dir, "bfloat16", cpu_graphs=False).cpu_graphs is None
+
+
+def test_scheduler_passes_the_setting(tmp_path: Path) -> None:
+    from test_scheduler import Harness  # same folder
+
+    for disable in (True, False):
+        folder = tmp_path / str(disable)
+        folder.mkdir()
+        harness = Harness(folder, disable_cpu_graph=disable)
+        try:
+            assert (harness.scheduler.runner.cpu_graphs is None) is disable
+        finally:
+            harness.close()
