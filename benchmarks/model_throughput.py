@@ -327,13 +327,14 @@ def report(results: dict[tuple[int, str], list[Case]], args: argparse.Namespace,
     return "\n".join(parts)
 
 
-def update_docs(path: Path, text: str) -> None:
+def update_docs(path: Path, text: str, begin: str = DOCS_BEGIN, end: str = DOCS_END) -> None:
+    """Replace the text between the markers ``begin`` and ``end`` in ``path``."""
     content = path.read_text()
-    if DOCS_BEGIN not in content or DOCS_END not in content:
-        raise SystemExit(f"{path} has no {DOCS_BEGIN} ... {DOCS_END} section to replace")
-    head, rest = content.split(DOCS_BEGIN, 1)
-    _, tail = rest.split(DOCS_END, 1)
-    path.write_text(f"{head}{DOCS_BEGIN}\n{text}\n{DOCS_END}{tail}")
+    if begin not in content or end not in content:
+        raise SystemExit(f"{path} has no {begin} ... {end} section to replace")
+    head, rest = content.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -187,6 +187,39 @@ def test_recording_keeps_the_calls_and_replays_them() -> None:
     assert len(tape.calls) == 1
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [3, 8, 9, 33, 200])
+def test_row_kernels_on_two_threads(dtype: torch.dtype, rows: int) -> None:
+    """Norm, SiLU x up and rotary split their rows over the kernel threads (8 or more rows per
+    chunk): every row is written, with the bits of one thread."""
+    torch.manual_seed(rows)
+    rope = RotaryEmbedding(64, 64, 1024, {"rope_type": "default", "rope_theta": 10000.0})
+    table = rope._kernel_table(dtype)
+    x, residual = torch.randn(rows, 576).to(dtype), torch.randn(rows, 576).to(dtype)
+    weight = torch.randn(1, 576).to(dtype)
+    gate_up = torch.randn(rows, 2 * 1536).to(dtype)
+    positions = torch.randint(0, 1024, (rows,))
+
+    def run_all() -> list[torch.Tensor]:
+        return [*KERNELS.rmsnorm(x, residual, weight, 1e-6), KERNELS.rmsnorm(x, None, weight,
+                                                                               1e-6)[0],
+                KERNELS.silu_mul(gate_up), KERNELS.rotary(x, 9, 64, 64, table, positions)]
+
+    before = cpu.kernel_threads()
+    try:
+        cpu.set_threads(1)
+        one = run_all()
+        cpu.set_threads(2)
+        two = [run_all() for _ in range(3)]
+    finally:
+        cpu.set_threads(before)
+    for results in two:
+        for got, expected in zip(results, one):
+            assert torch.equal(got, expected)
+    assert torch.equal(one[-1], rope._rotate(x, *rope._rows(positions, dtype)))
+
+
 def test_argmax_rows() -> None:
     torch.manual_seed(0)
     x = torch.randn(33, 49152)

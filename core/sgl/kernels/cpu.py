@@ -14,8 +14,8 @@ The matmul is used only when torch runs on one thread (with more, torch's OpenMP
 kernel's would fight over the cores). It splits its output columns over :func:`set_threads`
 threads of its own: helpers that claim chunks from one atomic counter, so a helper the OS delays
 costs only the chunk it holds, and that sleep after 200 us idle. The decode attention shares a
-batch's sequences over the same threads; the elementwise kernels are single-threaded. See
-``docs/benchmarks.md``.
+batch's sequences over the same threads, the norm, SiLU x up and rotary kernels their rows (8
+or more per chunk); embedding and argmax are single-threaded. See ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

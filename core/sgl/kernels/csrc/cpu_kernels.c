@@ -2,7 +2,8 @@
  *
  * Built at run time by sgl/kernels/cpu.py with the system C compiler and called through ctypes
  * on torch tensors' memory. The bfloat16 matmul splits its columns over a small pool of helper
- * threads (sgl_set_threads); the other functions are single-threaded. Instruction sets are picked
+ * threads (sgl_set_threads), the decode attention its sequences and the row-wise kernels (norm,
+ * SiLU x up, rotary) their rows; embedding and argmax are single-threaded. Instruction sets are picked
  * per function (target attributes), so the file compiles with any x86-64 gcc >= 11 or clang, and
  * the Python side only calls what the CPU supports.
  */
@@ -754,14 +755,30 @@ AVX512_TARGET static inline void store16m(void *p, __m512 v, int dtype, __mmask1
 
 /* h = x + residual (rounded to the dtype; skipped without residual), then
    out = weight * round(h / sqrt(mean(h^2) + eps)); res_out (may alias residual) receives h. */
-AVX512_TARGET int sgl_rmsnorm(const void *x, int64_t x_stride, const void *residual,
-                              int64_t r_stride, void *res_out, int64_t ro_stride,
-                              const void *weight, void *out, int64_t o_stride, int64_t T,
-                              int64_t H, float eps, int dtype) {
+typedef struct {
+    const void *x, *residual, *weight;
+    void *res_out, *out;
+    int64_t x_stride, r_stride, ro_stride, o_stride, H;
+    float eps;
+    int dtype;
+    atomic_int failed;
+} rmsnorm_job;
+
+AVX512_TARGET static void rmsnorm_rows(void *ctx, int64_t t0, int64_t t1) {
+    rmsnorm_job *j = ctx;
+    const void *x = j->x, *residual = j->residual, *weight = j->weight;
+    void *res_out = j->res_out, *out = j->out;
+    const int64_t x_stride = j->x_stride, r_stride = j->r_stride, ro_stride = j->ro_stride,
+                  o_stride = j->o_stride, H = j->H;
+    const float eps = j->eps;
+    const int dtype = j->dtype;
     const int64_t es = dtype ? 2 : 4;
-    float *h = scratch_f32(H + 16);
-    if (!h) return -2;
-    for (int64_t t = 0; t < T; t++) {
+    float *h = scratch_f32(H + 16); /* per thread */
+    if (!h) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    for (int64_t t = t0; t < t1; t++) {
         const char *xr = (const char *)x + t * x_stride * es;
         const char *rr = residual ? (const char *)residual + t * r_stride * es : NULL;
         char *ror = res_out ? (char *)res_out + t * ro_stride * es : NULL;
@@ -788,7 +805,24 @@ AVX512_TARGET int sgl_rmsnorm(const void *x, int64_t x_stride, const void *resid
                      dtype, m);
         }
     }
-    return 0;
+}
+
+/* rows per chunk of the elementwise kernels on the kernel threads (fewer rows run inline) */
+#define ROWS_PER_CHUNK 8
+
+static int64_t row_chunk(int64_t T) {
+    const int64_t c = T / (2 * (int64_t)pool_threads());
+    return c < ROWS_PER_CHUNK ? ROWS_PER_CHUNK : c;
+}
+
+AVX512_TARGET int sgl_rmsnorm(const void *x, int64_t x_stride, const void *residual,
+                              int64_t r_stride, void *res_out, int64_t ro_stride,
+                              const void *weight, void *out, int64_t o_stride, int64_t T,
+                              int64_t H, float eps, int dtype) {
+    rmsnorm_job job = {x, residual, weight, res_out, out, x_stride, r_stride, ro_stride, o_stride,
+                       H, eps, dtype, 0};
+    parallel_for(rmsnorm_rows, &job, T, row_chunk(T));
+    return atomic_load(&job.failed) ? -2 : 0;
 }
 
 /* exp over the whole float range (overflow to inf, underflow to 0) */
@@ -800,11 +834,22 @@ AVX512_TARGET static inline __m512 exp_any(__m512 x) {
 }
 
 /* out[t, :d] = round(silu(x[t, :d])) * x[t, d:2d] (gelu-free SwiGLU); x rows of 2d. */
-AVX512_TARGET int sgl_silu_mul(const void *x, int64_t x_stride, void *out, int64_t o_stride,
-                               int64_t T, int64_t d, int dtype) {
+typedef struct {
+    const void *x;
+    void *out;
+    int64_t x_stride, o_stride, d;
+    int dtype;
+} silu_mul_job;
+
+AVX512_TARGET static void silu_mul_rows(void *ctx, int64_t t0, int64_t t1) {
+    const silu_mul_job *j = ctx;
+    const void *x = j->x;
+    void *out = j->out;
+    const int64_t x_stride = j->x_stride, o_stride = j->o_stride, d = j->d;
+    const int dtype = j->dtype;
     const int64_t es = dtype ? 2 : 4;
     const __m512 one = _mm512_set1_ps(1.0f);
-    for (int64_t t = 0; t < T; t++) {
+    for (int64_t t = t0; t < t1; t++) {
         const char *xr = (const char *)x + t * x_stride * es;
         char *orow = (char *)out + t * o_stride * es;
         for (int64_t i = 0; i < d; i += 16) {
@@ -816,6 +861,12 @@ AVX512_TARGET int sgl_silu_mul(const void *x, int64_t x_stride, void *out, int64
             store16m(orow + i * es, _mm512_mul_ps(s, u), dtype, m);
         }
     }
+}
+
+AVX512_TARGET int sgl_silu_mul(const void *x, int64_t x_stride, void *out, int64_t o_stride,
+                               int64_t T, int64_t d, int dtype) {
+    silu_mul_job job = {x, out, x_stride, o_stride, d, dtype};
+    parallel_for(silu_mul_rows, &job, T, row_chunk(T));
     return 0;
 }
 
@@ -824,15 +875,24 @@ AVX512_TARGET int sgl_silu_mul(const void *x, int64_t x_stride, void *out, int64
    c = cos | cos and s = -sin | sin given as rows of `rot` values in the dtype (cs rows: c then
    s, 2 * rot values, row stride cs_stride): token t uses row pos[t] of the cs_rows rows, or row t
    when pos is NULL. Features past `rot` are copied. -1: bad rot; -2: a position outside cs. */
-AVX512_TARGET int sgl_rotary(const void *x, int64_t x_stride, const void *cs, int64_t cs_stride,
-                             const int64_t *pos, int64_t cs_rows, void *out, int64_t T, int64_t H,
-                             int64_t D, int64_t rot, int dtype) {
+typedef struct {
+    const void *x, *cs;
+    const int64_t *pos;
+    void *out;
+    int64_t x_stride, cs_stride, H, D, rot;
+    int dtype;
+} rotary_job;
+
+AVX512_TARGET static void rotary_rows(void *ctx, int64_t t0, int64_t t1) {
+    const rotary_job *j = ctx;
+    const void *x = j->x, *cs = j->cs;
+    const int64_t *pos = j->pos;
+    void *out = j->out;
+    const int64_t x_stride = j->x_stride, cs_stride = j->cs_stride, H = j->H, D = j->D,
+                  rot = j->rot;
+    const int dtype = j->dtype;
     const int64_t es = dtype ? 2 : 4, half = rot / 2;
-    if (rot % 2 || rot > D) return -1;
-    if (pos)
-        for (int64_t t = 0; t < T; t++)
-            if (pos[t] < 0 || pos[t] >= cs_rows) return -2;
-    for (int64_t t = 0; t < T; t++) {
+    for (int64_t t = t0; t < t1; t++) {
         const char *c = (const char *)cs + (pos ? pos[t] : t) * cs_stride * es;
         const char *sn = c + rot * es;
         for (int64_t h = 0; h < H; h++) {
@@ -859,6 +919,17 @@ AVX512_TARGET int sgl_rotary(const void *x, int64_t x_stride, const void *cs, in
             if (rot < D) memcpy(orow + rot * es, xr + rot * es, (size_t)((D - rot) * es));
         }
     }
+}
+
+AVX512_TARGET int sgl_rotary(const void *x, int64_t x_stride, const void *cs, int64_t cs_stride,
+                             const int64_t *pos, int64_t cs_rows, void *out, int64_t T, int64_t H,
+                             int64_t D, int64_t rot, int dtype) {
+    if (rot % 2 || rot > D) return -1;
+    if (pos)
+        for (int64_t t = 0; t < T; t++)
+            if (pos[t] < 0 || pos[t] >= cs_rows) return -2;
+    rotary_job job = {x, cs, pos, out, x_stride, cs_stride, H, D, rot, dtype};
+    parallel_for(rotary_rows, &job, T, row_chunk(T));
     return 0;
 }
 
