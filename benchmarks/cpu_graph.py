@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tokens = {}
         for mode in modes:
             runner.cpu_graphs = graphs if mode == "graph" else None
-            graphs.graphs.clear()  # every graph run records its batch size anew
+            graphs.clear()  # every graph run records its batch size anew
             _, seconds, tokens[mode] = sgl_generate(runner, prompts, args.decode_tokens)
             rates.setdefault((n, b, mode), []).append(b * (args.decode_tokens - 1) / seconds)
         same[(n, b)] = same.get((n, b), True) and tokens["eager"] == tokens["graph"]

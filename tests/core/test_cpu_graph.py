@@ -130,7 +130,7 @@ def test_batch_sizes_are_recorded_separately_and_evicted(model_dir: Path) -> Non
     assert [key[0] for key in graphs.graphs] == [1, 3]
     assert (graphs.captures, graphs.replays) == (3, 1)
     graphs.max_bytes = 1  # a graph larger than the budget is not kept
-    graphs.graphs.clear()
+    graphs.clear()
     for size in (2, 2, 2):
         step(size)
     assert list(graphs.graphs.values()) == [None] and graphs.replays == 1

@@ -189,6 +189,31 @@ def test_recording_keeps_the_calls_and_replays_them() -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_per_head_on_a_strided_view(dtype: torch.dtype) -> None:
+    """Qwen3's q/k norms: each head's features normed on their own, read in place from q and k
+    split off a fused qkv output."""
+    from sgl.layers.norm import RMSNorm
+
+    torch.manual_seed(4)
+    norm = RMSNorm(32, 1e-6, dtype=dtype)
+    norm.weight.data.copy_(torch.randn(32))
+    qkv = torch.randn(11, (4 + 2 + 2) * 32).to(dtype)
+    q, k, _ = qkv.split([4 * 32, 2 * 32, 2 * 32], -1)
+    for x in (q, k):
+        expected = reference_rmsnorm(x.reshape(-1, 32), norm.weight, 1e-6).view(11, -1)
+        got = norm.per_head(x, 32)
+        assert got.is_contiguous() and got.shape == x.shape
+        if dtype == torch.bfloat16:  # rounds where torch rounds
+            assert torch.equal(got, expected)
+        else:  # another summation order
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert KERNELS.lib.sgl_rmsnorm(q.data_ptr(), q.stride(0), qkv.data_ptr(), 0, None, 0,
+                                   norm.weight.data_ptr(), q.data_ptr(), 32, 44, 32, 4, 1e-6,
+                                   cpu.DTYPES[dtype]) == -1  # per-head rows take no residual
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [3, 8, 9, 33, 200])
 def test_row_kernels_on_two_threads(dtype: torch.dtype, rows: int) -> None:
     """Norm, SiLU x up and rotary split their rows over the kernel threads (8 or more rows per

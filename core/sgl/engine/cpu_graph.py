@@ -184,6 +184,12 @@ class CpuGraphRunner:
             self.graphs.popitem(last=False)
         return output
 
+    def clear(self) -> None:
+        """Drop every recorded graph: call it after replacing a tensor that graphs read
+        (weights, packed weights, the pools); changing one's values in place needs nothing."""
+        self.graphs.clear()
+        self._seen.clear()
+
     @property
     def nbytes(self) -> int:
         """Memory the kept graphs' activations hold."""

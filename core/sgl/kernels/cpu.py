@@ -100,9 +100,22 @@ class CpuKernels:
                                    None if residual is None else residual.data_ptr(),
                                    0 if residual is None else residual.stride(0),
                                    None if residual is None else summed.data_ptr(), h,
-                                   weight.data_ptr(), out.data_ptr(), h, t, h, eps,
+                                   weight.data_ptr(), out.data_ptr(), h, t, h, 1, eps,
                                    DTYPES[x.dtype]), x, residual, summed, weight, out)
         return out, summed
+
+    def rmsnorm_heads(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      head_dim: int) -> torch.Tensor:
+        """RMSNorm of every ``head_dim``-wide part of the rows of ``x [T, heads * head_dim]``
+        (a row-strided view is fine: q or k split from a fused qkv output) with ``weight
+        [1, head_dim]``; returns a new contiguous ``[T, heads * head_dim]``."""
+        t, width = x.shape
+        heads = width // head_dim
+        out = torch.empty((t, width), dtype=x.dtype)
+        run(self.lib.sgl_rmsnorm, (x.data_ptr(), x.stride(0), None, 0, None, 0,
+                                   weight.data_ptr(), out.data_ptr(), head_dim, t * heads,
+                                   head_dim, heads, eps, DTYPES[x.dtype]), x, weight, out)
+        return out
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(x[:, :d]) * x[:, d:]`` for ``x [T, 2d]``."""
@@ -271,7 +284,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sgl_linear_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr]
     lib.sgl_rmsnorm.restype = _int
     lib.sgl_rmsnorm.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
-                                _f32, _int]
+                                _i64, _f32, _int]
     lib.sgl_silu_mul.restype = _int
     lib.sgl_silu_mul.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _int]
     lib.sgl_rotary.restype = _int

@@ -70,6 +70,18 @@ class RMSNorm(nn.Module):
             return (x32 * (self.weight.float() + self.weight_offset)).to(dtype)
         return self.weight * x32.to(dtype)
 
+    def per_head(self, x: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """The norm over every ``head_dim``-wide part of the rows of ``x [T, heads * head_dim]``
+        (per-head q/k norms; ``head_dim`` is this norm's size). On CPU one kernel call reads a
+        row-strided view in place; elsewhere the rows are reshaped (a copy for a strided view)."""
+        if (not self.weight_offset and x.dim() == 2 and x.device.type == "cpu"
+                and x.shape[1] % head_dim == 0):
+            kernels = cpu.load()
+            if kernels is not None and cpu.fits(x, self.weight.view(1, -1)):
+                return kernels.rmsnorm_heads(x, self.weight.view(1, -1), self.eps, head_dim)
+        normed, _ = self(x.reshape(-1, head_dim))
+        return normed.view(x.shape[0], -1)
+
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(norm(x + residual), x + residual)``; without ``residual``, ``(norm(x), x)``."""

@@ -754,11 +754,14 @@ AVX512_TARGET static inline void store16m(void *p, __m512 v, int dtype, __mmask1
 }
 
 /* h = x + residual (rounded to the dtype; skipped without residual), then
-   out = weight * round(h / sqrt(mean(h^2) + eps)); res_out (may alias residual) receives h. */
+   out = weight * round(h / sqrt(mean(h^2) + eps)); res_out (may alias residual) receives h.
+   Row t of the T rows of H values is x + (t / heads) * x_stride + (t % heads) * H: with
+   heads > 1 (no residual then) each of `heads` consecutive H-wide parts of an x row is normed on
+   its own (per-head q/k norms); out rows are o_stride apart. -1: bad heads. */
 typedef struct {
     const void *x, *residual, *weight;
     void *res_out, *out;
-    int64_t x_stride, r_stride, ro_stride, o_stride, H;
+    int64_t x_stride, r_stride, ro_stride, o_stride, H, heads;
     float eps;
     int dtype;
     atomic_int failed;
@@ -769,7 +772,7 @@ AVX512_TARGET static void rmsnorm_rows(void *ctx, int64_t t0, int64_t t1) {
     const void *x = j->x, *residual = j->residual, *weight = j->weight;
     void *res_out = j->res_out, *out = j->out;
     const int64_t x_stride = j->x_stride, r_stride = j->r_stride, ro_stride = j->ro_stride,
-                  o_stride = j->o_stride, H = j->H;
+                  o_stride = j->o_stride, H = j->H, heads = j->heads;
     const float eps = j->eps;
     const int dtype = j->dtype;
     const int64_t es = dtype ? 2 : 4;
@@ -779,7 +782,7 @@ AVX512_TARGET static void rmsnorm_rows(void *ctx, int64_t t0, int64_t t1) {
         return;
     }
     for (int64_t t = t0; t < t1; t++) {
-        const char *xr = (const char *)x + t * x_stride * es;
+        const char *xr = (const char *)x + ((t / heads) * x_stride + (t % heads) * H) * es;
         const char *rr = residual ? (const char *)residual + t * r_stride * es : NULL;
         char *ror = res_out ? (char *)res_out + t * ro_stride * es : NULL;
         __m512 ss = _mm512_setzero_ps();
@@ -818,9 +821,10 @@ static int64_t row_chunk(int64_t T) {
 AVX512_TARGET int sgl_rmsnorm(const void *x, int64_t x_stride, const void *residual,
                               int64_t r_stride, void *res_out, int64_t ro_stride,
                               const void *weight, void *out, int64_t o_stride, int64_t T,
-                              int64_t H, float eps, int dtype) {
+                              int64_t H, int64_t heads, float eps, int dtype) {
+    if (heads < 1 || (heads > 1 && residual)) return -1;
     rmsnorm_job job = {x, residual, weight, res_out, out, x_stride, r_stride, ro_stride, o_stride,
-                       H, eps, dtype, 0};
+                       H, heads, eps, dtype, 0};
     parallel_for(rmsnorm_rows, &job, T, row_chunk(T));
     return atomic_load(&job.failed) ? -2 : 0;
 }
