@@ -96,15 +96,19 @@ def make_forward_batch(runner: ModelRunner, mode: ForwardMode,
     new_lens = [len(s.token_ids) for s in items]
     prefix_lens = [s.prefix_len for s in items]
     seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
-    slots = runner.kv_pool.alloc(sum(new_lens)).to(device)
-    positions = torch.cat([torch.arange(p, t, dtype=torch.int64) for p, t in
-                           zip(prefix_lens, seq_lens)]).to(device)
-    rows = torch.tensor([s.row for s in items], dtype=torch.int64)
-    token_rows = rows.repeat_interleave(torch.tensor(new_lens)).to(device)
-    table[token_rows, positions] = slots
-
     def as_tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
+
+    slots = runner.kv_pool.alloc(sum(new_lens)).to(device)
+    rows = torch.tensor([s.row for s in items], dtype=torch.int64)
+    if mode == ForwardMode.DECODE:  # one token per sequence, at its prefix length
+        positions = as_tensor(prefix_lens)
+        token_rows = rows.to(device)
+    else:
+        positions = torch.cat([torch.arange(p, t, dtype=torch.int64) for p, t in
+                               zip(prefix_lens, seq_lens)]).to(device)
+        token_rows = rows.repeat_interleave(torch.tensor(new_lens)).to(device)
+    table[token_rows, positions] = slots
 
     input_ids = [int(t) for s in items for t in s.token_ids]
     return ForwardBatch(
