@@ -65,9 +65,9 @@ class ServerSettings:
     num_threads: int | None = _opt(
         None, "torch intra-op threads of the scheduler; default: one less than the CPU count.")
     kernel_threads: int | None = _opt(
-        None, "Threads of sgl's own CPU matmul (bfloat16 on AMX) when torch runs on one thread; "
-        "they share the work chunk by chunk, so a busy core slows it little. Default: the CPU "
-        "count.")
+        None, "Threads of sgl's own CPU kernels (the bfloat16 and float32 matmuls, decode "
+        "attention, norms) when torch runs on one thread; they share the work chunk by chunk, "
+        "so a busy core slows them little. Default: the CPU count.")
     disable_cpu_graph: bool = _opt(
         False, "Run every decode forward through the model's Python code instead of replaying "
         "the kernel calls recorded for its batch size (CPU; what --disable-cuda-graph is on a "

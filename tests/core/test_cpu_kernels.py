@@ -38,7 +38,7 @@ def test_amx_linear(n: int, k: int, rows: int) -> None:
     x = torch.randn(rows, 2 * k).bfloat16()[:, :k]  # a row-strided view
     expected = F.linear(x.float(), weight.float(), bias.float())
     before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the kernel runs on one thread only
+    torch.set_num_threads(1)  # the kernel runs where torch runs on one thread
     try:
         got = linear(x, weight, bias, packed).float()
     finally:
@@ -88,13 +88,43 @@ def test_f32_linear(n: int, k: int, rows: int, with_bias: bool) -> None:
     x = torch.randn(rows, 2 * k)[:, :k]  # a row-strided view
     expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the kernel runs on one thread only
+    torch.set_num_threads(1)  # the kernel runs where torch runs on one thread
     try:
         got = linear(x, weight, bias, packed)
     finally:
         torch.set_num_threads(before)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,k", [(49152, 576), (960, 576), (49, 7)])
+@pytest.mark.parametrize("rows", [1, 3, 17, 300])
+def test_f32_linear_threads_share_the_columns(n: int, k: int, rows: int) -> None:
+    """On two kernel threads the float32 kernel splits its column panels: same bits as one
+    thread, and linear() takes it for any row count (with one thread only for 4-64 rows)."""
+    torch.manual_seed(n + k + rows)
+    weight, bias = torch.randn(n, k), torch.randn(n)
+    packed = pack_weight(weight, bias)
+    assert packed is not None and packed.kind == "f32"
+    x = torch.randn(rows, k)
+    before, before_kernel = torch.get_num_threads(), cpu.kernel_threads()
+    torch.set_num_threads(1)
+    try:
+        cpu.set_threads(1)
+        one = KERNELS.linear_f32(x, packed.tensor, n, packed.bias)
+        cpu.set_threads(2)
+        two = [KERNELS.linear_f32(x, packed.tensor, n, packed.bias) for _ in range(3)]
+        with cpu.recording() as tape:
+            via_layer = linear(x, weight, bias, packed)
+    finally:
+        cpu.set_threads(before_kernel)
+        torch.set_num_threads(before)
+    for got in two + [via_layer]:
+        assert torch.equal(got, one)
+    assert len(tape.calls) == 1  # the kernel, not torch's matmul
+    torch.testing.assert_close(one.double(), F.linear(x.double(), weight.double(),
+                                                      bias.double()), rtol=1e-5, atol=1e-4)
 
 
 @needs_kernels

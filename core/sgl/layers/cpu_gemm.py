@@ -27,20 +27,24 @@ rows   ``F.linear``  oneDNN packed    AMX (used)
 =====  ============  ===============  ==============
 
 * ``"f32"``: float32 weights on CPUs with AVX-512, the 32-column panels of
-  :func:`sgl.kernels.cpu.pack_f32_weight`, multiplied by sgl's own kernel for
-  :data:`F32_MIN_ROWS` to :data:`F32_MAX_ROWS` rows on one torch thread. MKL reads the weight
-  at memory speed for one or two rows but repacks it on every call for more; the same matmuls
-  in float32 (30 layers + LM head, 1 thread, median of 3):
+  :func:`sgl.kernels.cpu.pack_f32_weight`, multiplied by sgl's own kernel when torch runs on one
+  thread: for any number of rows with two or more kernel threads (the panels split over them),
+  for :data:`F32_MIN_ROWS` to :data:`F32_MAX_ROWS` rows with one. MKL reads the weight at memory
+  speed for one or two rows but repacks it on every call for more; the same matmuls in float32
+  (30 layers + LM head, torch on 1 thread, median of 3; the last column measured later, in
+  another run, next to MKL at 44, 46, 79, 133, 163 and 429 ms for 1, 2, 4, 32, 64, 256 rows):
 
-  =====  ======  =====================
-  rows   MKL     panels (used, 4-64)
-  =====  ======  =====================
-  1      48 ms   49 ms
-  4      95 ms   66 ms
-  8      145 ms  78 ms
-  32     166 ms  128 ms
-  64     206 ms  192 ms
-  =====  ======  =====================
+  =====  ======  =====================  =======================
+  rows   MKL     panels (used, 4-64)    panels, 2 kernel threads
+  =====  ======  =====================  =======================
+  1      48 ms   49 ms                  25 ms
+  2      --      --                     28 ms
+  4      95 ms   66 ms                  31 ms
+  8      145 ms  78 ms                  --
+  32     166 ms  128 ms                 57 ms
+  64     206 ms  192 ms                 84 ms
+  256    --      --                     247 ms
+  =====  ======  =====================  =======================
 
 The prepared copy is kept next to the plain weight (which loaders, state dicts, prefill
 and other devices use), so it doubles the memory of linear weights.
@@ -131,10 +135,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if packed.kind == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if packed.kind == "f32":
+    if cpu.kernel_threads() > 1:  # the kernels beat one-thread torch at any size
+        low, high = 1, 1 << 62
+    elif packed.kind == "f32":
         low, high = F32_MIN_ROWS, F32_MAX_ROWS
     else:
-        low, high = 1, (AMX_MAX_ROWS if cpu.kernel_threads() == 1 else 1 << 62)
+        low, high = 1, AMX_MAX_ROWS
     if low <= rows <= high and torch.get_num_threads() == 1:
         x2 = x.reshape(rows, x.shape[-1])
         if x2.stride(-1) != 1:

@@ -1,9 +1,9 @@
 /* sgl's CPU kernels for decode: a bfloat16 matmul on AMX tiles and paged decode attention.
  *
  * Built at run time by sgl/kernels/cpu.py with the system C compiler and called through ctypes
- * on torch tensors' memory. The bfloat16 matmul splits its columns over a small pool of helper
- * threads (sgl_set_threads), the decode attention its sequences and the row-wise kernels (norm,
- * SiLU x up, rotary) their rows; embedding and argmax are single-threaded. Instruction sets are picked
+ * on torch tensors' memory. The matmuls split their columns over a small pool of helper threads
+ * (sgl_set_threads), the decode attention its sequences and the row-wise kernels (norm, SiLU x
+ * up, rotary) their rows; embedding and argmax are single-threaded. Instruction sets are picked
  * per function (target attributes), so the file compiles with any x86-64 gcc >= 11 or clang, and
  * the Python side only calls what the CPU supports.
  */
@@ -343,10 +343,19 @@ AVX512_TARGET static inline __attribute__((always_inline)) void f32_tile(
     }
 }
 
-AVX512_TARGET int sgl_linear_f32(const float *x, int64_t ldx, const float *wp, float *y,
-                                 int64_t ldy, int64_t M, int64_t N, int64_t K, const float *bias) {
-    const int64_t NP = (N + 31) / 32;
-    for (int64_t np = 0; np < NP; np++) {
+typedef struct {
+    const float *x, *wp, *bias;
+    float *y;
+    int64_t ldx, ldy, M, N, K;
+} linear_f32_job;
+
+/* Column panels [np_begin, np_end) of the product. */
+AVX512_TARGET static void linear_f32_panels(void *ctx, int64_t np_begin, int64_t np_end) {
+    const linear_f32_job *j = ctx;
+    const float *x = j->x, *wp = j->wp, *bias = j->bias;
+    float *y = j->y;
+    const int64_t ldx = j->ldx, ldy = j->ldy, M = j->M, N = j->N, K = j->K;
+    for (int64_t np = np_begin; np < np_end; np++) {
         const float *w = wp + np * K * 32;
         const int64_t n0 = np * 32;
         const __mmask16 m0 = tail_mask(N - n0), m1 = N - n0 > 16 ? tail_mask(N - n0 - 16) : 0;
@@ -366,6 +375,15 @@ AVX512_TARGET int sgl_linear_f32(const float *x, int64_t ldx, const float *wp, f
             }
         }
     }
+}
+
+/* The column panels are shared out over the kernel threads, as in sgl_linear_bf16_amx. */
+AVX512_TARGET int sgl_linear_f32(const float *x, int64_t ldx, const float *wp, float *y,
+                                 int64_t ldy, int64_t M, int64_t N, int64_t K, const float *bias) {
+    const int64_t NP = (N + 31) / 32;
+    linear_f32_job job = {x, wp, bias, y, ldx, ldy, M, N, K};
+    const int64_t chunk = NP / (4 * (int64_t)pool_threads());
+    parallel_for(linear_f32_panels, &job, NP, chunk < 1 ? 1 : chunk);
     return 0;
 }
 
