@@ -218,6 +218,41 @@ def test_recording_keeps_the_calls_and_replays_them() -> None:
 
 
 @needs_kernels
+def test_replay_reports_the_call_that_failed() -> None:
+    table = torch.randn(10, 4)
+    ids = torch.tensor([1, 2])
+    with cpu.recording() as tape:
+        rows = KERNELS.embedding(table, ids)
+        out = KERNELS.silu_mul(rows)
+    ids[1] = 10  # outside the table: sgl_embedding refuses, silu_mul does not run
+    before = out.clone()
+    with pytest.raises(RuntimeError, match="sgl_embedding failed on replay"):
+        tape.replay()
+    assert torch.equal(out, before)
+    ids[1] = 3
+    tape.replay()
+    assert torch.equal(rows, table[[1, 3]])
+
+
+def test_replay_of_calls_sgl_replay_does_not_know() -> None:
+    """A recorded function that is not one of the library's runs one call at a time."""
+    seen: list[int] = []
+
+    def append(value: int) -> int:
+        seen.append(value)
+        return 0 if value < 10 else 1
+
+    with cpu.recording() as tape:
+        cpu.run(append, (1,))
+        cpu.run(append, (2,))
+    tape.replay()
+    assert seen == [1, 2, 1, 2]
+    tape.calls.append((append, (11,)))
+    with pytest.raises(RuntimeError, match="append failed on replay"):
+        tape.replay()
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rmsnorm_per_head_on_a_strided_view(dtype: torch.dtype) -> None:
     """Qwen3's q/k norms: each head's features normed on their own, read in place from q and k

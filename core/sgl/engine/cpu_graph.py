@@ -12,7 +12,7 @@ arguments, the tensors its pointers lie in) and a torch dispatch mode checks tha
 computed: only allocations and views may run outside the kernels. A later decode batch of the
 same size copies its inputs (token ids, positions, and what the attention backend lists in
 :meth:`~sgl.attention.base.BaseAttentionBackend.graph_inputs`) into the recorded tensors and
-replays the calls; no module code runs. A forward that computes anything with torch (a torch
+replays the calls, all in one call of the C function ``sgl_replay``; no module code runs. A forward that computes anything with torch (a torch
 fallback, a model's own elementwise op, float16) is not recorded and stays eager. Recording
 costs about 1.6 eager forwards, hence not the first forward of a size: a size the batch passes
 through only once is not worth it. The recorded activations stay allocated for the replays;

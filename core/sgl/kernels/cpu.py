@@ -27,6 +27,7 @@ import logging
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -170,18 +171,58 @@ class CpuKernels:
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+#: the functions ``sgl_replay`` runs, by name -> its op kind (csrc/cpu_kernels.c, "replay")
+_OP_KINDS = {"sgl_linear_bf16_amx": 1, "sgl_linear_f32": 2, "sgl_rmsnorm": 3, "sgl_silu_mul": 4,
+             "sgl_rotary": 5, "sgl_embedding": 6, "sgl_decode_attention": 7, "sgl_argmax_f32": 8}
+_OP_ARGS = 26
+
+
+class _Op(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int64), ("a", ctypes.c_int64 * _OP_ARGS)]
+
+
+def _as_int64(value: Any) -> int:
+    """An argument as ``sgl_replay`` takes it: None -> 0, a float -> its float32 bits."""
+    if value is None:
+        return 0
+    if isinstance(value, float):
+        return int.from_bytes(struct.pack("<f", value), "little")
+    return int(value)
+
+
 class KernelTape:
     """The kernel calls one thread made while :func:`recording`: each function with its exact
     arguments (pointers included), and every tensor those pointers lie in, kept alive so that
     the memory is not handed to anything else. :meth:`replay` runs the calls again on whatever
-    those tensors hold now (see :mod:`sgl.engine.cpu_graph`)."""
+    those tensors hold now (see :mod:`sgl.engine.cpu_graph`), in one call of ``sgl_replay``."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, tuple[Any, ...]]] = []
         self.tensors: list[torch.Tensor] = []
+        self._ops: Any = None  # the calls as sgl_replay's array, built on the first replay
+
+    def _compile(self) -> Any:
+        ops = (_Op * len(self.calls))()
+        for op, (fn, args) in zip(ops, self.calls):
+            kind = _OP_KINDS.get(getattr(fn, "__name__", ""))
+            if kind is None or len(args) > _OP_ARGS:
+                return False  # not one sgl_replay knows: call them one by one
+            op.kind = kind
+            for i, value in enumerate(args):
+                op.a[i] = _as_int64(value)
+        return ops
 
     def replay(self) -> None:
         """Run the recorded calls in order; RuntimeError naming the first that fails."""
+        kernels = load()
+        if self._ops is None:
+            self._ops = self._compile() if kernels is not None else False
+        if self._ops is not False and kernels is not None:
+            failed = kernels.lib.sgl_replay(self._ops, len(self.calls))
+            if failed:
+                fn = self.calls[failed - 1][0]
+                raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed on replay")
+            return
         for fn, args in self.calls:
             if fn(*args):
                 raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed on replay")
@@ -294,6 +335,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sgl_embedding.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64]
     lib.sgl_argmax_f32.restype = _int
     lib.sgl_argmax_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
+    lib.sgl_replay.restype = _i64
+    lib.sgl_replay.argtypes = [_ptr, _i64]
     lib.sgl_decode_attention.restype = _int
     lib.sgl_decode_attention.argtypes = [
         _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,

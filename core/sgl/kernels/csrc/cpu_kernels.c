@@ -1011,6 +1011,72 @@ AVX512_TARGET int sgl_argmax_f32(const float *x, int64_t stride, int64_t B, int6
     return 0;
 }
 
+/* -- replay -----------------------------------------------------------------------------------
+ * A recorded sequence of the calls above (sgl.engine.cpu_graph), run in one call instead of one
+ * ctypes call each: op `kind` names the function, `a` holds its arguments in order as 64-bit
+ * integers (pointers, integers; a float argument as its 32-bit pattern). Returns 0, or 1 + the
+ * index of the first call that failed (nothing after it runs). */
+
+enum { OP_LINEAR_BF16 = 1, OP_LINEAR_F32, OP_RMSNORM, OP_SILU_MUL, OP_ROTARY, OP_EMBEDDING,
+       OP_DECODE_ATTENTION, OP_ARGMAX };
+
+typedef struct {
+    int64_t kind;
+    int64_t a[26];
+} sgl_op;
+
+static inline float f32_bits(int64_t v) {
+    union { uint32_t i; float f; } u;
+    u.i = (uint32_t)v;
+    return u.f;
+}
+
+#define P(i) ((void *)(intptr_t)a[i])
+
+int64_t sgl_replay(const sgl_op *ops, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *a = ops[i].a;
+        int rc;
+        switch (ops[i].kind) {
+        case OP_LINEAR_BF16:
+            rc = sgl_linear_bf16_amx(P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8));
+            break;
+        case OP_LINEAR_F32:
+            rc = sgl_linear_f32(P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8));
+            break;
+        case OP_RMSNORM:
+            rc = sgl_rmsnorm(P(0), a[1], P(2), a[3], P(4), a[5], P(6), P(7), a[8], a[9], a[10],
+                             a[11], f32_bits(a[12]), (int)a[13]);
+            break;
+        case OP_SILU_MUL:
+            rc = sgl_silu_mul(P(0), a[1], P(2), a[3], a[4], a[5], (int)a[6]);
+            break;
+        case OP_ROTARY:
+            rc = sgl_rotary(P(0), a[1], P(2), a[3], P(4), a[5], P(6), a[7], a[8], a[9], a[10],
+                            (int)a[11]);
+            break;
+        case OP_EMBEDDING:
+            rc = sgl_embedding(P(0), a[1], a[2], P(3), a[4], P(5), a[6], a[7], a[8]);
+            break;
+        case OP_DECODE_ATTENTION:
+            rc = sgl_decode_attention(P(0), a[1], a[2], P(3), a[4], P(5), a[6], P(7), P(8), P(9),
+                                      a[10], P(11), P(12), P(13), P(14), a[15], a[16], a[17],
+                                      a[18], a[19], a[20], f32_bits(a[21]), f32_bits(a[22]),
+                                      a[23], (int)a[24], (int)a[25]);
+            break;
+        case OP_ARGMAX:
+            rc = sgl_argmax_f32(P(0), a[1], a[2], a[3], P(4));
+            break;
+        default:
+            rc = -100;
+        }
+        if (rc) return i + 1;
+    }
+    return 0;
+}
+
+#undef P
+
 #else
 int sgl_kernels_version(void) { return 0; }
 #endif
