@@ -7,6 +7,7 @@ Fixtures:
   an object with ``@sgl.hookimpl`` methods) to ``plugin_manager`` for the test's duration.
 * ``tiny_llama_config`` -- a tiny random-weight ``transformers.LlamaConfig``.
 * ``cpu_device`` -- ``torch.device("cpu")``.
+* ``one_torch_thread`` -- torch on one thread for the test (as the scheduler runs it on 2 cores).
 
 And :class:`ServerProcess`, which runs ``sgl serve`` on a free loopback port for a test.
 """
@@ -129,6 +130,18 @@ def cpu_device() -> torch.device:
     import torch
 
     return torch.device("cpu")
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for the test, as the scheduler runs it on a 2-core machine; sgl's
+    CPU matmul kernels (and so the recorded decode forwards) are used only then."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def run_cli(args: Sequence[str], env: dict[str, str] | None = None,

@@ -4,7 +4,6 @@ on a tiny random-weight Llama saved by transformers."""
 from __future__ import annotations
 
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,18 +15,11 @@ from sgl.engine.model_runner import ModelRunner
 from sgl.kernels import cpu
 from sgl.plugins import create_plugin_manager
 
-pytestmark = pytest.mark.skipif(cpu.load() is None, reason="sgl's CPU kernels are unavailable")
+pytestmark = [pytest.mark.skipif(cpu.load() is None, reason="sgl's CPU kernels are unavailable"),
+              # as the scheduler runs torch on 2 cores: sgl's matmul kernels need it
+              pytest.mark.usefixtures("one_torch_thread")]
 
 PROMPTS = [[5, 9, 2], [7] * 9, [1], list(range(3, 20)), [11, 12, 13, 14, 15]]
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """As the scheduler runs torch on a 2-core machine: sgl's matmul kernels need it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -4,15 +4,9 @@ where the model allows it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _on_one_torch_thread(one_torch_thread: None) -> None:
+    """Every test here uses ``one_torch_thread`` (from sgl.testing)."""
