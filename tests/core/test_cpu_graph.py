@@ -3,6 +3,7 @@ on a tiny random-weight Llama saved by transformers."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,9 @@ def eager_then_graph(runner: ModelRunner, batch: Any) -> tuple[torch.Tensor, tor
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_replay_equals_the_model_code(model_dir: Path, dtype: str) -> None:
+def test_replay_equals_the_model_code(model_dir: Path, dtype: str,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="sgl")
     runner = make_runner(model_dir, dtype)
     graphs = runner.cpu_graphs
     assert graphs is not None
@@ -93,6 +96,8 @@ def test_replay_equals_the_model_code(model_dir: Path, dtype: str) -> None:
         seqs.next = seqs.pick(replayed, batch)
     # step 0 eager (a size seen once is not recorded), step 1 recorded, then replays
     assert (graphs.captures, graphs.replays) == (1, 4)
+    assert "decode graphs on" in caplog.text
+    assert "recorded the decode forward of batch size 5" in caplog.text
     assert 0 < graphs.nbytes < 2**20
     # the recording ran on copies: the batch it was recorded from is not overwritten by replays
     for name, value in kept.items():

@@ -179,6 +179,10 @@ class CpuGraphRunner:
         elif tape.calls:
             graph = _Graph(tape, inputs, output, watch.allocated)
             self.captures += 1
+            log = logger.info if self.captures == 1 else logger.debug
+            log("recorded the decode forward of batch size %d (%d kernel calls, %.1f MiB); "
+                "batches of this size replay it (--disable-cpu-graph turns this off)",
+                batch.batch_size, len(tape.calls), watch.allocated / 2**20)
         self.graphs[key] = graph
         while self.nbytes > self.max_bytes:
             self.graphs.popitem(last=False)

@@ -164,13 +164,14 @@ class ModelRunner:
                                                 device=self.device)
         self.attn_backend: BaseAttentionBackend = backend_cls(
             kv_pool=self.kv_pool, req_to_token_pool=self.req_to_token_pool, device=self.device)
-        logger.info("model %s (%s, %s): KV pool of %d tokens (%.1f MiB), backend %s",
-                    self.model_path.name, model_cls.__name__, self.dtype, size,
-                    self.kv_pool_bytes / 2**20, attention_backend)
         #: replays recorded decode forwards (sgl.engine.cpu_graph); None when off
         self.cpu_graphs: CpuGraphRunner | None = None
         if cpu_graphs and self.device.type == "cpu" and cpu.load() is not None:
             self.cpu_graphs = CpuGraphRunner(self.model, self.attn_backend)
+        logger.info("model %s (%s, %s): KV pool of %d tokens (%.1f MiB), backend %s, decode "
+                    "graphs %s", self.model_path.name, model_cls.__name__, self.dtype, size,
+                    self.kv_pool_bytes / 2**20, attention_backend,
+                    "on" if self.cpu_graphs is not None else "off")
 
     def _context_length(self, requested: int | None) -> int:
         limit = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
