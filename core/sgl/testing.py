@@ -8,6 +8,8 @@ Fixtures:
 * ``tiny_llama_config`` -- a tiny random-weight ``transformers.LlamaConfig``.
 * ``cpu_device`` -- ``torch.device("cpu")``.
 * ``one_torch_thread`` -- torch on one thread for the test (as the scheduler runs it on 2 cores).
+* ``restore_kernel_threads`` -- the test may call ``sgl.kernels.cpu.set_threads``; the count in
+  use before it is restored afterwards.
 
 And :class:`ServerProcess`, which runs ``sgl serve`` on a free loopback port for a test.
 """
@@ -142,6 +144,16 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def restore_kernel_threads() -> Iterator[None]:
+    """The size of sgl's kernel thread pool before the test, set again after it."""
+    from sgl.kernels import cpu
+
+    before = cpu.kernel_threads()
+    yield
+    cpu.set_threads(before)
 
 
 def run_cli(args: Sequence[str], env: dict[str, str] | None = None,

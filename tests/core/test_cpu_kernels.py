@@ -29,6 +29,7 @@ def reference_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
 @needs_amx
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 40), (48, 64)])
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 64])
+@pytest.mark.usefixtures("one_torch_thread")  # the kernel runs where torch runs on one thread
 def test_amx_linear(n: int, k: int, rows: int) -> None:
     torch.manual_seed(n + k + rows)
     weight = torch.randn(n, k).bfloat16()
@@ -37,18 +38,14 @@ def test_amx_linear(n: int, k: int, rows: int) -> None:
     assert isinstance(packed, PackedWeight) and packed.kind == "amx"
     x = torch.randn(rows, 2 * k).bfloat16()[:, :k]  # a row-strided view
     expected = F.linear(x.float(), weight.float(), bias.float())
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the kernel runs where torch runs on one thread
-    try:
-        got = linear(x, weight, bias, packed).float()
-    finally:
-        torch.set_num_threads(before)
+    got = linear(x, weight, bias, packed).float()
     torch.testing.assert_close(got, expected, rtol=0.02, atol=0.05)
 
 
 @needs_amx
 @pytest.mark.parametrize("n,k", [(49152, 576), (960, 576), (100, 40)])
 @pytest.mark.parametrize("rows", [1, 17, 300])
+@pytest.mark.usefixtures("one_torch_thread", "restore_kernel_threads")
 def test_amx_linear_threads_share_the_columns(n: int, k: int, rows: int) -> None:
     """On two kernel threads the product has the same bits as on one (each column is computed
     by one thread, in the same order): a chunk that no thread ran would leave torch.empty's
@@ -58,17 +55,11 @@ def test_amx_linear_threads_share_the_columns(n: int, k: int, rows: int) -> None
     packed = pack_weight(weight, bias)
     assert packed is not None and packed.kind == "amx"
     x = torch.randn(rows, k).bfloat16()
-    before, before_kernel = torch.get_num_threads(), cpu.kernel_threads()
-    torch.set_num_threads(1)
-    try:
-        assert cpu.set_threads(1) == 1
-        one = KERNELS.linear_bf16(x, packed.tensor, n, packed.bias)
-        assert cpu.set_threads(2) == 2 == cpu.kernel_threads()
-        two = [KERNELS.linear_bf16(x, packed.tensor, n, packed.bias) for _ in range(3)]
-        via_layer = linear(x, weight, bias, packed)
-    finally:
-        cpu.set_threads(before_kernel)
-        torch.set_num_threads(before)
+    assert cpu.set_threads(1) == 1
+    one = KERNELS.linear_bf16(x, packed.tensor, n, packed.bias)
+    assert cpu.set_threads(2) == 2 == cpu.kernel_threads()
+    two = [KERNELS.linear_bf16(x, packed.tensor, n, packed.bias) for _ in range(3)]
+    via_layer = linear(x, weight, bias, packed)
     for got in two + [via_layer]:
         assert torch.equal(got, one)
     torch.testing.assert_close(one.float(), F.linear(x.float(), weight.float(), bias.float()),
@@ -79,6 +70,7 @@ def test_amx_linear_threads_share_the_columns(n: int, k: int, rows: int) -> None
 @pytest.mark.parametrize("n,k", [(960, 576), (100, 40), (49, 7)])
 @pytest.mark.parametrize("rows", [4, 7, 8, 9, 32, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.usefixtures("one_torch_thread")  # the kernel runs where torch runs on one thread
 def test_f32_linear(n: int, k: int, rows: int, with_bias: bool) -> None:
     torch.manual_seed(n + k + rows)
     weight = torch.randn(n, k)
@@ -87,12 +79,7 @@ def test_f32_linear(n: int, k: int, rows: int, with_bias: bool) -> None:
     assert isinstance(packed, PackedWeight) and packed.kind == "f32"
     x = torch.randn(rows, 2 * k)[:, :k]  # a row-strided view
     expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the kernel runs where torch runs on one thread
-    try:
-        got = linear(x, weight, bias, packed)
-    finally:
-        torch.set_num_threads(before)
+    got = linear(x, weight, bias, packed)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
@@ -100,6 +87,7 @@ def test_f32_linear(n: int, k: int, rows: int, with_bias: bool) -> None:
 @needs_kernels
 @pytest.mark.parametrize("n,k", [(49152, 576), (960, 576), (49, 7)])
 @pytest.mark.parametrize("rows", [1, 3, 17, 300])
+@pytest.mark.usefixtures("one_torch_thread", "restore_kernel_threads")
 def test_f32_linear_threads_share_the_columns(n: int, k: int, rows: int) -> None:
     """On two kernel threads the float32 kernel splits its column panels: same bits as one
     thread, and linear() takes it for any row count (with one thread only for 4-64 rows)."""
@@ -108,18 +96,12 @@ def test_f32_linear_threads_share_the_columns(n: int, k: int, rows: int) -> None
     packed = pack_weight(weight, bias)
     assert packed is not None and packed.kind == "f32"
     x = torch.randn(rows, k)
-    before, before_kernel = torch.get_num_threads(), cpu.kernel_threads()
-    torch.set_num_threads(1)
-    try:
-        cpu.set_threads(1)
-        one = KERNELS.linear_f32(x, packed.tensor, n, packed.bias)
-        cpu.set_threads(2)
-        two = [KERNELS.linear_f32(x, packed.tensor, n, packed.bias) for _ in range(3)]
-        with cpu.recording() as tape:
-            via_layer = linear(x, weight, bias, packed)
-    finally:
-        cpu.set_threads(before_kernel)
-        torch.set_num_threads(before)
+    cpu.set_threads(1)
+    one = KERNELS.linear_f32(x, packed.tensor, n, packed.bias)
+    cpu.set_threads(2)
+    two = [KERNELS.linear_f32(x, packed.tensor, n, packed.bias) for _ in range(3)]
+    with cpu.recording() as tape:
+        via_layer = linear(x, weight, bias, packed)
     for got in two + [via_layer]:
         assert torch.equal(got, one)
     assert len(tape.calls) == 1  # the kernel, not torch's matmul
@@ -165,7 +147,7 @@ def test_rotary_bit_identical(dtype: torch.dtype, head_dim: int, rotary_dim: int
     got = KERNELS.rotary(q, q_heads, head_dim, rotary_dim, rope._table_rows(positions, dtype))
     assert torch.equal(got, expected)
     # the whole table with the positions, as RotaryEmbedding passes it
-    table = rope._kernel_table(dtype)
+    table = rope._full_table(dtype)
     assert torch.equal(KERNELS.rotary(q, q_heads, head_dim, rotary_dim, table, positions),
                        expected)
     assert torch.equal(rope(positions, q, k)[0], expected)
@@ -175,7 +157,7 @@ def test_rotary_bit_identical(dtype: torch.dtype, head_dim: int, rotary_dim: int
 def test_rotary_position_outside_the_table() -> None:
     rope = RotaryEmbedding(64, 64, 128, {"rope_type": "default", "rope_theta": 10000.0})
     q = torch.randn(2, 3 * 64)
-    table = rope._kernel_table(torch.float32)
+    table = rope._full_table(torch.float32)
     for bad in (128, -1):
         with pytest.raises(IndexError, match="outside the 128 rows"):
             KERNELS.rotary(q, 3, 64, 64, table, torch.tensor([5, bad]))
@@ -275,17 +257,20 @@ def test_rmsnorm_per_head_on_a_strided_view(dtype: torch.dtype) -> None:
     assert KERNELS.lib.sgl_rmsnorm(q.data_ptr(), q.stride(0), qkv.data_ptr(), 0, None, 0,
                                    norm.weight.data_ptr(), q.data_ptr(), 32, 44, 32, 4, 1e-6,
                                    cpu.DTYPES[dtype]) == -1  # per-head rows take no residual
+    with pytest.raises(ValueError, match="sgl_rmsnorm refused"):  # narrower than one head
+        KERNELS.rmsnorm_heads(torch.randn(2, 16).to(dtype), norm.weight.view(1, -1), 1e-6, 32)
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [3, 8, 9, 33, 200])
+@pytest.mark.usefixtures("restore_kernel_threads")
 def test_row_kernels_on_two_threads(dtype: torch.dtype, rows: int) -> None:
     """Norm, SiLU x up and rotary split their rows over the kernel threads (8 or more rows per
     chunk): every row is written, with the bits of one thread."""
     torch.manual_seed(rows)
     rope = RotaryEmbedding(64, 64, 1024, {"rope_type": "default", "rope_theta": 10000.0})
-    table = rope._kernel_table(dtype)
+    table = rope._full_table(dtype)
     x, residual = torch.randn(rows, 576).to(dtype), torch.randn(rows, 576).to(dtype)
     weight = torch.randn(1, 576).to(dtype)
     gate_up = torch.randn(rows, 2 * 1536).to(dtype)
@@ -296,14 +281,10 @@ def test_row_kernels_on_two_threads(dtype: torch.dtype, rows: int) -> None:
                                                                                1e-6)[0],
                 KERNELS.silu_mul(gate_up), KERNELS.rotary(x, 9, 64, 64, table, positions)]
 
-    before = cpu.kernel_threads()
-    try:
-        cpu.set_threads(1)
-        one = run_all()
-        cpu.set_threads(2)
-        two = [run_all() for _ in range(3)]
-    finally:
-        cpu.set_threads(before)
+    cpu.set_threads(1)
+    one = run_all()
+    cpu.set_threads(2)
+    two = [run_all() for _ in range(3)]
     for results in two:
         for got, expected in zip(results, one):
             assert torch.equal(got, expected)

@@ -96,6 +96,7 @@ def make_forward_batch(runner: ModelRunner, mode: ForwardMode,
     new_lens = [len(s.token_ids) for s in items]
     prefix_lens = [s.prefix_len for s in items]
     seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
+
     def as_tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 

@@ -12,10 +12,10 @@ arguments, the tensors its pointers lie in) and a torch dispatch mode checks tha
 computed: only allocations and views may run outside the kernels. A later decode batch of the
 same size copies its inputs (token ids, positions, and what the attention backend lists in
 :meth:`~sgl.attention.base.BaseAttentionBackend.graph_inputs`) into the recorded tensors and
-replays the calls, all in one call of the C function ``sgl_replay``; no module code runs. A forward that computes anything with torch (a torch
-fallback, a model's own elementwise op, float16) is not recorded and stays eager. Recording
-costs about 1.6 eager forwards, hence not the first forward of a size: a size the batch passes
-through only once is not worth it. The recorded activations stay allocated for the replays;
+replays the calls, all in one call of the C function ``sgl_replay``; no module code runs. A
+forward that computes anything with torch (a torch fallback, a model's own elementwise op,
+float16) is not recorded and stays eager. Recording costs about 1.6 eager forwards, hence not
+the first forward of a size: a size the batch passes through only once is not worth it. The recorded activations stay allocated for the replays;
 graphs are dropped least recently used first beyond ``max_bytes``.
 
 As with CUDA graphs, the hidden states returned by a replay are the recorded tensor: they stay
@@ -50,17 +50,16 @@ DEFAULT_MAX_BYTES = 256 * 2**20
 #: recording costs about 1.6 eager forwards (the dispatch mode's Python runs for every torch
 #: op), so a batch size is recorded when it comes back, not the first time it is seen
 SEEN_BEFORE_RECORDING = 1
-_ALLOCATING = frozenset({"empty", "empty_strided", "new_empty", "new_empty_strided",
-                         "empty_like"})
 
 _aten = torch.ops.aten
+#: torch ops that allocate (their memory is counted against ``max_bytes``)
+_ALLOCATING = frozenset({_aten.empty, _aten.empty_strided, _aten.new_empty,
+                         _aten.new_empty_strided, _aten.empty_like})
 #: torch ops that allocate or make views, the only ones a recorded forward may run
-_NO_COMPUTE = frozenset({
-    _aten.empty, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided,
-    _aten.empty_like, _aten.view, _aten._unsafe_view, _aten.slice, _aten.split,
-    _aten.split_with_sizes, _aten.select, _aten.unsqueeze, _aten.squeeze, _aten.t,
-    _aten.transpose, _aten.permute, _aten.expand, _aten.alias, _aten.detach, _aten.as_strided,
-    _aten.narrow, _aten.unbind,
+_NO_COMPUTE = _ALLOCATING | frozenset({
+    _aten.view, _aten._unsafe_view, _aten.slice, _aten.split, _aten.split_with_sizes,
+    _aten.select, _aten.unsqueeze, _aten.squeeze, _aten.t, _aten.transpose, _aten.permute,
+    _aten.expand, _aten.alias, _aten.detach, _aten.as_strided, _aten.narrow, _aten.unbind,
 })
 #: ops that return a view when they can and a copy otherwise (under inference mode torch
 #: dispatches them whole): allowed when the result shares the input's memory
@@ -85,7 +84,7 @@ class _ComputeWatch(TorchDispatchMode):
                 self.compute.append(f"{packet} (a copy)")
         elif packet not in _NO_COMPUTE:
             self.compute.append(str(packet))
-        if packet.__name__ in _ALLOCATING:
+        if packet in _ALLOCATING:
             self.allocated += out.untyped_storage().nbytes()
         return out
 

@@ -97,12 +97,13 @@ class CpuKernels:
         t, h = x.shape
         out = torch.empty((t, h), dtype=x.dtype)
         summed = x if residual is None else torch.empty((t, h), dtype=x.dtype)
-        run(self.lib.sgl_rmsnorm, (x.data_ptr(), x.stride(0),
-                                   None if residual is None else residual.data_ptr(),
-                                   0 if residual is None else residual.stride(0),
-                                   None if residual is None else summed.data_ptr(), h,
-                                   weight.data_ptr(), out.data_ptr(), h, t, h, 1, eps,
-                                   DTYPES[x.dtype]), x, residual, summed, weight, out)
+        rc = run(self.lib.sgl_rmsnorm, (x.data_ptr(), x.stride(0),
+                                        None if residual is None else residual.data_ptr(),
+                                        0 if residual is None else residual.stride(0),
+                                        None if residual is None else summed.data_ptr(), h,
+                                        weight.data_ptr(), out.data_ptr(), h, t, h, 1, eps,
+                                        DTYPES[x.dtype]), x, residual, summed, weight, out)
+        _check_rmsnorm(rc)
         return out, summed
 
     def rmsnorm_heads(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -113,9 +114,10 @@ class CpuKernels:
         t, width = x.shape
         heads = width // head_dim
         out = torch.empty((t, width), dtype=x.dtype)
-        run(self.lib.sgl_rmsnorm, (x.data_ptr(), x.stride(0), None, 0, None, 0,
-                                   weight.data_ptr(), out.data_ptr(), head_dim, t * heads,
-                                   head_dim, heads, eps, DTYPES[x.dtype]), x, weight, out)
+        rc = run(self.lib.sgl_rmsnorm, (x.data_ptr(), x.stride(0), None, 0, None, 0,
+                                        weight.data_ptr(), out.data_ptr(), head_dim, t * heads,
+                                        head_dim, heads, eps, DTYPES[x.dtype]), x, weight, out)
+        _check_rmsnorm(rc)
         return out
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,6 +167,13 @@ class CpuKernels:
         run(self.lib.sgl_argmax_f32, (logits.data_ptr(), logits.stride(0), b, v, out.data_ptr()),
             logits, out)
         return out
+
+
+def _check_rmsnorm(rc: int) -> None:
+    if rc == -2:
+        raise MemoryError("sgl_rmsnorm: no memory for its row buffer")
+    if rc:
+        raise ValueError(f"sgl_rmsnorm refused its arguments ({rc})")
 
 
 #: tensor dtype -> the kernels' dtype code
@@ -377,8 +386,8 @@ def load() -> CpuKernels | None:
 
 
 def set_threads(threads: int) -> int:
-    """Use ``threads`` threads (the caller included) in the bfloat16 matmul from now on; returns
-    the number in use (1 without the kernels)."""
+    """Use ``threads`` threads (the caller included) in the kernels from now on; returns the
+    number in use (1 without the kernels)."""
     global _threads
     kernels = load()
     if kernels is None:
@@ -389,7 +398,7 @@ def set_threads(threads: int) -> int:
 
 
 def kernel_threads() -> int:
-    """Threads of the bfloat16 matmul (see :func:`set_threads`)."""
+    """Threads of the kernels (see :func:`set_threads`)."""
     return _threads
 
 

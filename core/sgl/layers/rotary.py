@@ -95,6 +95,8 @@ class RotaryEmbedding(nn.Module):
         # float32 cache [max_position, rotary_dim]: cos | sin
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device),
                              persistent=False)
+        #: dtype -> (the cos_sin it was built from, :meth:`_full_table`)
+        self._full_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     #: (positions, its version, dtype, cos rows, sin rows) of the last :meth:`forward`
     _batch_rows: tuple[Any, ...] | None = None
@@ -116,24 +118,20 @@ class RotaryEmbedding(nn.Module):
         if (cached is not None and cached[0] is positions and cached[1] == version
                 and cached[2] == dtype):
             return cached[3]
-        half = self.rotary_dim // 2
-        rows = self.cos_sin.index_select(0, positions.reshape(-1))
-        cos, sin = rows[:, :half], rows[:, half:]
-        table = torch.cat([cos, cos, -sin, sin], dim=-1).to(dtype)
+        table = self._full_table(dtype).index_select(0, positions.reshape(-1))
         self._batch_rows = (positions, version, dtype, table)
         return table
 
-    def _kernel_table(self, dtype: torch.dtype) -> torch.Tensor:
+    def _full_table(self, dtype: torch.dtype) -> torch.Tensor:
         """``[max_position, 2 * rotary_dim]``: ``cos | cos | -sin | sin`` of every position in
-        ``dtype``, the rows :meth:`_table_rows` gathers (built once per dtype)."""
-        tables = self.__dict__.setdefault("_kernel_tables", {})
-        cached = tables.get(dtype)
+        ``dtype`` (built once per dtype); sgl's rotary kernel reads its rows by position."""
+        cached = self._full_tables.get(dtype)
         if cached is not None and cached[0] is self.cos_sin:
             return cached[1]
         half = self.rotary_dim // 2
         cos, sin = self.cos_sin[:, :half], self.cos_sin[:, half:]
         table = torch.cat([cos, cos, -sin, sin], dim=-1).to(dtype)
-        tables[dtype] = (self.cos_sin, table)
+        self._full_tables[dtype] = (self.cos_sin, table)
         return table
 
     def _rotate(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
@@ -165,7 +163,7 @@ class RotaryEmbedding(nn.Module):
             pos: torch.Tensor | None = positions
             if (positions.dim() == 1 and positions.dtype == torch.int64
                     and positions.is_contiguous() and positions.shape[0] == q.shape[0]):
-                table = self._kernel_table(q.dtype)
+                table = self._full_table(q.dtype)
             else:
                 table, pos = self._table_rows(positions, q.dtype), None
             dim, hd = self.rotary_dim, self.head_dim

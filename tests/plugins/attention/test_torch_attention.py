@@ -131,6 +131,7 @@ def test_decode_head_dim_64(dtype: torch.dtype, heads: tuple[int, int], window: 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("restore_kernel_threads")
 def test_decode_kernel_on_two_threads(dtype: torch.dtype) -> None:
     """The CPU kernel shares a batch's sequences out over its threads; every sequence must still
     be attended (a skipped one leaves torch.empty's garbage, which the reference check sees)."""
@@ -139,17 +140,13 @@ def test_decode_kernel_on_two_threads(dtype: torch.dtype) -> None:
     if backend_module._native_kernels() is None:
         pytest.skip("sgl's CPU kernels are not available here")
     torch.manual_seed(3)
-    before = cpu.kernel_threads()
     assert cpu.set_threads(2) == 2
-    try:
-        spec = AttentionLayerSpec(layer_id=0, num_heads=9, num_kv_heads=3, head_dim=64,
-                                  scaling=0.125)
-        harness = Harness(spec, lengths=[40, 9, 23, 17, 6, 31, 12, 26], dtype=dtype)
-        harness.step(ForwardMode.EXTEND, [30, 1, 20, 10, 3, 25, 8, 20])
-        for _ in range(3):
-            harness.step(ForwardMode.DECODE, [1] * 8)
-    finally:
-        cpu.set_threads(before)
+    spec = AttentionLayerSpec(layer_id=0, num_heads=9, num_kv_heads=3, head_dim=64,
+                              scaling=0.125)
+    harness = Harness(spec, lengths=[40, 9, 23, 17, 6, 31, 12, 26], dtype=dtype)
+    harness.step(ForwardMode.EXTEND, [30, 1, 20, 10, 3, 25, 8, 20])
+    for _ in range(3):
+        harness.step(ForwardMode.DECODE, [1] * 8)
 
 
 def test_decode_in_several_chunks(monkeypatch: pytest.MonkeyPatch) -> None:

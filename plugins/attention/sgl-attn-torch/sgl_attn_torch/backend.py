@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sgl.attention.base import AttentionLayerSpec, BaseAttentionBackend
-from sgl.kernels import cpu
 from sgl.engine.forward_batch import ForwardMode
+from sgl.kernels import cpu
 from sgl_attn_torch.kernels import attend, decode_mask, extend_mask
 
 if TYPE_CHECKING:
