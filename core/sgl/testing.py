@@ -10,6 +10,12 @@ Fixtures:
 * ``one_torch_thread`` -- torch on one thread for the test (as the scheduler runs it on 2 cores).
 * ``restore_kernel_threads`` -- the test may call ``sgl.kernels.cpu.set_threads``; the count in
   use before it is restored afterwards.
+* ``cpu_isa`` -- the test runs once at each instruction-set level of
+  :data:`sgl.kernels.cpu.ISA_LEVELS` this CPU has (capped by ``SGL_CPU_ISA``), kernels included
+  or not; the fixture's value is the level. ``kernel_isa`` -- likewise, only at the levels where
+  sgl's kernels run. ``model_isa`` -- ``cpu_isa`` at module scope, for a model loaded once per
+  level. The report header names the levels tested and those this CPU lacks, and the
+  summary counts the tests passed at each.
 
 And :class:`ServerProcess`, which runs ``sgl serve`` on a free loopback port for a test.
 """
@@ -154,6 +160,93 @@ def restore_kernel_threads() -> Iterator[None]:
     before = cpu.kernel_threads()
     yield
     cpu.set_threads(before)
+
+
+def isa_levels_to_test(kernels_only: bool = False) -> list[str]:
+    """The levels of :data:`sgl.kernels.cpu.ISA_LEVELS` this process can run (the CPU's best,
+    capped by ``SGL_CPU_ISA``, and all below it); with ``kernels_only`` only those where sgl's
+    kernels run, and none of those where the library cannot be built."""
+    from sgl.kernels import cpu
+
+    top = cpu.effective_isa(cpu.requested_isa())
+    levels = list(cpu.ISA_LEVELS[cpu.ISA_LEVELS.index(top):])
+    if top in cpu.KERNEL_LEVELS and cpu.cpu_isa() == "none":  # the library cannot be built
+        levels = [lv for lv in levels if lv not in cpu.KERNEL_LEVELS]
+    return [lv for lv in levels if lv in cpu.KERNEL_LEVELS] if kernels_only else levels
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    for name, kernels_only, scope in (("cpu_isa", False, "function"),
+                                      ("kernel_isa", True, "function"),
+                                      ("model_isa", False, "module")):
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(name, isa_levels_to_test(kernels_only), indirect=True,
+                                 scope=scope)
+
+
+def _at_isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    from sgl.kernels import cpu
+
+    before = cpu.requested_isa()
+    level = request.param
+    got = cpu.set_isa(level)
+    if got != level:
+        raise RuntimeError(f"could not run the CPU kernels at {level} (got {got})")
+    try:
+        yield level
+    finally:
+        cpu.set_isa(before)
+
+
+@pytest.fixture
+def cpu_isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The instruction-set level this run of the test is at (see the module docstring)."""
+    yield from _at_isa(request)
+
+
+@pytest.fixture
+def kernel_isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The kernel level this run of the test is at (see the module docstring)."""
+    yield from _at_isa(request)
+
+
+@pytest.fixture(scope="module")
+def model_isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """``cpu_isa`` for a module-scoped fixture (a model loaded once per level): the tests that
+    use it run grouped by level."""
+    yield from _at_isa(request)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from sgl.kernels import cpu
+
+    tested = isa_levels_to_test()
+    lacking = [lv for lv in cpu.ISA_LEVELS if lv not in tested]
+    return (f"sgl CPU ISA levels tested: {', '.join(tested)}; not on this CPU or capped: "
+            f"{', '.join(lacking) or '-'} (CPU: {cpu.describe_isa()})")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None:
+            level = next((callspec.params[k] for k in ("cpu_isa", "kernel_isa", "model_isa")
+                          if k in callspec.params), None)
+            if level is not None:
+                item.user_properties.append(("sgl_isa", level))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    counts: dict[str, int] = {}
+    for report in terminalreporter.stats.get("passed", []):
+        for key, value in getattr(report, "user_properties", ()):
+            if key == "sgl_isa":
+                counts[value] = counts.get(value, 0) + 1
+    if counts:
+        from sgl.kernels import cpu
+
+        line = ", ".join(f"{lv} {counts[lv]}" for lv in cpu.ISA_LEVELS if lv in counts)
+        terminalreporter.write_line(f"sgl CPU ISA levels, tests passed at each: {line}")
 
 
 def run_cli(args: Sequence[str], env: dict[str, str] | None = None,

@@ -1,5 +1,5 @@
 """Replaying recorded decode forwards (``sgl.engine.cpu_graph``) against the model's own code,
-on a tiny random-weight Llama saved by transformers."""
+on a tiny random-weight Llama saved by transformers, at each kernel level of the CPU."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from sgl.engine.model_runner import ModelRunner
 from sgl.kernels import cpu
 from sgl.plugins import create_plugin_manager
 
-pytestmark = [pytest.mark.skipif(cpu.load() is None, reason="sgl's CPU kernels are unavailable"),
-              # as the scheduler runs torch on 2 cores: sgl's matmul kernels need it
-              pytest.mark.usefixtures("one_torch_thread")]
+# at every kernel level this CPU has (replays need sgl's kernels), with torch on one thread as
+# the scheduler runs it on 2 cores: sgl's matmul kernels need it
+pytestmark = pytest.mark.usefixtures("kernel_isa", "one_torch_thread")
 
 PROMPTS = [[5, 9, 2], [7] * 9, [1], list(range(3, 20)), [11, 12, 13, 14, 15]]
 

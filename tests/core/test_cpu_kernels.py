@@ -1,4 +1,5 @@
-"""sgl's CPU kernels (``sgl.kernels.cpu``) against the torch code they replace.
+"""sgl's CPU kernels (``sgl.kernels.cpu``) against the torch code they replace, at every
+kernel level of the instruction-set ladder this CPU has (the ``kernel_isa`` fixture).
 
 The elementwise kernels round where torch rounds, so for bfloat16 they must agree bit for bit;
 the matmul and the attention sum in another order, so they agree to rounding.
@@ -14,9 +15,17 @@ from sgl.kernels import cpu
 from sgl.layers.cpu_gemm import PackedWeight, linear, pack_weight
 from sgl.layers.rotary import RotaryEmbedding
 
-KERNELS = cpu.load()
-needs_kernels = pytest.mark.skipif(KERNELS is None, reason="sgl's CPU kernels are unavailable")
-needs_amx = pytest.mark.skipif(KERNELS is None or not KERNELS.amx, reason="no AMX on this CPU")
+
+@pytest.fixture
+def kernels(kernel_isa: str) -> cpu.CpuKernels:
+    """The kernels at the test's level."""
+    loaded = cpu.load()
+    assert loaded is not None and loaded.isa == kernel_isa
+    return loaded
+
+
+def bf16_kernel_name(level: str) -> str:
+    return "sgl_linear_bf16_amx" if level == "amx" else "sgl_linear_bf16_avx512"
 
 
 def reference_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,51 +35,55 @@ def reference_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
     return weight * x32.to(x.dtype)
 
 
-@needs_amx
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 40), (48, 64)])
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 64])
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 16, 17, 32, 33, 64])
 @pytest.mark.usefixtures("one_torch_thread")  # the kernel runs where torch runs on one thread
-def test_amx_linear(n: int, k: int, rows: int) -> None:
+def test_bf16_linear(kernels: cpu.CpuKernels, n: int, k: int, rows: int) -> None:
+    """The bfloat16 matmul of the level: AMX tiles, AVX512-BF16 dot products or widened AVX-512
+    FMAs, all on the same packed weight."""
     torch.manual_seed(n + k + rows)
     weight = torch.randn(n, k).bfloat16()
     bias = torch.randn(n).bfloat16()
     packed = pack_weight(weight, bias)
-    assert isinstance(packed, PackedWeight) and packed.kind == "amx"
+    assert isinstance(packed, PackedWeight) and packed.kind == "bf16"
     x = torch.randn(rows, 2 * k).bfloat16()[:, :k]  # a row-strided view
     expected = F.linear(x.float(), weight.float(), bias.float())
-    got = linear(x, weight, bias, packed).float()
+    with cpu.recording() as tape:
+        got = linear(x, weight, bias, packed).float()
+    assert [fn.__name__ for fn, _ in tape.calls] == [bf16_kernel_name(kernels.isa)]
     torch.testing.assert_close(got, expected, rtol=0.02, atol=0.05)
 
 
-@needs_amx
 @pytest.mark.parametrize("n,k", [(49152, 576), (960, 576), (100, 40)])
 @pytest.mark.parametrize("rows", [1, 17, 300])
 @pytest.mark.usefixtures("one_torch_thread", "restore_kernel_threads")
-def test_amx_linear_threads_share_the_columns(n: int, k: int, rows: int) -> None:
+def test_bf16_linear_threads_share_the_columns(kernels: cpu.CpuKernels, n: int, k: int,
+                                               rows: int) -> None:
     """On two kernel threads the product has the same bits as on one (each column is computed
     by one thread, in the same order): a chunk that no thread ran would leave torch.empty's
     garbage. With two threads linear() takes the kernel above AMX_MAX_ROWS rows too."""
     torch.manual_seed(n + rows)
     weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
     packed = pack_weight(weight, bias)
-    assert packed is not None and packed.kind == "amx"
+    assert packed is not None and packed.kind == "bf16"
     x = torch.randn(rows, k).bfloat16()
     assert cpu.set_threads(1) == 1
-    one = KERNELS.linear_bf16(x, packed.tensor, n, packed.bias)
+    one = kernels.linear_bf16(x, packed.tensor, n, packed.bias)
     assert cpu.set_threads(2) == 2 == cpu.kernel_threads()
-    two = [KERNELS.linear_bf16(x, packed.tensor, n, packed.bias) for _ in range(3)]
-    via_layer = linear(x, weight, bias, packed)
+    two = [kernels.linear_bf16(x, packed.tensor, n, packed.bias) for _ in range(3)]
+    with cpu.recording() as tape:
+        via_layer = linear(x, weight, bias, packed)
+    assert [fn.__name__ for fn, _ in tape.calls] == [bf16_kernel_name(kernels.isa)]
     for got in two + [via_layer]:
         assert torch.equal(got, one)
     torch.testing.assert_close(one.float(), F.linear(x.float(), weight.float(), bias.float()),
                                rtol=0.02, atol=0.1)
 
 
-@needs_kernels
 @pytest.mark.parametrize("n,k", [(960, 576), (100, 40), (49, 7)])
 @pytest.mark.parametrize("rows", [4, 7, 8, 9, 32, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.usefixtures("one_torch_thread")  # the kernel runs where torch runs on one thread
+@pytest.mark.usefixtures("one_torch_thread", "kernel_isa")  # the kernel runs on one torch thread
 def test_f32_linear(n: int, k: int, rows: int, with_bias: bool) -> None:
     torch.manual_seed(n + k + rows)
     weight = torch.randn(n, k)
@@ -84,11 +97,11 @@ def test_f32_linear(n: int, k: int, rows: int, with_bias: bool) -> None:
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
 
-@needs_kernels
 @pytest.mark.parametrize("n,k", [(49152, 576), (960, 576), (49, 7)])
 @pytest.mark.parametrize("rows", [1, 3, 17, 300])
 @pytest.mark.usefixtures("one_torch_thread", "restore_kernel_threads")
-def test_f32_linear_threads_share_the_columns(n: int, k: int, rows: int) -> None:
+def test_f32_linear_threads_share_the_columns(kernels: cpu.CpuKernels, n: int, k: int,
+                                              rows: int) -> None:
     """On two kernel threads the float32 kernel splits its column panels: same bits as one
     thread, and linear() takes it for any row count (with one thread only for 4-64 rows)."""
     torch.manual_seed(n + k + rows)
@@ -97,9 +110,9 @@ def test_f32_linear_threads_share_the_columns(n: int, k: int, rows: int) -> None
     assert packed is not None and packed.kind == "f32"
     x = torch.randn(rows, k)
     cpu.set_threads(1)
-    one = KERNELS.linear_f32(x, packed.tensor, n, packed.bias)
+    one = kernels.linear_f32(x, packed.tensor, n, packed.bias)
     cpu.set_threads(2)
-    two = [KERNELS.linear_f32(x, packed.tensor, n, packed.bias) for _ in range(3)]
+    two = [kernels.linear_f32(x, packed.tensor, n, packed.bias) for _ in range(3)]
     with cpu.recording() as tape:
         via_layer = linear(x, weight, bias, packed)
     for got in two + [via_layer]:
@@ -109,19 +122,18 @@ def test_f32_linear_threads_share_the_columns(n: int, k: int, rows: int) -> None
                                                       bias.double()), rtol=1e-5, atol=1e-4)
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,width", [(1, 576), (33, 576), (5, 40), (3, 4096)])
-def test_rmsnorm_and_silu(dtype: torch.dtype, rows: int, width: int) -> None:
+def test_rmsnorm_and_silu(kernels: cpu.CpuKernels, dtype: torch.dtype, rows: int, width: int) -> None:
     torch.manual_seed(rows * width)
     x = (torch.randn(rows, width) * 3).to(dtype)
     residual = torch.randn(rows, width).to(dtype)
     weight = (torch.rand(width) + 0.5).to(dtype)
-    out, summed = KERNELS.rmsnorm(x, residual, weight.view(1, -1), 1e-5)
+    out, summed = kernels.rmsnorm(x, residual, weight.view(1, -1), 1e-5)
     assert torch.equal(summed, x + residual)
     expected = reference_rmsnorm(x + residual, weight, 1e-5)
     gate_up = (torch.randn(rows, 2 * width) * 4).to(dtype)
-    silu = KERNELS.silu_mul(gate_up)
+    silu = kernels.silu_mul(gate_up)
     silu_expected = F.silu(gate_up[:, :width]) * gate_up[:, width:]
     if dtype == torch.bfloat16:  # same roundings as torch: bit for bit
         assert torch.equal(out, expected)
@@ -131,10 +143,9 @@ def test_rmsnorm_and_silu(dtype: torch.dtype, rows: int, width: int) -> None:
         torch.testing.assert_close(silu, silu_expected, rtol=1e-6, atol=1e-6)
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (64, 48), (96, 40), (128, 128)])
-def test_rotary_bit_identical(dtype: torch.dtype, head_dim: int, rotary_dim: int) -> None:
+def test_rotary_bit_identical(kernels: cpu.CpuKernels, dtype: torch.dtype, head_dim: int, rotary_dim: int) -> None:
     torch.manual_seed(head_dim + rotary_dim)
     rope = RotaryEmbedding(head_dim, rotary_dim, 4096,
                            {"rope_type": "default", "rope_theta": 10000.0})
@@ -144,48 +155,45 @@ def test_rotary_bit_identical(dtype: torch.dtype, head_dim: int, rotary_dim: int
     positions = torch.randint(0, 4000, (tokens,))
     cos, sin = rope._rows(positions, dtype)
     expected = rope._rotate(q, cos, sin)  # the torch path
-    got = KERNELS.rotary(q, q_heads, head_dim, rotary_dim, rope._table_rows(positions, dtype))
+    got = kernels.rotary(q, q_heads, head_dim, rotary_dim, rope._table_rows(positions, dtype))
     assert torch.equal(got, expected)
     # the whole table with the positions, as RotaryEmbedding passes it
     table = rope._full_table(dtype)
-    assert torch.equal(KERNELS.rotary(q, q_heads, head_dim, rotary_dim, table, positions),
+    assert torch.equal(kernels.rotary(q, q_heads, head_dim, rotary_dim, table, positions),
                        expected)
     assert torch.equal(rope(positions, q, k)[0], expected)
 
 
-@needs_kernels
-def test_rotary_position_outside_the_table() -> None:
+def test_rotary_position_outside_the_table(kernels: cpu.CpuKernels) -> None:
     rope = RotaryEmbedding(64, 64, 128, {"rope_type": "default", "rope_theta": 10000.0})
     q = torch.randn(2, 3 * 64)
     table = rope._full_table(torch.float32)
     for bad in (128, -1):
         with pytest.raises(IndexError, match="outside the 128 rows"):
-            KERNELS.rotary(q, 3, 64, 64, table, torch.tensor([5, bad]))
+            kernels.rotary(q, 3, 64, 64, table, torch.tensor([5, bad]))
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_embedding_kernel(dtype: torch.dtype) -> None:
+def test_embedding_kernel(kernels: cpu.CpuKernels, dtype: torch.dtype) -> None:
     from sgl.layers.embedding import VocabParallelEmbedding
 
     torch.manual_seed(1)
     emb = VocabParallelEmbedding(100, 24, dtype=dtype)
     emb.weight.data.copy_(torch.randn(100, 24))
     ids = torch.tensor([0, 99, 7, 7, 42])
-    assert torch.equal(KERNELS.embedding(emb.weight, ids), F.embedding(ids, emb.weight))
+    assert torch.equal(kernels.embedding(emb.weight, ids), F.embedding(ids, emb.weight))
     assert torch.equal(emb(ids), F.embedding(ids, emb.weight))
-    assert KERNELS.embedding(emb.weight, ids[:0]).shape == (0, 24)
+    assert kernels.embedding(emb.weight, ids[:0]).shape == (0, 24)
     for bad in (100, -1):
         with pytest.raises(IndexError, match="outside the embedding table of 100 rows"):
             emb(torch.tensor([3, bad]))
 
 
-@needs_kernels
-def test_recording_keeps_the_calls_and_replays_them() -> None:
+def test_recording_keeps_the_calls_and_replays_them(kernels: cpu.CpuKernels) -> None:
     x = torch.randn(3, 8)
     weight = torch.randn(1, 8)
     with cpu.recording() as tape:
-        out, _ = KERNELS.rmsnorm(x, None, weight, 1e-6)
+        out, _ = kernels.rmsnorm(x, None, weight, 1e-6)
         with pytest.raises(RuntimeError, match="already being recorded"):
             with cpu.recording():
                 pass
@@ -194,18 +202,17 @@ def test_recording_keeps_the_calls_and_replays_them() -> None:
     x.copy_(torch.randn(3, 8))  # replay reads the recorded tensors as they are now
     tape.replay()
     assert not torch.equal(out, first)
-    torch.testing.assert_close(out, KERNELS.rmsnorm(x, None, weight, 1e-6)[0], rtol=0, atol=0)
-    KERNELS.rmsnorm(x, None, weight, 1e-6)  # outside the block: not recorded
+    torch.testing.assert_close(out, kernels.rmsnorm(x, None, weight, 1e-6)[0], rtol=0, atol=0)
+    kernels.rmsnorm(x, None, weight, 1e-6)  # outside the block: not recorded
     assert len(tape.calls) == 1
 
 
-@needs_kernels
-def test_replay_reports_the_call_that_failed() -> None:
+def test_replay_reports_the_call_that_failed(kernels: cpu.CpuKernels) -> None:
     table = torch.randn(10, 4)
     ids = torch.tensor([1, 2])
     with cpu.recording() as tape:
-        rows = KERNELS.embedding(table, ids)
-        out = KERNELS.silu_mul(rows)
+        rows = kernels.embedding(table, ids)
+        out = kernels.silu_mul(rows)
     ids[1] = 10  # outside the table: sgl_embedding refuses, silu_mul does not run
     before = out.clone()
     with pytest.raises(RuntimeError, match="sgl_embedding failed on replay"):
@@ -234,9 +241,8 @@ def test_replay_of_calls_sgl_replay_does_not_know() -> None:
         tape.replay()
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rmsnorm_per_head_on_a_strided_view(dtype: torch.dtype) -> None:
+def test_rmsnorm_per_head_on_a_strided_view(kernels: cpu.CpuKernels, dtype: torch.dtype) -> None:
     """Qwen3's q/k norms: each head's features normed on their own, read in place from q and k
     split off a fused qkv output."""
     from sgl.layers.norm import RMSNorm
@@ -254,18 +260,17 @@ def test_rmsnorm_per_head_on_a_strided_view(dtype: torch.dtype) -> None:
             assert torch.equal(got, expected)
         else:  # another summation order
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-    assert KERNELS.lib.sgl_rmsnorm(q.data_ptr(), q.stride(0), qkv.data_ptr(), 0, None, 0,
+    assert kernels.lib.sgl_rmsnorm(q.data_ptr(), q.stride(0), qkv.data_ptr(), 0, None, 0,
                                    norm.weight.data_ptr(), q.data_ptr(), 32, 44, 32, 4, 1e-6,
                                    cpu.DTYPES[dtype]) == -1  # per-head rows take no residual
     with pytest.raises(ValueError, match="sgl_rmsnorm refused"):  # narrower than one head
-        KERNELS.rmsnorm_heads(torch.randn(2, 16).to(dtype), norm.weight.view(1, -1), 1e-6, 32)
+        kernels.rmsnorm_heads(torch.randn(2, 16).to(dtype), norm.weight.view(1, -1), 1e-6, 32)
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [3, 8, 9, 33, 200])
 @pytest.mark.usefixtures("restore_kernel_threads")
-def test_row_kernels_on_two_threads(dtype: torch.dtype, rows: int) -> None:
+def test_row_kernels_on_two_threads(kernels: cpu.CpuKernels, dtype: torch.dtype, rows: int) -> None:
     """Norm, SiLU x up and rotary split their rows over the kernel threads (8 or more rows per
     chunk): every row is written, with the bits of one thread."""
     torch.manual_seed(rows)
@@ -277,9 +282,9 @@ def test_row_kernels_on_two_threads(dtype: torch.dtype, rows: int) -> None:
     positions = torch.randint(0, 1024, (rows,))
 
     def run_all() -> list[torch.Tensor]:
-        return [*KERNELS.rmsnorm(x, residual, weight, 1e-6), KERNELS.rmsnorm(x, None, weight,
+        return [*kernels.rmsnorm(x, residual, weight, 1e-6), kernels.rmsnorm(x, None, weight,
                                                                                1e-6)[0],
-                KERNELS.silu_mul(gate_up), KERNELS.rotary(x, 9, 64, 64, table, positions)]
+                kernels.silu_mul(gate_up), kernels.rotary(x, 9, 64, 64, table, positions)]
 
     cpu.set_threads(1)
     one = run_all()
@@ -291,6 +296,7 @@ def test_row_kernels_on_two_threads(dtype: torch.dtype, rows: int) -> None:
     assert torch.equal(one[-1], rope._rotate(x, *rope._rows(positions, dtype)))
 
 
+@pytest.mark.usefixtures("cpu_isa")
 def test_argmax_rows() -> None:
     torch.manual_seed(0)
     x = torch.randn(33, 49152)
@@ -301,14 +307,44 @@ def test_argmax_rows() -> None:
     assert torch.equal(cpu.argmax_rows(x[:, :17]), x[:, :17].argmax(-1))
 
 
-def test_unavailable_kernels_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu, "_tried", True)
-    monkeypatch.setattr(cpu, "_loaded", None)
+@pytest.mark.usefixtures("one_torch_thread")
+def test_each_level_runs_its_own_kernels_or_torch(cpu_isa: str) -> None:
+    """At a kernel level the layers pack their weights for sgl's kernels; below (avx2, none)
+    nothing of sgl's runs and the layers give torch's results."""
+    assert cpu.cpu_isa() == cpu_isa and cpu_isa in cpu.describe_isa()
     weight = torch.randn(64, 32).bfloat16()
     packed = pack_weight(weight)
-    assert packed is None or packed.kind == "onednn"
     x = torch.randn(3, 32).bfloat16()
-    torch.testing.assert_close(linear(x, weight, None, packed), F.linear(x, weight))
-    assert pack_weight(torch.randn(64, 32)) is None  # float32 stays with MKL
-    logits = torch.randn(4, 100)
-    assert torch.equal(cpu.argmax_rows(logits), logits.argmax(-1))
+    with cpu.recording() as tape:
+        got = linear(x, weight, None, packed)
+        picked = cpu.argmax_rows(torch.randn(4, 100))
+    if cpu_isa in cpu.KERNEL_LEVELS:
+        assert cpu.load() is not None and packed is not None and packed.kind == "bf16"
+        assert [fn.__name__ for fn, _ in tape.calls] == [bf16_kernel_name(cpu_isa),
+                                                         "sgl_argmax_f32"]
+        assert pack_weight(torch.randn(64, 32)).kind == "f32"
+    else:
+        assert cpu.load() is None and not tape.calls and picked.shape == (4,)
+        assert packed is None or packed.kind == "onednn"
+        assert pack_weight(torch.randn(64, 32)) is None  # float32 stays with MKL
+    torch.testing.assert_close(got, F.linear(x, weight), rtol=0.02, atol=0.05)
+
+
+def test_isa_cap_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGL_CPU_ISA caps the level, never above what the CPU has; a name outside the ladder is
+    an error that lists the names; SGL_CPU_KERNELS=0 means none."""
+    monkeypatch.setattr(cpu, "_isa_cap", None)
+    detected = cpu.detected_isa()
+    for level in cpu.ISA_LEVELS:
+        monkeypatch.setenv("SGL_CPU_ISA", level)
+        expected = level if cpu.isa_at_least(detected, level) else detected
+        assert cpu.effective_isa(cpu.requested_isa()) == expected
+    monkeypatch.setenv("SGL_CPU_ISA", "sse2")
+    with pytest.raises(ValueError, match="SGL_CPU_ISA='sse2': expected auto or one of amx, "):
+        cpu.requested_isa()
+    monkeypatch.setenv("SGL_CPU_ISA", "auto")
+    assert cpu.effective_isa(cpu.requested_isa()) == detected
+    monkeypatch.setenv("SGL_CPU_KERNELS", "0")
+    assert cpu.requested_isa() == "none"
+    with pytest.raises(ValueError, match="expected auto or one of"):
+        cpu.set_isa("avx1024")

@@ -1,21 +1,33 @@
 """CPU kernels for the decode hot path, compiled on first use and called through ctypes.
 
-``csrc/cpu_kernels.c`` holds a bfloat16 matmul on AMX tiles (Intel Sapphire Rapids and later),
-a paged decode attention for float32/bfloat16 KV, fused add + RMSNorm, SiLU x up, rotary and
-argmax (AVX-512). Each function picks its instruction set with a target attribute, so the
-library builds for any x86-64 CPU and :func:`load` reports what this one can run. On the first
-call this module compiles it with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``;
-about a second) into ``$SGL_CACHE_DIR/kernels`` (default ``~/.cache/sgl/kernels``), keyed by the
-source, the compiler and the flags, and loads it. Without a compiler or AVX-512, on another
-architecture, or with ``SGL_CPU_KERNELS=0``, :func:`load` returns None and callers keep their
-torch code.
+``csrc/cpu_kernels.c`` holds bfloat16 matmuls (on AMX tiles, with AVX512-BF16 dot products, or
+widened to float32 on AVX-512), a float32 matmul, a paged decode attention for float32/bfloat16
+KV, fused add + RMSNorm, SiLU x up, rotary, embedding and argmax. Each function picks its
+instruction set with a target attribute, so the library builds for any x86-64 CPU; what runs is
+decided once, by one ladder of instruction-set levels (:data:`ISA_LEVELS`, best first):
 
-The matmul is used only when torch runs on one thread (with more, torch's OpenMP threads and the
-kernel's would fight over the cores). It splits its output columns over :func:`set_threads`
-threads of its own: helpers that claim chunks from one atomic counter, so a helper the OS delays
-costs only the chunk it holds, and that sleep after 200 us idle. The decode attention shares a
-batch's sequences over the same threads, the norm, SiLU x up and rotary kernels their rows (8
-or more per chunk); embedding and argmax are single-threaded. See ``docs/benchmarks.md``.
+* ``amx``: the bfloat16 matmul on AMX tiles (Intel Sapphire Rapids and later), the rest as below;
+* ``avx512_bf16``: the bfloat16 matmul and the attention's bfloat16 q.k with ``vdpbf16ps``
+  (AMD Zen 4/5, Intel where AMX is missing or hidden);
+* ``avx512``: every kernel, bfloat16 widened to float32 for the products;
+* ``avx2``: no kernels of sgl's yet: torch's operators (MKL, oneDNN) run everything;
+* ``none``: torch's operators.
+
+The level is the best this CPU has, capped by ``SGL_CPU_ISA`` (one of the levels; ``sgl serve
+--cpu-isa`` sets it for the server) and by ``SGL_CPU_KERNELS=0`` (``none``); :func:`set_isa`
+changes it in a running process (tests run every level the CPU has this way). On the first use
+this module compiles the library with the system C compiler (``$CC``, else ``cc``/``gcc``/
+``clang``; about a second) into ``$SGL_CACHE_DIR/kernels`` (default ``~/.cache/sgl/kernels``),
+keyed by the source, the compiler and the flags, and loads it. Without a compiler or AVX-512, or
+on another architecture, :func:`load` returns None and callers keep their torch code.
+
+The matmuls are used only when torch runs on one thread (with more, torch's OpenMP threads and
+the kernel's would fight over the cores). They split their output columns over
+:func:`set_threads` threads of their own: helpers that claim chunks from one atomic counter, so a
+helper the OS delays costs only the chunk it holds, and that sleep after 200 us idle. The decode
+attention shares a batch's sequences over the same threads, the norm, SiLU x up and rotary
+kernels their rows (8 or more per chunk); embedding and argmax are single-threaded. See
+``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -38,8 +50,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["DTYPES", "CpuKernels", "KernelTape", "argmax_rows", "fits", "kernel_threads", "load",
-           "pack_amx_weight", "recording", "run", "set_threads"]
+__all__ = ["DTYPES", "ISA_LEVELS", "CpuKernels", "KernelTape", "argmax_rows", "cpu_isa",
+           "detected_isa", "effective_isa", "fits", "isa_at_least", "kernel_threads", "load", "pack_amx_weight",
+           "recording", "run", "set_isa", "set_threads"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,30 +63,59 @@ _lock = threading.Lock()
 _loaded: CpuKernels | None = None
 _tried = False
 _threads = 1
+_lib: ctypes.CDLL | None = None  # the built library, whatever the level
+_lib_tried = False
+_isa_cap: str | None = None  # set_isa's level; None: SGL_CPU_ISA / SGL_CPU_KERNELS decide
+
+#: the instruction-set levels of the kernels, best first; a CPU runs its own and all below it
+ISA_LEVELS = ("amx", "avx512_bf16", "avx512", "avx2", "none")
+#: the levels at which sgl's kernels run (below them, torch's operators do everything)
+KERNEL_LEVELS = ("amx", "avx512_bf16", "avx512")
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 
 
 @dataclass(frozen=True)
 class CpuKernels:
-    """The loaded library and what this CPU can run of it."""
+    """The loaded library and the level of :data:`KERNEL_LEVELS` it runs at."""
 
     lib: ctypes.CDLL
-    amx: bool  # sgl_linear_bf16_amx
-    avx512: bool  # sgl_decode_attention and the elementwise kernels
-    avx512_bf16: bool = False  # bfloat16 dot products in sgl_decode_attention
+    isa: str
+
+    @property
+    def amx(self) -> bool:
+        """The bfloat16 matmul on AMX tiles."""
+        return self.isa == "amx"
+
+    @property
+    def avx512_bf16(self) -> bool:
+        """bfloat16 dot products (``vdpbf16ps``) in the matmul and the decode attention."""
+        return self.isa in ("amx", "avx512_bf16")
+
+    @property
+    def avx512(self) -> bool:
+        """The AVX-512 kernels (all of them run at every level of :data:`KERNEL_LEVELS`)."""
+        return True
 
     def linear_bf16(self, x: torch.Tensor, packed: torch.Tensor, n: int,
                     bias: torch.Tensor | None) -> torch.Tensor:
         """``x [M, K]`` (bfloat16, unit stride in K) times the :func:`pack_amx_weight` copy of
-        ``W [n, K]``; ``bias`` float32 ``[n]`` or None. Returns ``[M, n]`` bfloat16."""
+        ``W [n, K]``; ``bias`` float32 ``[n]`` or None. Returns ``[M, n]`` bfloat16. On AMX
+        tiles at level ``amx``, else on AVX-512 vectors (with ``vdpbf16ps`` where the level
+        has it)."""
         m, k = x.shape
         y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-        rc = run(self.lib.sgl_linear_bf16_amx,
-                 (x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), n, m, n, k,
-                  None if bias is None else bias.data_ptr()), x, packed, y, bias)
+        b = None if bias is None else bias.data_ptr()
+        if self.amx:
+            rc = run(self.lib.sgl_linear_bf16_amx,
+                     (x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), n, m, n, k, b),
+                     x, packed, y, bias)
+        else:
+            rc = run(self.lib.sgl_linear_bf16_avx512,
+                     (x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), n, m, n, k, b,
+                      int(self.avx512_bf16)), x, packed, y, bias)
         if rc:
-            raise RuntimeError(f"sgl_linear_bf16_amx failed ({rc})")
+            raise MemoryError(f"the bfloat16 matmul kernel found no memory for its input ({rc})")
         return y
 
     def linear_f32(self, x: torch.Tensor, packed: torch.Tensor, n: int,
@@ -182,7 +224,8 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 #: the functions ``sgl_replay`` runs, by name -> its op kind (csrc/cpu_kernels.c, "replay")
 _OP_KINDS = {"sgl_linear_bf16_amx": 1, "sgl_linear_f32": 2, "sgl_rmsnorm": 3, "sgl_silu_mul": 4,
-             "sgl_rotary": 5, "sgl_embedding": 6, "sgl_decode_attention": 7, "sgl_argmax_f32": 8}
+             "sgl_rotary": 5, "sgl_embedding": 6, "sgl_decode_attention": 7, "sgl_argmax_f32": 8,
+             "sgl_linear_bf16_avx512": 9}
 _OP_ARGS = 26
 
 
@@ -284,8 +327,103 @@ def fits(*tensors: torch.Tensor | None) -> bool:
 
 def _cpu_flags() -> dict[str, bool]:
     caps = getattr(torch._C._cpu, "_get_cpu_capability", lambda: {})()
-    return {k: bool(caps.get(k)) for k in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq",
-                                           "avx512_bf16", "amx_bf16", "amx_tile")}
+    return {k: bool(caps.get(k)) for k in ("avx2", "fma", "avx512_f", "avx512_bw", "avx512_vl",
+                                           "avx512_dq", "avx512_bf16", "amx_bf16", "amx_tile")}
+
+
+def _amx_permitted() -> bool:
+    """Linux keeps AMX tile data off until the process asks for it (arch_prctl)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA
+    except (OSError, AttributeError):
+        return False
+
+
+_detected: str | None = None
+
+
+def detected_isa() -> str:
+    """The best level of :data:`ISA_LEVELS` this CPU runs (AMX only where the OS grants it)."""
+    global _detected
+    if _detected is None:
+        flags = _cpu_flags()
+        if platform.machine() not in ("x86_64", "AMD64"):
+            _detected = "none"
+        elif all(flags[k] for k in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq")):
+            if flags["avx512_bf16"] and flags["amx_bf16"] and flags["amx_tile"] and _amx_permitted():
+                _detected = "amx"
+            else:
+                _detected = "avx512_bf16" if flags["avx512_bf16"] else "avx512"
+        else:
+            _detected = "avx2" if flags["avx2"] and flags["fma"] else "none"
+    return _detected
+
+
+def _check_level(level: str, where: str) -> str:
+    level = level.strip().lower()
+    if level != "auto" and level not in ISA_LEVELS:
+        raise ValueError(f"{where}={level!r}: expected auto or one of {', '.join(ISA_LEVELS)}")
+    return level
+
+
+def requested_isa() -> str:
+    """The cap on the level: :func:`set_isa`'s, else ``SGL_CPU_ISA`` (``none`` with
+    ``SGL_CPU_KERNELS=0``); ``auto`` for no cap. ValueError for a name not in the ladder."""
+    if _isa_cap is not None:
+        return _isa_cap
+    if os.environ.get("SGL_CPU_KERNELS", "1") == "0":
+        return "none"
+    return _check_level(os.environ.get("SGL_CPU_ISA", "") or "auto", "SGL_CPU_ISA")
+
+
+def isa_at_least(level: str, floor: str) -> bool:
+    """Whether ``level`` includes ``floor`` (both names of :data:`ISA_LEVELS`)."""
+    return ISA_LEVELS.index(level) <= ISA_LEVELS.index(floor)
+
+
+def effective_isa(requested: str) -> str:
+    """The level that runs for the cap ``requested`` (see :func:`requested_isa`) on this CPU."""
+    detected = detected_isa()
+    if requested == "auto" or isa_at_least(requested, detected):
+        return detected  # never above what the CPU has
+    return requested
+
+
+def cpu_isa() -> str:
+    """The level the CPU kernels run at now: the CPU's best, capped (see
+    :func:`requested_isa`); ``none`` where a kernel level was due but the library could not be
+    built."""
+    kernels = load()
+    if kernels is not None:
+        return kernels.isa
+    level = effective_isa(requested_isa())
+    return "none" if level in KERNEL_LEVELS else level
+
+
+def describe_isa() -> str:
+    """One line for logs and ``sgl plugins``: the level in use and why."""
+    level, detected, requested = cpu_isa(), detected_isa(), requested_isa()
+    parts = [f"CPU has {detected}"]
+    if requested != "auto" and requested != detected:
+        parts.append(f"capped at {requested}")
+    if level == "none" and effective_isa(requested) in KERNEL_LEVELS:
+        parts.append("kernels could not be built")
+    elif level not in KERNEL_LEVELS:
+        parts.append("torch operators only")
+    return f"{level} ({', '.join(parts)})"
+
+
+def set_isa(level: str) -> str:
+    """Run the kernels at ``level`` (a name of :data:`ISA_LEVELS`, or ``auto``: the CPU's best
+    or ``SGL_CPU_ISA``'s) from now on, never above what the CPU has; returns the level in use
+    (:func:`cpu_isa`). Weights packed before keep the layout of their level."""
+    global _isa_cap, _tried, _loaded
+    level = _check_level(level, "cpu isa")
+    with _lock:
+        _isa_cap = None if level == "auto" else level
+        _tried, _loaded = False, None
+    return cpu_isa()
 
 
 def _cache_dir() -> Path:
@@ -325,11 +463,13 @@ def _build(cc: str) -> Path:
 
 def _declare(lib: ctypes.CDLL) -> None:
     lib.sgl_kernels_version.restype = _int
-    lib.sgl_amx_init.restype = _int
     lib.sgl_set_threads.restype = _int
     lib.sgl_set_threads.argtypes = [_int]
     lib.sgl_linear_bf16_amx.restype = _int
     lib.sgl_linear_bf16_amx.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr]
+    lib.sgl_linear_bf16_avx512.restype = _int
+    lib.sgl_linear_bf16_avx512.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr,
+                                           _int]
     lib.sgl_linear_f32.restype = _int
     lib.sgl_linear_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr]
     lib.sgl_rmsnorm.restype = _int
@@ -352,36 +492,41 @@ def _declare(lib: ctypes.CDLL) -> None:
         _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _i64, _int, _int]
 
 
+def _library() -> ctypes.CDLL | None:
+    """The built library (built on the first call), or None where it cannot be built."""
+    global _lib, _lib_tried
+    if _lib_tried:
+        return _lib
+    _lib_tried = True
+    cc = _compiler()
+    if cc is None:
+        logger.warning("no C compiler found ($CC, cc, gcc, clang): sgl's CPU kernels are off, "
+                       "torch runs everything (slower)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+        _declare(lib)
+    except (OSError, subprocess.CalledProcessError, AttributeError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        logger.warning("could not build sgl's CPU kernels, using torch instead: %s", detail)
+        return None
+    _lib = lib
+    return _lib
+
+
 def load() -> CpuKernels | None:
-    """The kernels for this CPU, built on first use; None where they cannot be used."""
+    """The kernels at this process's level (see :func:`cpu_isa`), built on first use; None
+    where they cannot be used (a level below ``avx512``, no compiler, another architecture)."""
     global _loaded, _tried
     if _tried:
         return _loaded
     with _lock:
         if _tried:
             return _loaded
+        level = effective_isa(requested_isa())
+        lib = _library() if level in KERNEL_LEVELS else None
+        _loaded = None if lib is None else CpuKernels(lib=lib, isa=level)
         _tried = True
-        if os.environ.get("SGL_CPU_KERNELS", "1") == "0" or platform.machine() not in (
-                "x86_64", "AMD64"):
-            return None
-        flags = _cpu_flags()
-        avx512 = all(flags[k] for k in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq"))
-        cc = _compiler()
-        if not avx512 or cc is None:
-            logger.debug("sgl CPU kernels not used (AVX-512: %s, C compiler: %s)", avx512, cc)
-            return None
-        try:
-            lib = ctypes.CDLL(str(_build(cc)))
-            _declare(lib)
-        except (OSError, subprocess.CalledProcessError, AttributeError) as exc:
-            detail = getattr(exc, "stderr", "") or exc
-            logger.warning("could not build sgl's CPU kernels, using torch instead: %s", detail)
-            return None
-        amx = flags["amx_bf16"] and flags["amx_tile"] and flags["avx512_bf16"]
-        if amx and lib.sgl_amx_init() != 0:
-            logger.debug("the kernel refused AMX tile data (arch_prctl); AMX matmul off")
-            amx = False
-        _loaded = CpuKernels(lib=lib, amx=amx, avx512=True, avx512_bf16=flags["avx512_bf16"])
         return _loaded
 
 

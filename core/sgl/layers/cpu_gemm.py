@@ -5,13 +5,15 @@ In decode every linear layer multiplies a few rows by the whole weight, so the t
 streaming the weight from memory. ``F.linear`` on bfloat16 goes through oneDNN, which reorders
 the weight into its blocked layout on every call. :func:`pack_weight` prepares a copy once:
 
-* ``"amx"``: on CPUs with AMX (Intel Sapphire Rapids and later), the layout of
-  :func:`sgl.kernels.cpu.pack_amx_weight`, multiplied by sgl's own tile kernel, which reads the
+* ``"bf16"``: bfloat16 weights at every kernel level (:data:`sgl.kernels.cpu.KERNEL_LEVELS`),
+  the layout of :func:`sgl.kernels.cpu.pack_amx_weight`, multiplied by sgl's own kernel: on AMX
+  tiles, or on AVX-512 vectors (``vdpbf16ps`` with AVX512-BF16) without AMX. Both read the
   weight in one sequential pass, split over the kernel's own threads
   (:func:`sgl.kernels.cpu.set_threads`). Used when torch runs on one thread: for any number of
   rows with two or more kernel threads, for up to :data:`AMX_MAX_ROWS` rows with one; otherwise
   ``F.linear`` on the plain weight.
-* ``"onednn"``: elsewhere with oneDNN bfloat16 support, oneDNN's own packed layout.
+* ``"onednn"``: below the kernel levels, with oneDNN bfloat16 support, oneDNN's own packed
+  layout.
 
 The matmuls of one SmolLM2-135M decode step (30 layers plus the LM head, bfloat16, weights not
 in cache, 1 thread, 2-core Sapphire Rapids VM; the three kinds interleaved in one process,
@@ -66,8 +68,8 @@ __all__ = ["AMX_MAX_ROWS", "F32_MAX_ROWS", "F32_MIN_ROWS", "PACKED_DTYPES", "Pac
 
 #: weight dtypes that :func:`pack_weight` prepares
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
-#: above this many rows the AMX kernel on one thread loses to oneDNN (compute-bound prefill); on
-#: two or more kernel threads it wins at every size measured (up to 512 rows)
+#: above this many rows the bfloat16 kernel on one thread loses to oneDNN (compute-bound prefill);
+#: on two or more kernel threads it wins at every size measured (up to 512 rows)
 AMX_MAX_ROWS = 128
 #: the row range where the float32 panel kernel beats MKL
 F32_MIN_ROWS, F32_MAX_ROWS = 4, 64
@@ -85,12 +87,12 @@ class PackedWeight:
 
     def __init__(self, kind: str, tensor: torch.Tensor, n: int, dtype: torch.dtype,
                  bias: torch.Tensor | None = None, kernel: Any = None) -> None:
-        self.kind = kind  # "amx", "f32" or "onednn"
+        self.kind = kind  # "bf16", "f32" or "onednn"
         self.tensor = tensor
         self.n = n
         self.dtype = dtype
-        self.bias = bias  # float32 copy of the bias, for "amx" and "f32"
-        self.kernel = kernel  # CpuKernels.linear_bf16 or linear_f32
+        self.bias = bias  # float32 copy of the bias, for "bf16" and "f32"
+        self.kernel = kernel  # CpuKernels.linear_bf16 or linear_f32 of the level packed at
 
     def __deepcopy__(self, memo: dict[int, object]) -> None:
         return None
@@ -110,8 +112,8 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
 
     kernels = cpu.load()
     with torch.no_grad():
-        if kernels is not None and kernels.amx and weight.dtype == torch.bfloat16:
-            return PackedWeight("amx", cpu.pack_amx_weight(weight), weight.shape[0],
+        if kernels is not None and weight.dtype == torch.bfloat16:
+            return PackedWeight("bf16", cpu.pack_amx_weight(weight), weight.shape[0],
                                 weight.dtype, None if bias is None else bias.detach().float(),
                                 kernels.linear_bf16)
         if weight.dtype == torch.float32:

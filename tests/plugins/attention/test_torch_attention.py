@@ -111,16 +111,14 @@ def test_extend_prefix_then_decode(heads: tuple[int, int], window: int | None,
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)], ids=["gqa", "mha", "mqa"])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 3.0), (4, 3.0)],
                          ids=["full", "window", "softcap", "window+softcap"])
-@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_decode_head_dim_64(dtype: torch.dtype, heads: tuple[int, int], window: int | None,
-                            softcap: float | None, native: bool,
-                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode at a real head size, through sgl's CPU kernel (where it loads) and through
-    torch, in both KV dtypes."""
-    if native and backend_module._native_kernels() is None:
-        pytest.skip("sgl's CPU kernels are not available here")
-    if not native:
-        monkeypatch.setattr(backend_module, "_native_kernels", lambda: None)
+                            softcap: float | None, cpu_isa: str) -> None:
+    """Decode at a real head size in both KV dtypes at each instruction-set level of the CPU:
+    through sgl's CPU kernel at the kernel levels (with bfloat16 dot products where the level
+    has them), through torch below them."""
+    from sgl.kernels import cpu
+
+    assert (backend_module._native_kernels() is not None) == (cpu_isa in cpu.KERNEL_LEVELS)
     torch.manual_seed(2)
     spec = AttentionLayerSpec(layer_id=0, num_heads=heads[0], num_kv_heads=heads[1], head_dim=64,
                               scaling=0.125, sliding_window=window, logit_softcap=softcap)
@@ -131,14 +129,13 @@ def test_decode_head_dim_64(dtype: torch.dtype, heads: tuple[int, int], window: 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.usefixtures("restore_kernel_threads")
+@pytest.mark.usefixtures("restore_kernel_threads", "kernel_isa")
 def test_decode_kernel_on_two_threads(dtype: torch.dtype) -> None:
     """The CPU kernel shares a batch's sequences out over its threads; every sequence must still
     be attended (a skipped one leaves torch.empty's garbage, which the reference check sees)."""
     from sgl.kernels import cpu
 
-    if backend_module._native_kernels() is None:
-        pytest.skip("sgl's CPU kernels are not available here")
+    assert backend_module._native_kernels() is not None
     torch.manual_seed(3)
     assert cpu.set_threads(2) == 2
     spec = AttentionLayerSpec(layer_id=0, num_heads=9, num_kv_heads=3, head_dim=64,

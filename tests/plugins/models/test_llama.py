@@ -51,7 +51,7 @@ def make_runner(path: str | None, **kwargs: Any) -> ModelRunner:
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_VARIANTS))
-def tiny(request: pytest.FixtureRequest,
+def tiny(request: pytest.FixtureRequest, model_isa: str,
          tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, ModelRunner]:
     from transformers import LlamaConfig, LlamaForCausalLM
 

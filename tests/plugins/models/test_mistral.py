@@ -36,7 +36,7 @@ def test_plugin_is_installed() -> None:
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
-def tiny(request: pytest.FixtureRequest,
+def tiny(request: pytest.FixtureRequest, model_isa: str,
          tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, ModelRunner]:
     from transformers import MistralConfig, MistralForCausalLM
 

@@ -58,7 +58,7 @@ def build_reference(overrides: dict[str, Any]) -> Any:
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
-def tiny(request: pytest.FixtureRequest,
+def tiny(request: pytest.FixtureRequest, model_isa: str,
          tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, ModelRunner]:
     reference = build_reference(VARIANTS[request.param])
     folder = tmp_path_factory.mktemp(request.param)

@@ -84,7 +84,8 @@ def _randomize(reference: Any) -> None:
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
-def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+def tiny(request: pytest.FixtureRequest, model_isa: str,
+         tmp_path_factory: pytest.TempPathFactory,
          registries: tuple[Registries, Any]) -> tuple[Any, ModelRunner]:
     import transformers
 

@@ -1,4 +1,4 @@
-/* sgl's CPU kernels for decode: a bfloat16 matmul on AMX tiles and paged decode attention.
+/* sgl's CPU kernels for decode: bfloat16 and float32 matmuls, paged decode attention, norms.
  *
  * Built at run time by sgl/kernels/cpu.py with the system C compiler and called through ctypes
  * on torch tensors' memory. The matmuls split their columns over a small pool of helper threads
@@ -14,8 +14,6 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512vl,avx512bw")))
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
@@ -23,9 +21,8 @@
 
 int sgl_kernels_version(void) { return 1; }
 
-/* Linux keeps AMX tile data off until the process asks for it. 0 on success. */
-int sgl_amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                             18 /* XFEATURE_XTILEDATA */); }
+/* Linux keeps AMX tile data off until the process asks for it (arch_prctl): sgl/kernels/cpu.py
+ * asks before it picks the AMX level. */
 
 /* -- a pool of helper threads for the kernels ------------------------------------------------
  * parallel_for(fn, ctx, n, chunk) runs fn(ctx, begin, end) over [0, n) in chunks that the caller
@@ -1011,6 +1008,137 @@ AVX512_TARGET int sgl_argmax_f32(const float *x, int64_t stride, int64_t B, int6
     return 0;
 }
 
+
+/* -- bfloat16 linear without AMX ---------------------------------------------------------------
+ * The same product and the same packed weight as sgl_linear_bf16_amx, on AVX-512 vectors: in a
+ * 32-wide K block of the packed copy, half h holds 16 pairs of K values for each of 16 columns,
+ * so one 64-byte row of it is the 16 columns' weights at K pair p, which multiply the pair
+ * x[r, 2p:2p+2] broadcast to every lane. With AVX512-BF16 one vdpbf16ps does the two products
+ * and their sum (exact products, fp32 sums, as oneDNN); without it the pairs are widened to fp32
+ * and multiplied with two FMAs. Up to 8 rows of x share each 32-column panel in registers; more
+ * rows read the panel again from cache. x is padded to Kp columns in scratch when K % 32 != 0
+ * (the padding of the weight is zero, but x's memory past K need not be). */
+
+#define BF16_PANEL_ROWS 8
+
+/* acc[r][0..1] for `rows` (constant) rows over one 32-column panel `w` ([KB][2][16][16][2]) */
+#define BF16_PANEL(NAME, TARGET, STEP)                                                          \
+    TARGET static inline __attribute__((always_inline)) void NAME(                              \
+        const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy, int64_t KB, \
+        const float *bias, __mmask16 m0, __mmask16 m1, const int rows) {                        \
+        __m512 acc[BF16_PANEL_ROWS][2];                                                         \
+        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {                                \
+            acc[r][0] = _mm512_setzero_ps();                                                    \
+            acc[r][1] = _mm512_setzero_ps();                                                    \
+        }                                                                                       \
+        for (int64_t kb = 0; kb < KB; kb++) {                                                   \
+            const uint16_t *wb = w + kb * 1024;                                                 \
+            _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024), _MM_HINT_T0);             \
+            _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + 1024, _MM_HINT_T0);      \
+            for (int p = 0; p < 16; p++) {                                                      \
+                const __m512i w0 = _mm512_load_si512(wb + p * 32);                              \
+                const __m512i w1 = _mm512_load_si512(wb + 512 + p * 32);                        \
+                if ((p & 1) == 0) {                                                             \
+                    _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + p * 64, _MM_HINT_T0); \
+                    _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + 1024 + p * 64,   \
+                                 _MM_HINT_T0);                                                  \
+                }                                                                               \
+                _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {                        \
+                    uint32_t pair;                                                              \
+                    memcpy(&pair, x + r * ldx + kb * 32 + 2 * p, 4);                            \
+                    const __m512i xv = _mm512_set1_epi32((int)pair);                            \
+                    STEP(acc[r][0], xv, w0);                                                    \
+                    STEP(acc[r][1], xv, w1);                                                    \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();         \
+        const __m512 b1 = bias && m1 ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps(); \
+        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {                                \
+            store16m(y + r * ldy, _mm512_add_ps(acc[r][0], b0), 1, m0);                         \
+            if (m1) store16m(y + r * ldy + 16, _mm512_add_ps(acc[r][1], b1), 1, m1);            \
+        }                                                                                       \
+    }
+
+#define STEP_DP(acc, xv, wv) ((acc) = _mm512_dpbf16_ps((acc), (__m512bh)(xv), (__m512bh)(wv)))
+/* lane i of a pair vector holds (even, odd) bfloat16s: even << 16 and odd & 0xffff0000 are
+   their fp32 values */
+#define STEP_WIDEN(acc, xv, wv)                                                                 \
+    do {                                                                                        \
+        const __m512i hi_ = _mm512_set1_epi32((int)0xffff0000u);                                \
+        (acc) = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32((xv), 16)),               \
+                                _mm512_castsi512_ps(_mm512_slli_epi32((wv), 16)), (acc));       \
+        (acc) = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512((xv), hi_)),               \
+                                _mm512_castsi512_ps(_mm512_and_si512((wv), hi_)), (acc));       \
+    } while (0)
+
+BF16_PANEL(bf16_panel_dp, AVX512_BF16_TARGET, STEP_DP)
+BF16_PANEL(bf16_panel_widen, AVX512_TARGET, STEP_WIDEN)
+
+/* column panels [np_begin, np_end), rows in groups of BF16_PANEL_ROWS; `a` is x padded to Kp */
+#define BF16_PANELS(NAME, TARGET, PANEL)                                                        \
+    TARGET static void NAME(void *ctx, int64_t np_begin, int64_t np_end) {                      \
+        const linear_job *j = ctx;                                                              \
+        const int64_t KB = ((j->K + 31) & ~(int64_t)31) / 32;                                   \
+        for (int64_t np = np_begin; np < np_end; np++) {                                        \
+            const uint16_t *w = j->wp + np * KB * 1024;                                         \
+            const int64_t n0 = np * 32;                                                         \
+            const __mmask16 m0 = tail_mask(j->N - n0);                                          \
+            const __mmask16 m1 = j->N - n0 > 16 ? tail_mask(j->N - n0 - 16) : 0;                \
+            const float *b = j->bias ? j->bias + n0 : NULL;                                     \
+            for (int64_t r0 = 0; r0 < j->M; r0 += BF16_PANEL_ROWS) {                            \
+                const uint16_t *xr = j->a + r0 * j->lda;                                        \
+                uint16_t *yr = j->y + r0 * j->ldy + n0;                                         \
+                const int64_t left = j->M - r0;                                                 \
+                switch (left < BF16_PANEL_ROWS ? left : BF16_PANEL_ROWS) {                      \
+                case 8: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 8); break;              \
+                case 7: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 7); break;              \
+                case 6: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 6); break;              \
+                case 5: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 5); break;              \
+                case 4: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 4); break;              \
+                case 3: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 3); break;              \
+                case 2: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 2); break;              \
+                default: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 1);                    \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+    }
+
+BF16_PANELS(linear_bf16_dp_range, AVX512_BF16_TARGET, bf16_panel_dp)
+BF16_PANELS(linear_bf16_widen_range, AVX512_TARGET, bf16_panel_widen)
+
+/* x padded to Kp columns (scratch) when K is not a multiple of 32; NULL without memory */
+static const uint16_t *padded_k(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
+                                int64_t *lda) {
+    const int64_t Kp = (K + 31) & ~(int64_t)31;
+    *lda = ldx;
+    if (Kp == K) return x;
+    uint16_t *s = scratch_bf16(M * Kp);
+    if (!s) return NULL;
+    for (int64_t r = 0; r < M; r++) {
+        memcpy(s + r * Kp, x + r * ldx, (size_t)(K * 2));
+        memset(s + r * Kp + K, 0, (size_t)((Kp - K) * 2));
+    }
+    *lda = Kp;
+    return s;
+}
+
+/* dp: 1 with AVX512-BF16 (vdpbf16ps), 0 on plain AVX-512. Same arguments and packed weight as
+   sgl_linear_bf16_amx; the column panels are shared out over the kernel threads. */
+AVX512_TARGET int sgl_linear_bf16_avx512(const uint16_t *x, int64_t ldx, const uint16_t *wp,
+                                         uint16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                                         const float *bias, int dp) {
+    int64_t lda;
+    const uint16_t *a = padded_k(x, ldx, M, K, &lda);
+    if (!a) return -1;
+    const int64_t NP = (N + 31) / 32;
+    linear_job job = {a, wp, y, lda, ldy, M, N, K, bias};
+    int64_t chunk = NP / (4 * (int64_t)pool_threads());
+    parallel_for(dp ? linear_bf16_dp_range : linear_bf16_widen_range, &job, NP,
+                 chunk < 1 ? 1 : chunk);
+    return 0;
+}
+
 /* -- replay -----------------------------------------------------------------------------------
  * A recorded sequence of the calls above (sgl.engine.cpu_graph), run in one call instead of one
  * ctypes call each: op `kind` names the function, `a` holds its arguments in order as 64-bit
@@ -1018,7 +1146,7 @@ AVX512_TARGET int sgl_argmax_f32(const float *x, int64_t stride, int64_t B, int6
  * index of the first call that failed (nothing after it runs). */
 
 enum { OP_LINEAR_BF16 = 1, OP_LINEAR_F32, OP_RMSNORM, OP_SILU_MUL, OP_ROTARY, OP_EMBEDDING,
-       OP_DECODE_ATTENTION, OP_ARGMAX };
+       OP_DECODE_ATTENTION, OP_ARGMAX, OP_LINEAR_BF16_AVX512 };
 
 typedef struct {
     int64_t kind;
@@ -1066,6 +1194,10 @@ int64_t sgl_replay(const sgl_op *ops, int64_t n) {
             break;
         case OP_ARGMAX:
             rc = sgl_argmax_f32(P(0), a[1], a[2], a[3], P(4));
+            break;
+        case OP_LINEAR_BF16_AVX512:
+            rc = sgl_linear_bf16_avx512(P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8),
+                                        (int)a[9]);
             break;
         default:
             rc = -100;
