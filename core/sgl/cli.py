@@ -218,6 +218,12 @@ def build_cli(pm: SglPluginManager) -> click.Group:
             click.echo(f"{r['name']}  ({dist})  {status}")
             if r["hooks"]:
                 click.echo(f"    hooks: {', '.join(r['hooks'])}")
+        from sgl.kernels import cpu
+
+        try:
+            click.echo(f"CPU kernels: {cpu.describe_isa()}")
+        except ValueError as exc:  # a bad SGL_CPU_ISA
+            raise click.ClickException(str(exc)) from None
 
     @cli.group("config")
     def config_group() -> None:

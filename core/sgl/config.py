@@ -63,11 +63,17 @@ class ServerSettings:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(
         "auto", "Data type of weights and activations; auto picks float32 on CPU.")
     num_threads: int | None = _opt(
-        None, "torch intra-op threads of the scheduler; default: one less than the CPU count.")
+        None, "torch intra-op threads of the scheduler; default: 1 where sgl's CPU kernels run "
+        "(they need it), else one less than the usable cores (the process's CPU affinity).")
     kernel_threads: int | None = _opt(
         None, "Threads of sgl's own CPU kernels (the bfloat16 and float32 matmuls, decode "
-        "attention, norms) when torch runs on one thread; they share the work chunk by chunk, "
-        "so a busy core slows them little. Default: the CPU count.")
+        "attention, norms), used while torch runs on one thread; they share the work chunk by "
+        "chunk, so a busy core slows them little. Default: the usable cores where the kernels "
+        "run, else 1. Not above the usable cores, nor above 1 with --num-threads above 1.")
+    cpu_isa: Literal["auto", "amx", "avx512_bf16", "avx512", "avx2", "none"] = _opt(
+        "auto", "Highest instruction-set level of sgl's CPU kernels: amx, avx512_bf16 "
+        "(vdpbf16ps), avx512, avx2 or none (torch's operators only); never above what the CPU "
+        "has. auto: the CPU's best. For comparisons and for testing the lower paths.")
     disable_cpu_graph: bool = _opt(
         False, "Run every decode forward through the model's Python code instead of replaying "
         "the kernel calls recorded for its batch size (CPU; what --disable-cuda-graph is on a "
@@ -365,6 +371,11 @@ def _check_ranges(s: ServerSettings) -> None:
         fail("num_threads", "expected at least 1")
     if s.kernel_threads is not None and s.kernel_threads < 1:
         fail("kernel_threads", "expected at least 1")
+    from sgl.threads import check_thread_counts, usable_cores
+
+    problem = check_thread_counts(s.num_threads, s.kernel_threads, usable_cores())
+    if problem:
+        fail("kernel_threads" if s.kernel_threads is not None else "num_threads", problem)
     if s.max_total_tokens is not None and s.max_total_tokens < 1:
         fail("max_total_tokens", "expected at least 1")
     if not 0 < s.mem_fraction_static <= 1:

@@ -139,6 +139,8 @@ class SchedulerInfo:
     architecture: str = ""
     dtype: str = ""
     num_threads: int = 0
+    kernel_threads: int = 1
+    cpu_isa: str = ""  # the CPU kernels' level and why (sgl.kernels.cpu.describe_isa)
     context_length: int = 0
     vocab_size: int = 0
     max_total_tokens: int = 0

@@ -169,9 +169,10 @@ class ModelRunner:
         if cpu_graphs and self.device.type == "cpu" and cpu.load() is not None:
             self.cpu_graphs = CpuGraphRunner(self.model, self.attn_backend)
         logger.info("model %s (%s, %s): KV pool of %d tokens (%.1f MiB), backend %s, decode "
-                    "graphs %s", self.model_path.name, model_cls.__name__, self.dtype, size,
-                    self.kv_pool_bytes / 2**20, attention_backend,
-                    "on" if self.cpu_graphs is not None else "off")
+                    "graphs %s, CPU kernels %s", self.model_path.name, model_cls.__name__,
+                    self.dtype, size, self.kv_pool_bytes / 2**20, attention_backend,
+                    "on" if self.cpu_graphs is not None else "off",
+                    cpu.describe_isa() if self.device.type == "cpu" else "not used")
 
     def _context_length(self, requested: int | None) -> int:
         limit = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)

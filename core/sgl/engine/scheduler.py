@@ -42,13 +42,14 @@ from sgl.engine.sampler import SamplingInput, sample_next_tokens
 from sgl.engine.schedule_policy import CACHE_AWARE_POLICIES, defer_for_sharing, order_waiting
 from sgl.engine.sequence import Req
 from sgl.kvcache import BaseCachePolicy, NoPrefixCache, PrefixMatch
+from sgl.threads import ThreadPlan, plan_threads
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
     from sgl.engine.model_runner import ModelRunner
     from sgl.plugins import SglPluginManager
 
-__all__ = ["Scheduler", "default_num_threads"]
+__all__ = ["Scheduler", "configure_threads"]
 
 logger = logging.getLogger("sgl.scheduler")
 
@@ -60,14 +61,29 @@ NEW_TOKEN_RATIO_DECAY = 0.002
 STOP_REGEX_WINDOW = 32
 
 
-def default_num_threads() -> int:
-    """One less than the CPU count, so the server process keeps a core for HTTP and tokenizing."""
-    # Measured on a 2-core VM (docs/benchmarks.md, "Threads"): torch's OpenMP threads spin at
-    # barriers, so when another process keeps a core busy, 2 threads decode 13-18x slower than 1
-    # (SmolLM2 bfloat16, batch 1: 2.0 vs 26.5 tokens/s). Never claim every core; on 2 cores
-    # this gives 1 thread, which sgl's CPU kernels also want: they run their own threads
-    # (--kernel-threads), which do not spin at barriers.
-    return max(1, (os.cpu_count() or 2) - 1)
+def configure_threads(num_threads: int | None, kernel_threads: int | None) -> ThreadPlan:
+    """Set torch's and sgl's kernel threads as the scheduler runs them (see :mod:`sgl.threads`;
+    after ``cpu.set_isa``, which decides whether the kernels run). ValueError for counts that
+    would fight over the cores."""
+    from sgl.kernels import cpu
+
+    kernels = cpu.load() is not None
+    plan = plan_threads(num_threads, kernel_threads, kernels=kernels)
+    torch.set_num_threads(plan.torch_threads)
+    cpu.set_threads(plan.kernel_threads)
+    if kernel_threads is not None and not kernels:
+        logger.warning("--kernel-threads %d has no effect: sgl's CPU kernels do not run here "
+                       "(%s)", kernel_threads, cpu.describe_isa())
+    elif kernels and not plan.kernels_on:
+        logger.warning("torch runs on %d threads: sgl's CPU matmul kernels and the replayed "
+                       "decode forwards are off (they need --num-threads 1)", plan.torch_threads)
+    return plan
+
+
+def _describe_isa() -> str:
+    from sgl.kernels import cpu
+
+    return cpu.describe_isa()
 
 
 class Scheduler:
@@ -77,11 +93,11 @@ class Scheduler:
         from sgl.model_loader import load_tokenizer, resolve_model_path
 
         self.settings = settings
-        self.num_threads = settings.num_threads or default_num_threads()
-        torch.set_num_threads(self.num_threads)
         from sgl.kernels import cpu
 
-        cpu.set_threads(settings.kernel_threads or os.cpu_count() or 1)
+        cpu.set_isa(settings.cpu_isa)
+        self.threads = configure_threads(settings.num_threads, settings.kernel_threads)
+        self.num_threads = self.threads.torch_threads
         # the tokenizer (for stop strings) loads while the model does; transformers' lazy
         # module is not safe to import from two threads at once, so import it here first
         from transformers import AutoConfig, AutoTokenizer  # noqa: F401
@@ -129,6 +145,7 @@ class Scheduler:
         return SchedulerInfo(
             ok=True, model_path=str(r.model_path), architecture=r.architecture,
             dtype=str(r.dtype).removeprefix("torch."), num_threads=self.num_threads,
+            kernel_threads=self.threads.kernel_threads, cpu_isa=_describe_isa(),
             context_length=r.context_length, vocab_size=r.vocab_size,
             max_total_tokens=r.kv_pool.size, kv_pool_bytes=r.kv_pool_bytes,
             attention_backend=self.settings.attention_backend,

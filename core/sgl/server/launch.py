@@ -103,8 +103,9 @@ def run_server(settings: ServerSettings, pm: SglPluginManager) -> int:
         handle.stop(timeout=1)
         return 1
     mib = info.kv_pool_bytes / 2**20
-    logger.info("model %s (%s), dtype %s, %d torch thread(s), attention %s",
-                info.architecture, info.model_path, info.dtype, info.num_threads,
+    logger.info("model %s (%s), dtype %s, %d torch thread(s) + %d kernel thread(s), CPU "
+                "kernels %s, attention %s", info.architecture, info.model_path, info.dtype,
+                info.num_threads, info.kernel_threads, info.cpu_isa or "not used",
                 info.attention_backend)
     logger.info("KV pool: %d tokens (%.0f MiB), context length %d", info.max_total_tokens, mib,
                 info.context_length)

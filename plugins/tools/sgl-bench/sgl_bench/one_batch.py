@@ -21,15 +21,13 @@ def load_runner(*, model_path: str | None, dtype: str, attention_backend: str,
                 num_threads: int | None, page_size: int, context_length: int | None,
                 max_batch: int, max_tokens: int, load_plugins: tuple[str, ...] = (),
                 disable_plugins: tuple[str, ...] = ()) -> Any:
-    """A ``ModelRunner`` sized for the largest case, with torch's thread count set as the
-    scheduler sets it."""
-    import torch
-
+    """A ``ModelRunner`` sized for the largest case, with torch's and the kernels' thread
+    counts set as the scheduler sets them."""
     from sgl.engine.model_runner import ModelRunner
-    from sgl.engine.scheduler import default_num_threads
+    from sgl.engine.scheduler import configure_threads
     from sgl.plugins import PluginSelection, create_plugin_manager
 
-    torch.set_num_threads(num_threads or default_num_threads())
+    configure_threads(num_threads, None)
     pm = create_plugin_manager(PluginSelection.from_args(list(load_plugins),
                                                          list(disable_plugins)))
     return ModelRunner(model_path=model_path, dtype=dtype, attention_backend=attention_backend,

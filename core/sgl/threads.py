@@ -1,0 +1,82 @@
+"""How the scheduler's threads share the cores: torch's intra-op threads and sgl's kernel threads.
+
+sgl's CPU kernels (the matmuls, the decode attention, the norms; :mod:`sgl.kernels.cpu`) run on
+a pool of their own threads and are used only while torch runs on one thread: torch's OpenMP
+threads spin at barriers, so the two pools on the same cores would slow each other down
+(measured on a 2-core VM: with another process busy on one core, two torch threads decode
+13-18x slower than one; the kernel threads, which claim work chunk by chunk, lose little).
+So, by default:
+
+* where the kernels run (an instruction-set level of :data:`sgl.kernels.cpu.KERNEL_LEVELS`),
+  torch gets 1 thread and the kernels one thread per core this process may use;
+* below those levels torch does everything, on one thread per usable core but one (which the
+  HTTP process keeps for tokenizing), and the kernel pool stays at 1.
+
+"Usable cores" is this process's CPU affinity (``taskset``, cgroups cpusets), not the machine's
+CPU count. Explicit ``--num-threads`` / ``--kernel-threads`` values are kept, but combinations
+that fight over the cores are refused by :func:`check_thread_counts`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["ThreadPlan", "check_thread_counts", "plan_threads", "usable_cores"]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    """torch's intra-op threads and the kernel pool's threads (the caller included)."""
+
+    torch_threads: int
+    kernel_threads: int
+
+    @property
+    def kernels_on(self) -> bool:
+        """Whether sgl's matmul kernels (and so the replayed decode forwards) can run."""
+        return self.torch_threads == 1
+
+
+def check_thread_counts(num_threads: int | None, kernel_threads: int | None,
+                        cores: int) -> str | None:
+    """Why this explicit combination would fight over ``cores`` cores (a message naming the
+    flags), or None when it is fine."""
+    if num_threads is not None and num_threads > cores:
+        return (f"--num-threads {num_threads} is more than the {cores} core(s) this process "
+                f"may use; torch's threads would share cores and wait on each other")
+    if kernel_threads is not None and kernel_threads > cores:
+        return (f"--kernel-threads {kernel_threads} is more than the {cores} core(s) this "
+                f"process may use")
+    if (num_threads or 1) > 1 and (kernel_threads or 1) > 1:
+        return (f"--num-threads {num_threads} with --kernel-threads {kernel_threads}: sgl's "
+                "kernels run only while torch has one thread, and the two pools would fight "
+                "over the cores; set one of them (for sgl's kernels: --num-threads 1)")
+    return None
+
+
+def plan_threads(num_threads: int | None, kernel_threads: int | None, *, kernels: bool,
+                 cores: int | None = None) -> ThreadPlan:
+    """The thread counts for explicit values (None: the default) where sgl's kernels do or do
+    not run (``kernels``) on ``cores`` usable cores (default: :func:`usable_cores`).
+    ValueError for a combination :func:`check_thread_counts` refuses."""
+    cores = usable_cores() if cores is None else cores
+    problem = check_thread_counts(num_threads, kernel_threads, cores)
+    if problem:
+        raise ValueError(problem)
+    if num_threads is None:
+        if kernels and kernel_threads is not None and kernel_threads > 1:
+            num_threads = 1  # the kernels' pool was asked for: torch must leave the cores
+        else:
+            num_threads = 1 if kernels else max(1, cores - 1)
+    if kernel_threads is None:
+        kernel_threads = cores if kernels and num_threads == 1 else 1
+    return ThreadPlan(torch_threads=num_threads, kernel_threads=kernel_threads)
