@@ -5,6 +5,8 @@ one process, with the same prompts, dtype and number of threads::
 
     .venv/bin/python benchmarks/model_throughput.py                 # the table in docs/benchmarks.md
     .venv/bin/python benchmarks/model_throughput.py --threads 1,2 --busy   # threads, other core busy
+    SGL_CPU_ISA=avx512_bf16 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 \
+        .venv/bin/python benchmarks/model_throughput.py           # both engines as without AMX
 
 What is measured (every case ``--reps`` times, sgl and transformers alternating; the median):
 
@@ -198,11 +200,16 @@ def machine() -> dict[str, str]:
 
     from machine_info import cpu_model
 
+    from sgl.kernels import cpu as kernels
+
     cpu = cpu_model()
     caps = getattr(torch._C._cpu, "_get_cpu_capability", lambda: {})()
     isa = ", ".join(k for k in ("avx512_f", "avx512_bf16", "amx_bf16") if caps.get(k))
     return {
         "cpu": f"{cpu}, {os.cpu_count()} logical cores ({isa or 'no AVX-512'})",
+        "sgl CPU kernels": kernels.describe_isa(),
+        # transformers' bfloat16 matmuls are oneDNN's: ONEDNN_MAX_CPU_ISA caps them likewise
+        "oneDNN max ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", "not capped"),
         "memory": f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
         "python": platform.python_version(),
         "torch": f"{torch.__version__} ({torch.backends.cpu.get_cpu_capability()})",

@@ -61,7 +61,9 @@ class ServerSettings:
     host: str = _opt("127.0.0.1", "Address the HTTP server binds to.")
     port: int = _opt(30000, "Port of the HTTP server.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(
-        "auto", "Data type of weights and activations; auto picks float32 on CPU.")
+        "auto", "Data type of weights and activations; auto: on CPU bfloat16 where sgl's "
+        "kernels run on AMX tiles (2-3x faster decode), else float32; on accelerators the "
+        "checkpoint's half type.")
     num_threads: int | None = _opt(
         None, "torch intra-op threads of the scheduler; default: 1 where sgl's CPU kernels run "
         "(they need it), else one less than the usable cores (the process's CPU affinity).")

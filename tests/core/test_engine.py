@@ -21,7 +21,9 @@ META_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cache
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[sgl.Engine]:
-    eng = sgl.Engine(max_total_tokens=4096, context_length=512, log_level="warning")
+    # float32 as the shared server runs (auto is bfloat16 on a CPU with AMX)
+    eng = sgl.Engine(max_total_tokens=4096, context_length=512, log_level="warning",
+                     dtype="float32")
     yield eng
     eng.shutdown()
 

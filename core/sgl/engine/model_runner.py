@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from sgl.models.base import BaseCausalLM
     from sgl.plugins import Registries
 
-__all__ = ["SUPPORTED_DTYPES", "ModelRunner", "resolve_architecture", "resolve_dtype",
-           "resolve_model_class"]
+__all__ = ["SUPPORTED_DTYPES", "ModelRunner", "auto_cpu_dtype", "resolve_architecture",
+           "resolve_dtype", "resolve_model_class"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,19 +39,33 @@ SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
 
 
 def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
-    """``"auto"``: float32 on CPU; on accelerators the checkpoint's half type (else bfloat16).
-
-    On CPU, bfloat16 decodes 1.7-3x faster (AMX) but its greedy tokens leave float32's within a
-    few dozen, as transformers' own bfloat16 does; ``auto`` keeps float32 (docs/benchmarks.md).
-    """
+    """``"auto"``: on CPU see :func:`auto_cpu_dtype`; on accelerators the checkpoint's half type
+    (else bfloat16)."""
     if name in SUPPORTED_DTYPES:
         return SUPPORTED_DTYPES[name]
     if name != "auto":
         raise ValueError(f"unsupported dtype {name!r}; supported: auto, {', '.join(SUPPORTED_DTYPES)}")
     if device.type == "cpu":
-        return torch.float32
+        return auto_cpu_dtype()[0]
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     return stored if stored in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def auto_cpu_dtype() -> tuple[torch.dtype, str]:
+    """What ``--dtype auto`` runs on this CPU, and why (for the log).
+
+    bfloat16 where sgl's kernels run at level ``amx``: there its decode is 1.8x float32's at
+    batch 1 and 2.7x at batch 32 (SmolLM2, 2 cores, docs/benchmarks.md). Elsewhere float32: at
+    ``avx512_bf16`` bfloat16 was 1.46x faster at batch 1 but no faster at batch 32 (both
+    compute-bound on the same FMA ports), and below that torch's bfloat16 is slower still. Its
+    greedy tokens leave float32's within a few dozen, as transformers' own bfloat16 does."""
+    from sgl.kernels import cpu
+
+    level = cpu.cpu_isa()
+    if level == "amx":
+        return torch.bfloat16, "bfloat16: the CPU kernels run on AMX tiles"
+    return torch.float32, (f"float32: the CPU kernels run at {level}, where bfloat16 decodes "
+                           "no faster at large batches")
 
 
 def resolve_architecture(config: PretrainedConfig, registries: Registries,
@@ -113,7 +127,7 @@ class ModelRunner:
     """The model, the KV pool, the request table and the attention backend of one process.
 
     :param model_path: Hugging Face folder or ``.gguf`` file; None for the bundled SmolLM2.
-    :param dtype: ``"auto"`` (float32 on CPU), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+    :param dtype: ``"auto"`` (:func:`auto_cpu_dtype` on CPU), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
     :param attention_backend: a name registered by an attention plugin (``"torch"``).
     :param registries: the plugin manager's registries (models, attention backends).
     :param plugin_manager: asked through ``sgl_resolve_model_arch`` when no registered class
@@ -138,6 +152,8 @@ class ModelRunner:
         self.model_path = resolve_model_path(model_path)
         self.hf_config = load_hf_config(self.model_path)
         self.dtype = resolve_dtype(dtype, self.hf_config, self.device)
+        if dtype == "auto" and self.device.type == "cpu":
+            logger.info("dtype auto -> %s", auto_cpu_dtype()[1])
         self.vocab_size = int(self.hf_config.vocab_size)
         self.context_length = self._context_length(context_length)
         if max_running_requests < 1:

@@ -14,7 +14,7 @@ from sgl.testing import ServerProcess
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Any]:
-    with sgl.Engine(max_total_tokens=2048) as engine:
+    with sgl.Engine(max_total_tokens=2048, dtype="float32") as engine:  # as the server
         yield engine
 
 

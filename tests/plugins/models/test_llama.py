@@ -46,6 +46,7 @@ def test_plugin_is_installed() -> None:
 
 def make_runner(path: str | None, **kwargs: Any) -> ModelRunner:
     pm = create_plugin_manager()
+    kwargs.setdefault("dtype", "float32")  # transformers' reference dtype
     return ModelRunner(model_path=path, registries=pm.registries, plugin_manager=pm,
                        show_progress=False, **kwargs)
 

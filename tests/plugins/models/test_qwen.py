@@ -97,7 +97,7 @@ def tiny(request: pytest.FixtureRequest, model_isa: str,
     folder = tmp_path_factory.mktemp(request.param)
     reference.save_pretrained(folder)
     runner = ModelRunner(model_path=str(folder), registries=registries[0],
-                         plugin_manager=registries[1], show_progress=False,
+                         plugin_manager=registries[1], show_progress=False, dtype="float32",
                          max_total_tokens=1024, max_running_requests=4)
     return reference, runner
 
