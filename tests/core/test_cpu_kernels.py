@@ -54,6 +54,25 @@ def test_bf16_linear(kernels: cpu.CpuKernels, n: int, k: int, rows: int) -> None
     torch.testing.assert_close(got, expected, rtol=0.02, atol=0.05)
 
 
+@pytest.mark.parametrize("n,k", [(960, 576), (100, 40)])
+@pytest.mark.parametrize("rows", [1, 9, 33])
+def test_bf16_dot_and_widened_matmuls_agree(kernels: cpu.CpuKernels, n: int, k: int,
+                                            rows: int) -> None:
+    """Both AVX-512 bfloat16 matmuls, whichever the CPU's vendor picks: the widened one at
+    every kernel level, the vdpbf16ps one where the level has AVX512-BF16."""
+    torch.manual_seed(rows + n)
+    weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).float()
+    packed = cpu.pack_amx_weight(weight)
+    x = torch.randn(rows, k).bfloat16()
+    expected = F.linear(x.float(), weight.float(), bias)
+    for dp in (0, 1) if kernels.avx512_bf16 else (0,):
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        assert kernels.lib.sgl_linear_bf16_avx512(x.data_ptr(), k, packed.data_ptr(),
+                                                  y.data_ptr(), n, rows, n, k, bias.data_ptr(),
+                                                  dp) == 0
+        torch.testing.assert_close(y.float(), expected, rtol=0.02, atol=0.05)
+
+
 @pytest.mark.parametrize("n,k", [(49152, 576), (960, 576), (100, 40)])
 @pytest.mark.parametrize("rows", [1, 17, 300])
 @pytest.mark.usefixtures("one_torch_thread", "restore_kernel_threads")

@@ -7,9 +7,10 @@ instruction set with a target attribute, so the library builds for any x86-64 CP
 decided once, by one ladder of instruction-set levels (:data:`ISA_LEVELS`, best first):
 
 * ``amx``: the bfloat16 matmul on AMX tiles (Intel Sapphire Rapids and later), the rest as below;
-* ``avx512_bf16``: the bfloat16 matmul and the attention's bfloat16 q.k with ``vdpbf16ps``
-  (AMD Zen 4/5, Intel where AMX is missing or hidden);
-* ``avx512``: every kernel, bfloat16 widened to float32 for the products;
+* ``avx512_bf16``: the attention's bfloat16 q.k with ``vdpbf16ps`` (AMD Zen 4/5, Intel where
+  AMX is missing or hidden), and the bfloat16 matmul too on AMD (on Intel the widened one below
+  is faster: :attr:`CpuKernels.bf16_dot_matmul`);
+* ``avx512``: every kernel, the bfloat16 matmul's products widened to float32 FMAs;
 * ``avx2``: no kernels of sgl's yet: torch's operators (MKL, oneDNN) run everything;
 * ``none``: torch's operators.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -97,12 +99,21 @@ class CpuKernels:
         """The AVX-512 kernels (all of them run at every level of :data:`KERNEL_LEVELS`)."""
         return True
 
+    @property
+    def bf16_dot_matmul(self) -> bool:
+        """Whether the bfloat16 matmul without AMX uses ``vdpbf16ps`` rather than widening to
+        fp32 FMAs: on AMD only. On Intel (Sapphire Rapids with AMX capped, 2 cores) the widened
+        kernel measured 1.65x the dot-product one at 32 rows (134 vs 81 GFLOP/s on one thread)
+        and equal at 1 row; on Zen 4 ``vdpbf16ps`` does twice the products of an FMA at the same
+        rate (not measured here)."""
+        return self.isa == "avx512_bf16" and cpu_vendor() == "AuthenticAMD"
+
     def linear_bf16(self, x: torch.Tensor, packed: torch.Tensor, n: int,
                     bias: torch.Tensor | None) -> torch.Tensor:
         """``x [M, K]`` (bfloat16, unit stride in K) times the :func:`pack_amx_weight` copy of
         ``W [n, K]``; ``bias`` float32 ``[n]`` or None. Returns ``[M, n]`` bfloat16. On AMX
         tiles at level ``amx``, else on AVX-512 vectors (with ``vdpbf16ps`` where the level
-        has it)."""
+        has it and :attr:`bf16_dot_matmul` says so)."""
         m, k = x.shape
         y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
         b = None if bias is None else bias.data_ptr()
@@ -113,7 +124,7 @@ class CpuKernels:
         else:
             rc = run(self.lib.sgl_linear_bf16_avx512,
                      (x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), n, m, n, k, b,
-                      int(self.avx512_bf16)), x, packed, y, bias)
+                      int(self.bf16_dot_matmul)), x, packed, y, bias)
         if rc:
             raise MemoryError(f"the bfloat16 matmul kernel found no memory for its input ({rc})")
         return y
@@ -341,6 +352,19 @@ def _amx_permitted() -> bool:
 
 
 _detected: str | None = None
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``, ...); empty where unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def detected_isa() -> str:

@@ -1015,9 +1015,9 @@ AVX512_TARGET int sgl_argmax_f32(const float *x, int64_t stride, int64_t B, int6
  * so one 64-byte row of it is the 16 columns' weights at K pair p, which multiply the pair
  * x[r, 2p:2p+2] broadcast to every lane. With AVX512-BF16 one vdpbf16ps does the two products
  * and their sum (exact products, fp32 sums, as oneDNN); without it the pairs are widened to fp32
- * and multiplied with two FMAs. Up to 8 rows of x share each 32-column panel in registers; more
- * rows read the panel again from cache. x is padded to Kp columns in scratch when K % 32 != 0
- * (the padding of the weight is zero, but x's memory past K need not be). */
+ * and multiplied with two FMAs (below). Up to 8 rows of x share each 32-column panel in
+ * registers; more rows read the panel again from cache. x is padded to Kp columns in scratch
+ * when K % 32 != 0 (the padding of the weight is zero, but x's memory past K need not be). */
 
 #define BF16_PANEL_ROWS 8
 
@@ -1061,19 +1061,7 @@ AVX512_TARGET int sgl_argmax_f32(const float *x, int64_t stride, int64_t B, int6
     }
 
 #define STEP_DP(acc, xv, wv) ((acc) = _mm512_dpbf16_ps((acc), (__m512bh)(xv), (__m512bh)(wv)))
-/* lane i of a pair vector holds (even, odd) bfloat16s: even << 16 and odd & 0xffff0000 are
-   their fp32 values */
-#define STEP_WIDEN(acc, xv, wv)                                                                 \
-    do {                                                                                        \
-        const __m512i hi_ = _mm512_set1_epi32((int)0xffff0000u);                                \
-        (acc) = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32((xv), 16)),               \
-                                _mm512_castsi512_ps(_mm512_slli_epi32((wv), 16)), (acc));       \
-        (acc) = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512((xv), hi_)),               \
-                                _mm512_castsi512_ps(_mm512_and_si512((wv), hi_)), (acc));       \
-    } while (0)
-
 BF16_PANEL(bf16_panel_dp, AVX512_BF16_TARGET, STEP_DP)
-BF16_PANEL(bf16_panel_widen, AVX512_TARGET, STEP_WIDEN)
 
 /* column panels [np_begin, np_end), rows in groups of BF16_PANEL_ROWS; `a` is x padded to Kp */
 #define BF16_PANELS(NAME, TARGET, PANEL)                                                        \
@@ -1105,7 +1093,94 @@ BF16_PANEL(bf16_panel_widen, AVX512_TARGET, STEP_WIDEN)
     }
 
 BF16_PANELS(linear_bf16_dp_range, AVX512_BF16_TARGET, bf16_panel_dp)
-BF16_PANELS(linear_bf16_widen_range, AVX512_TARGET, bf16_panel_widen)
+
+/* Without AVX512-BF16: x is widened to fp32 once per call (xf, Kp columns, zero-padded), each
+   64-byte row of the weight is split into its even and odd K values as fp32 (lane i of a pair
+   holds (even, odd): even << 16 and odd & 0xffff0000 are their fp32 values), and every row of x
+   takes two FMAs per column vector and K pair, its two x values broadcast from memory. */
+AVX512_TARGET static inline __attribute__((always_inline)) void bf16_panel_widen(
+    const float *xf, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy, int64_t KB,
+    const float *bias, __mmask16 m0, __mmask16 m1, const int rows) {
+    __m512 acc[BF16_PANEL_ROWS][2];
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < KB; kb++) {
+        const uint16_t *wb = w + kb * 1024;
+        for (int p = 0; p < 16; p++) {
+            const __m512i w0 = _mm512_load_si512(wb + p * 32), w1 = _mm512_load_si512(wb + 512 + p * 32);
+            if ((p & 1) == 0) {
+                _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + p * 64, _MM_HINT_T0);
+                _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + 1024 + p * 64, _MM_HINT_T0);
+            }
+            const __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
+            const __m512 w0o = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));
+            const __m512 w1e = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+            const __m512 w1o = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));
+#pragma GCC unroll 8
+            for (int r = 0; r < rows; r++) {
+                const float *xr = xf + r * ldx + kb * 32 + 2 * p;
+                const __m512 xe = _mm512_set1_ps(xr[0]), xo = _mm512_set1_ps(xr[1]);
+                acc[r][0] = _mm512_fmadd_ps(xo, w0o, _mm512_fmadd_ps(xe, w0e, acc[r][0]));
+                acc[r][1] = _mm512_fmadd_ps(xo, w1o, _mm512_fmadd_ps(xe, w1e, acc[r][1]));
+            }
+        }
+    }
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias && m1 ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++) {
+        store16m(y + r * ldy, _mm512_add_ps(acc[r][0], b0), 1, m0);
+        if (m1) store16m(y + r * ldy + 16, _mm512_add_ps(acc[r][1], b1), 1, m1);
+    }
+}
+
+typedef struct {
+    const float *xf;
+    const uint16_t *wp;
+    uint16_t *y;
+    int64_t ldx, ldy, M, N, K;
+    const float *bias;
+} linear_widen_job;
+
+AVX512_TARGET static void linear_bf16_widen_range(void *ctx, int64_t np_begin, int64_t np_end) {
+    const linear_widen_job *j = ctx;
+    const int64_t KB = ((j->K + 31) & ~(int64_t)31) / 32;
+    for (int64_t np = np_begin; np < np_end; np++) {
+        const uint16_t *w = j->wp + np * KB * 1024;
+        const int64_t n0 = np * 32;
+        const __mmask16 m0 = tail_mask(j->N - n0), m1 = j->N - n0 > 16 ? tail_mask(j->N - n0 - 16) : 0;
+        const float *b = j->bias ? j->bias + n0 : NULL;
+        for (int64_t r0 = 0; r0 < j->M; r0 += BF16_PANEL_ROWS) {
+            const float *xr = j->xf + r0 * j->ldx;
+            uint16_t *yr = j->y + r0 * j->ldy + n0;
+            const int64_t left = j->M - r0;
+            switch (left < BF16_PANEL_ROWS ? left : BF16_PANEL_ROWS) {
+            case 8: bf16_panel_widen(xr, j->ldx, w, yr, j->ldy, KB, b, m0, m1, 8); break;
+            case 7: bf16_panel_widen(xr, j->ldx, w, yr, j->ldy, KB, b, m0, m1, 7); break;
+            case 6: bf16_panel_widen(xr, j->ldx, w, yr, j->ldy, KB, b, m0, m1, 6); break;
+            case 5: bf16_panel_widen(xr, j->ldx, w, yr, j->ldy, KB, b, m0, m1, 5); break;
+            case 4: bf16_panel_widen(xr, j->ldx, w, yr, j->ldy, KB, b, m0, m1, 4); break;
+            case 3: bf16_panel_widen(xr, j->ldx, w, yr, j->ldy, KB, b, m0, m1, 3); break;
+            case 2: bf16_panel_widen(xr, j->ldx, w, yr, j->ldy, KB, b, m0, m1, 2); break;
+            default: bf16_panel_widen(xr, j->ldx, w, yr, j->ldy, KB, b, m0, m1, 1);
+            }
+        }
+    }
+}
+
+/* x [M, K] bfloat16 -> fp32 [M, Kp] in the caller's scratch, zero past K; NULL without memory */
+AVX512_TARGET static const float *widened_x(const uint16_t *x, int64_t ldx, int64_t M, int64_t K) {
+    const int64_t Kp = (K + 31) & ~(int64_t)31;
+    float *xf = scratch_f32(M * Kp);
+    if (!xf) return NULL;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t k = 0; k < Kp; k += 16) {
+            const __mmask16 m = k < K ? tail_mask(K - k) : 0;
+            _mm512_storeu_ps(xf + r * Kp + k, load16m(x + r * ldx + k, 1, m));
+        }
+    return xf;
+}
 
 /* x padded to Kp columns (scratch) when K is not a multiple of 32; NULL without memory */
 static const uint16_t *padded_k(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
@@ -1128,14 +1203,21 @@ static const uint16_t *padded_k(const uint16_t *x, int64_t ldx, int64_t M, int64
 AVX512_TARGET int sgl_linear_bf16_avx512(const uint16_t *x, int64_t ldx, const uint16_t *wp,
                                          uint16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                                          const float *bias, int dp) {
-    int64_t lda;
-    const uint16_t *a = padded_k(x, ldx, M, K, &lda);
-    if (!a) return -1;
     const int64_t NP = (N + 31) / 32;
-    linear_job job = {a, wp, y, lda, ldy, M, N, K, bias};
     int64_t chunk = NP / (4 * (int64_t)pool_threads());
-    parallel_for(dp ? linear_bf16_dp_range : linear_bf16_widen_range, &job, NP,
-                 chunk < 1 ? 1 : chunk);
+    chunk = chunk < 1 ? 1 : chunk;
+    if (dp) {
+        int64_t lda;
+        const uint16_t *a = padded_k(x, ldx, M, K, &lda);
+        if (!a) return -1;
+        linear_job job = {a, wp, y, lda, ldy, M, N, K, bias};
+        parallel_for(linear_bf16_dp_range, &job, NP, chunk);
+    } else {
+        const float *xf = widened_x(x, ldx, M, K);
+        if (!xf) return -1;
+        linear_widen_job job = {xf, wp, y, (K + 31) & ~(int64_t)31, ldy, M, N, K, bias};
+        parallel_for(linear_bf16_widen_range, &job, NP, chunk);
+    }
     return 0;
 }
 
