@@ -62,8 +62,8 @@ class ServerSettings:
     port: int = _opt(30000, "Port of the HTTP server.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(
         "auto", "Data type of weights and activations; auto: on CPU bfloat16 where sgl's "
-        "kernels run on AMX tiles (2-3x faster decode), else float32; on accelerators the "
-        "checkpoint's half type.")
+        "kernels run with AMX or AVX512-BF16 (faster decode), else float32; on accelerators "
+        "the checkpoint's half type.")
     num_threads: int | None = _opt(
         None, "torch intra-op threads of the scheduler; default: 1 where sgl's CPU kernels run "
         "(they need it), else one less than the usable cores (the process's CPU affinity).")

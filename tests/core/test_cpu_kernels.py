@@ -370,13 +370,12 @@ def test_isa_cap_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_auto_dtype_follows_the_level(cpu_isa: str, caplog: pytest.LogCaptureFixture) -> None:
-    """--dtype auto is bfloat16 where the kernels run on AMX tiles, float32 at every other
-    level, and the reason names the level."""
+    """--dtype auto is bfloat16 at the levels with bfloat16 instructions (amx, avx512_bf16),
+    float32 at the others, and the reason names the level."""
     from sgl.engine.model_runner import auto_cpu_dtype, resolve_dtype
 
     dtype, why = auto_cpu_dtype()
-    assert dtype == (torch.bfloat16 if cpu_isa == "amx" else torch.float32)
-    assert why.startswith(str(dtype).removeprefix("torch."))
-    assert (cpu_isa == "amx") == ("AMX" in why) and (cpu_isa == "amx" or cpu_isa in why)
+    assert dtype == (torch.bfloat16 if cpu_isa in ("amx", "avx512_bf16") else torch.float32)
+    assert why.startswith(str(dtype).removeprefix("torch.")) and f"at {cpu_isa}," in why
     assert resolve_dtype("auto", None, torch.device("cpu")) == dtype
     assert resolve_dtype("float32", None, torch.device("cpu")) == torch.float32

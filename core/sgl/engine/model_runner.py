@@ -54,18 +54,18 @@ def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> 
 def auto_cpu_dtype() -> tuple[torch.dtype, str]:
     """What ``--dtype auto`` runs on this CPU, and why (for the log).
 
-    bfloat16 where sgl's kernels run at level ``amx``: there its decode is 1.8x float32's at
-    batch 1 and 2.7x at batch 32 (SmolLM2, 2 cores, docs/benchmarks.md). Elsewhere float32: at
-    ``avx512_bf16`` bfloat16 was 1.46x faster at batch 1 but no faster at batch 32 (both
-    compute-bound on the same FMA ports), and below that torch's bfloat16 is slower still. Its
-    greedy tokens leave float32's within a few dozen, as transformers' own bfloat16 does."""
+    bfloat16 where the CPU has AVX512-BF16 or AMX and sgl's kernels run at such a level
+    (``amx``, ``avx512_bf16``): SmolLM2 on 2 cores decoded 1.8x (batch 1) and 2.7x (batch 32)
+    float32's speed on AMX tiles, 1.5x and 1.15x at ``avx512_bf16`` (docs/benchmarks.md).
+    Elsewhere float32. bfloat16's greedy tokens leave float32's within a few dozen, as
+    transformers' own bfloat16 does; ``--dtype float32`` keeps them."""
     from sgl.kernels import cpu
 
     level = cpu.cpu_isa()
-    if level == "amx":
-        return torch.bfloat16, "bfloat16: the CPU kernels run on AMX tiles"
-    return torch.float32, (f"float32: the CPU kernels run at {level}, where bfloat16 decodes "
-                           "no faster at large batches")
+    if level in ("amx", "avx512_bf16"):
+        return torch.bfloat16, f"bfloat16: the CPU kernels run at {level}, where it decodes faster"
+    return torch.float32, (f"float32: the CPU kernels run at {level}, without bfloat16 "
+                           "instructions")
 
 
 def resolve_architecture(config: PretrainedConfig, registries: Registries,
