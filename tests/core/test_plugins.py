@@ -52,6 +52,21 @@ def test_text_listing_names_plugins_and_hooks() -> None:
     assert "hooks: sgl_register_attention_backends" in result.stdout
 
 
+def test_text_listing_says_the_cpu_kernels_level() -> None:
+    """`sgl plugins` ends with the CPU kernels' level and why; a bad SGL_CPU_ISA is an error
+    that lists the levels, not a traceback."""
+    from sgl.kernels import cpu
+
+    result = run_cli(["plugins"], env={"SGL_CPU_ISA": "none"})
+    assert result.returncode == 0, result.stderr
+    last = result.stdout.splitlines()[-1]
+    assert last.startswith(f"CPU kernels: none (CPU has {cpu.detected_isa()}")
+    assert last.endswith("torch operators only)")
+    result = run_cli(["plugins"], env={"SGL_CPU_ISA": "avx9"})
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "SGL_CPU_ISA='avx9': expected auto or one of amx, avx512_bf16" in result.stderr
+
+
 def test_broken_plugin_is_reported_and_others_still_load(tmp_path: Path) -> None:
     install_dist(tmp_path, "sgl-broken", "broken", "sgl_broken_plugin",
                  'raise ImportError("No module named frobnicate")\n')

@@ -276,10 +276,11 @@ AMX_TARGET static void linear_bf16_amx_pairs(const uint16_t *a, int64_t lda, con
 }
 
 typedef struct {
-    const uint16_t *a, *wp;
+    const uint16_t *a, *wp; /* a: x as bfloat16 (AMX, vdpbf16ps) */
     uint16_t *y;
     int64_t lda, ldy, M, N, K;
     const float *bias;
+    const float *xf; /* x widened to fp32 (the AVX-512 kernel without dot products) */
 } linear_job;
 
 AMX_TARGET static void linear_bf16_amx_range(void *ctx, int64_t begin, int64_t end) {
@@ -303,7 +304,7 @@ AMX_TARGET int sgl_linear_bf16_amx(const uint16_t *x, int64_t ldx, const uint16_
         a = s;
         lda = Kp;
     }
-    linear_job job = {a, wp, y, lda, ldy, M, N, K, bias};
+    linear_job job = {a, wp, y, lda, ldy, M, N, K, bias, NULL};
     /* a few claims per thread, so that a thread the OS delays costs little */
     int64_t chunk = NP / (4 * (int64_t)pool_threads());
     parallel_for(linear_bf16_amx_range, &job, NP, chunk < 1 ? 1 : chunk);
@@ -1135,16 +1136,8 @@ AVX512_TARGET static inline __attribute__((always_inline)) void bf16_panel_widen
     }
 }
 
-typedef struct {
-    const float *xf;
-    const uint16_t *wp;
-    uint16_t *y;
-    int64_t ldx, ldy, M, N, K;
-    const float *bias;
-} linear_widen_job;
-
 AVX512_TARGET static void linear_bf16_widen_range(void *ctx, int64_t np_begin, int64_t np_end) {
-    const linear_widen_job *j = ctx;
+    const linear_job *j = ctx;
     const int64_t KB = ((j->K + 31) & ~(int64_t)31) / 32;
     for (int64_t np = np_begin; np < np_end; np++) {
         const uint16_t *w = j->wp + np * KB * 1024;
@@ -1152,18 +1145,18 @@ AVX512_TARGET static void linear_bf16_widen_range(void *ctx, int64_t np_begin, i
         const __mmask16 m0 = tail_mask(j->N - n0), m1 = j->N - n0 > 16 ? tail_mask(j->N - n0 - 16) : 0;
         const float *b = j->bias ? j->bias + n0 : NULL;
         for (int64_t r0 = 0; r0 < j->M; r0 += BF16_PANEL_ROWS) {
-            const float *xr = j->xf + r0 * j->ldx;
+            const float *xr = j->xf + r0 * j->lda;
             uint16_t *yr = j->y + r0 * j->ldy + n0;
             const int64_t left = j->M - r0;
             switch (left < BF16_PANEL_ROWS ? left : BF16_PANEL_ROWS) {
-            case 8: bf16_panel_widen(xr, j->ldx, w, yr, j->ldy, KB, b, m0, m1, 8); break;
-            case 7: bf16_panel_widen(xr, j->ldx, w, yr, j->ldy, KB, b, m0, m1, 7); break;
-            case 6: bf16_panel_widen(xr, j->ldx, w, yr, j->ldy, KB, b, m0, m1, 6); break;
-            case 5: bf16_panel_widen(xr, j->ldx, w, yr, j->ldy, KB, b, m0, m1, 5); break;
-            case 4: bf16_panel_widen(xr, j->ldx, w, yr, j->ldy, KB, b, m0, m1, 4); break;
-            case 3: bf16_panel_widen(xr, j->ldx, w, yr, j->ldy, KB, b, m0, m1, 3); break;
-            case 2: bf16_panel_widen(xr, j->ldx, w, yr, j->ldy, KB, b, m0, m1, 2); break;
-            default: bf16_panel_widen(xr, j->ldx, w, yr, j->ldy, KB, b, m0, m1, 1);
+            case 8: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 8); break;
+            case 7: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 7); break;
+            case 6: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 6); break;
+            case 5: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 5); break;
+            case 4: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 4); break;
+            case 3: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 3); break;
+            case 2: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 2); break;
+            default: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 1);
             }
         }
     }
@@ -1210,12 +1203,12 @@ AVX512_TARGET int sgl_linear_bf16_avx512(const uint16_t *x, int64_t ldx, const u
         int64_t lda;
         const uint16_t *a = padded_k(x, ldx, M, K, &lda);
         if (!a) return -1;
-        linear_job job = {a, wp, y, lda, ldy, M, N, K, bias};
+        linear_job job = {a, wp, y, lda, ldy, M, N, K, bias, NULL};
         parallel_for(linear_bf16_dp_range, &job, NP, chunk);
     } else {
         const float *xf = widened_x(x, ldx, M, K);
         if (!xf) return -1;
-        linear_widen_job job = {xf, wp, y, (K + 31) & ~(int64_t)31, ldy, M, N, K, bias};
+        linear_job job = {NULL, wp, y, (K + 31) & ~(int64_t)31, ldy, M, N, K, bias, xf};
         parallel_for(linear_bf16_widen_range, &job, NP, chunk);
     }
     return 0;
