@@ -143,7 +143,8 @@ def test_f32_linear_threads_share_the_columns(kernels: cpu.CpuKernels, n: int, k
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,width", [(1, 576), (33, 576), (5, 40), (3, 4096)])
-def test_rmsnorm_and_silu(kernels: cpu.CpuKernels, dtype: torch.dtype, rows: int, width: int) -> None:
+def test_rmsnorm_and_silu(kernels: cpu.CpuKernels, dtype: torch.dtype, rows: int,
+                          width: int) -> None:
     torch.manual_seed(rows * width)
     x = (torch.randn(rows, width) * 3).to(dtype)
     residual = torch.randn(rows, width).to(dtype)
@@ -164,7 +165,8 @@ def test_rmsnorm_and_silu(kernels: cpu.CpuKernels, dtype: torch.dtype, rows: int
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (64, 48), (96, 40), (128, 128)])
-def test_rotary_bit_identical(kernels: cpu.CpuKernels, dtype: torch.dtype, head_dim: int, rotary_dim: int) -> None:
+def test_rotary_bit_identical(kernels: cpu.CpuKernels, dtype: torch.dtype, head_dim: int,
+                              rotary_dim: int) -> None:
     torch.manual_seed(head_dim + rotary_dim)
     rope = RotaryEmbedding(head_dim, rotary_dim, 4096,
                            {"rope_type": "default", "rope_theta": 10000.0})
@@ -261,7 +263,8 @@ def test_replay_of_calls_sgl_replay_does_not_know() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rmsnorm_per_head_on_a_strided_view(kernels: cpu.CpuKernels, dtype: torch.dtype) -> None:
+def test_rmsnorm_per_head_on_a_strided_view(kernels: cpu.CpuKernels,
+                                            dtype: torch.dtype) -> None:
     """Qwen3's q/k norms: each head's features normed on their own, read in place from q and k
     split off a fused qkv output."""
     from sgl.layers.norm import RMSNorm
@@ -289,7 +292,8 @@ def test_rmsnorm_per_head_on_a_strided_view(kernels: cpu.CpuKernels, dtype: torc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [3, 8, 9, 33, 200])
 @pytest.mark.usefixtures("restore_kernel_threads")
-def test_row_kernels_on_two_threads(kernels: cpu.CpuKernels, dtype: torch.dtype, rows: int) -> None:
+def test_row_kernels_on_two_threads(kernels: cpu.CpuKernels, dtype: torch.dtype,
+                                    rows: int) -> None:
     """Norm, SiLU x up and rotary split their rows over the kernel threads (8 or more rows per
     chunk): every row is written, with the bits of one thread."""
     torch.manual_seed(rows)

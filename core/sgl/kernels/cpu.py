@@ -52,9 +52,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["DTYPES", "ISA_LEVELS", "CpuKernels", "KernelTape", "argmax_rows", "cpu_isa",
-           "detected_isa", "effective_isa", "fits", "isa_at_least", "kernel_threads", "load", "pack_amx_weight",
-           "recording", "run", "set_isa", "set_threads"]
+__all__ = ["DTYPES", "ISA_LEVELS", "KERNEL_LEVELS", "CpuKernels", "KernelTape", "argmax_rows",
+           "cpu_isa", "cpu_vendor", "describe_isa", "detected_isa", "effective_isa", "fits",
+           "isa_at_least", "kernel_threads", "load", "pack_amx_weight", "recording",
+           "requested_isa", "run", "set_isa", "set_threads"]
 
 logger = logging.getLogger(__name__)
 
@@ -375,7 +376,8 @@ def detected_isa() -> str:
         if platform.machine() not in ("x86_64", "AMD64"):
             _detected = "none"
         elif all(flags[k] for k in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq")):
-            if flags["avx512_bf16"] and flags["amx_bf16"] and flags["amx_tile"] and _amx_permitted():
+            amx = flags["avx512_bf16"] and flags["amx_bf16"] and flags["amx_tile"]
+            if amx and _amx_permitted():
                 _detected = "amx"
             else:
                 _detected = "avx512_bf16" if flags["avx512_bf16"] else "avx512"
