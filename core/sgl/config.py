@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from sgl.threads import check_thread_counts, usable_cores
+
 __all__ = [
     "ConfigError",
     "ServerSettings",
@@ -373,8 +375,6 @@ def _check_ranges(s: ServerSettings) -> None:
         fail("num_threads", "expected at least 1")
     if s.kernel_threads is not None and s.kernel_threads < 1:
         fail("kernel_threads", "expected at least 1")
-    from sgl.threads import check_thread_counts, usable_cores
-
     problem = check_thread_counts(s.num_threads, s.kernel_threads, usable_cores())
     if problem:
         fail("kernel_threads" if s.kernel_threads is not None else "num_threads", problem)

@@ -77,6 +77,8 @@ def plan_threads(num_threads: int | None, kernel_threads: int | None, *, kernels
             num_threads = 1  # the kernels' pool was asked for: torch must leave the cores
         else:
             num_threads = 1 if kernels else max(1, cores - 1)
-    if kernel_threads is None:
-        kernel_threads = cores if kernels and num_threads == 1 else 1
+    if not kernels:
+        kernel_threads = 1  # no kernel runs, so no pool (the scheduler warns about the flag)
+    elif kernel_threads is None:
+        kernel_threads = cores if num_threads == 1 else 1
     return ThreadPlan(torch_threads=num_threads, kernel_threads=kernel_threads)

@@ -127,7 +127,8 @@ class ModelRunner:
     """The model, the KV pool, the request table and the attention backend of one process.
 
     :param model_path: Hugging Face folder or ``.gguf`` file; None for the bundled SmolLM2.
-    :param dtype: ``"auto"`` (:func:`auto_cpu_dtype` on CPU), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+    :param dtype: ``"auto"`` (:func:`auto_cpu_dtype` on CPU), ``"float32"``, ``"bfloat16"`` or
+        ``"float16"``.
     :param attention_backend: a name registered by an attention plugin (``"torch"``).
     :param registries: the plugin manager's registries (models, attention backends).
     :param plugin_manager: asked through ``sgl_resolve_model_arch`` when no registered class

@@ -41,6 +41,7 @@ from sgl.engine.messages import (
 from sgl.engine.sampler import SamplingInput, sample_next_tokens
 from sgl.engine.schedule_policy import CACHE_AWARE_POLICIES, defer_for_sharing, order_waiting
 from sgl.engine.sequence import Req
+from sgl.kernels import cpu
 from sgl.kvcache import BaseCachePolicy, NoPrefixCache, PrefixMatch
 from sgl.threads import ThreadPlan, plan_threads
 
@@ -65,8 +66,6 @@ def configure_threads(num_threads: int | None, kernel_threads: int | None) -> Th
     """Set torch's and sgl's kernel threads as the scheduler runs them (see :mod:`sgl.threads`;
     after ``cpu.set_isa``, which decides whether the kernels run). ValueError for counts that
     would fight over the cores."""
-    from sgl.kernels import cpu
-
     kernels = cpu.load() is not None
     plan = plan_threads(num_threads, kernel_threads, kernels=kernels)
     torch.set_num_threads(plan.torch_threads)
@@ -80,12 +79,6 @@ def configure_threads(num_threads: int | None, kernel_threads: int | None) -> Th
     return plan
 
 
-def _describe_isa() -> str:
-    from sgl.kernels import cpu
-
-    return cpu.describe_isa()
-
-
 class Scheduler:
     def __init__(self, settings: ServerSettings, pm: SglPluginManager,
                  endpoints: dict[str, str]) -> None:
@@ -93,8 +86,6 @@ class Scheduler:
         from sgl.model_loader import load_tokenizer, resolve_model_path
 
         self.settings = settings
-        from sgl.kernels import cpu
-
         cpu.set_isa(settings.cpu_isa)
         self.threads = configure_threads(settings.num_threads, settings.kernel_threads)
         self.num_threads = self.threads.torch_threads
@@ -145,7 +136,7 @@ class Scheduler:
         return SchedulerInfo(
             ok=True, model_path=str(r.model_path), architecture=r.architecture,
             dtype=str(r.dtype).removeprefix("torch."), num_threads=self.num_threads,
-            kernel_threads=self.threads.kernel_threads, cpu_isa=_describe_isa(),
+            kernel_threads=self.threads.kernel_threads, cpu_isa=cpu.describe_isa(),
             context_length=r.context_length, vocab_size=r.vocab_size,
             max_total_tokens=r.kv_pool.size, kv_pool_bytes=r.kv_pool_bytes,
             attention_backend=self.settings.attention_backend,

@@ -85,12 +85,12 @@ class CpuKernels:
     lib: ctypes.CDLL
     isa: str
 
-    @property
+    @functools.cached_property
     def amx(self) -> bool:
         """The bfloat16 matmul on AMX tiles."""
         return self.isa == "amx"
 
-    @property
+    @functools.cached_property
     def avx512_bf16(self) -> bool:
         """bfloat16 dot products (``vdpbf16ps``) in the matmul and the decode attention."""
         return self.isa in ("amx", "avx512_bf16")
@@ -100,7 +100,7 @@ class CpuKernels:
         """The AVX-512 kernels (all of them run at every level of :data:`KERNEL_LEVELS`)."""
         return True
 
-    @property
+    @functools.cached_property
     def bf16_dot_matmul(self) -> bool:
         """Whether the bfloat16 matmul without AMX uses ``vdpbf16ps`` rather than widening to
         fp32 FMAs: on AMD only. On Intel (Sapphire Rapids with AMX capped, 2 cores) the widened
@@ -352,7 +352,6 @@ def _amx_permitted() -> bool:
         return False
 
 
-_detected: str | None = None
 
 
 @functools.cache
@@ -368,22 +367,17 @@ def cpu_vendor() -> str:
     return ""
 
 
+@functools.cache
 def detected_isa() -> str:
     """The best level of :data:`ISA_LEVELS` this CPU runs (AMX only where the OS grants it)."""
-    global _detected
-    if _detected is None:
-        flags = _cpu_flags()
-        if platform.machine() not in ("x86_64", "AMD64"):
-            _detected = "none"
-        elif all(flags[k] for k in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq")):
-            amx = flags["avx512_bf16"] and flags["amx_bf16"] and flags["amx_tile"]
-            if amx and _amx_permitted():
-                _detected = "amx"
-            else:
-                _detected = "avx512_bf16" if flags["avx512_bf16"] else "avx512"
-        else:
-            _detected = "avx2" if flags["avx2"] and flags["fma"] else "none"
-    return _detected
+    flags = _cpu_flags()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "none"
+    if not all(flags[k] for k in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq")):
+        return "avx2" if flags["avx2"] and flags["fma"] else "none"
+    if flags["avx512_bf16"] and flags["amx_bf16"] and flags["amx_tile"] and _amx_permitted():
+        return "amx"
+    return "avx512_bf16" if flags["avx512_bf16"] else "avx512"
 
 
 def _check_level(level: str, where: str) -> str:
@@ -429,11 +423,12 @@ def cpu_isa() -> str:
 
 def describe_isa() -> str:
     """One line for logs and ``sgl plugins``: the level in use and why."""
-    level, detected, requested = cpu_isa(), detected_isa(), requested_isa()
+    level, detected = cpu_isa(), detected_isa()
+    capped = effective_isa(requested_isa())
     parts = [f"CPU has {detected}"]
-    if requested != "auto" and requested != detected:
-        parts.append(f"capped at {requested}")
-    if level == "none" and effective_isa(requested) in KERNEL_LEVELS:
+    if capped != detected:
+        parts.append(f"capped at {capped}")
+    if level == "none" and capped in KERNEL_LEVELS:
         parts.append("kernels could not be built")
     elif level not in KERNEL_LEVELS:
         parts.append("torch operators only")

@@ -7,7 +7,8 @@ the weight into its blocked layout on every call. :func:`pack_weight` prepares a
 
 * ``"bf16"``: bfloat16 weights at every kernel level (:data:`sgl.kernels.cpu.KERNEL_LEVELS`),
   the layout of :func:`sgl.kernels.cpu.pack_amx_weight`, multiplied by sgl's own kernel: on AMX
-  tiles, or on AVX-512 vectors (``vdpbf16ps`` with AVX512-BF16) without AMX. Both read the
+  tiles, or on AVX-512 vectors without AMX (``vdpbf16ps`` on AMD, widened FMAs elsewhere; see
+  ``CpuKernels.bf16_dot_matmul``). Both read the
   weight in one sequential pass, split over the kernel's own threads
   (:func:`sgl.kernels.cpu.set_threads`). Used when torch runs on one thread: for any number of
   rows with two or more kernel threads, for up to :data:`AMX_MAX_ROWS` rows with one; otherwise
