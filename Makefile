@@ -16,6 +16,7 @@ PLUGINS := \
 	plugins/models/sgl-model-phi \
 	plugins/models/sgl-model-qwen \
 	plugins/attention/sgl-attn-torch \
+	plugins/kernels/sgl-kernels-cpu \
 	plugins/cache/sgl-cache-radix \
 	plugins/tools/sgl-bench \
 	plugins/grammar/sgl-grammar-xgrammar \
@@ -33,7 +34,12 @@ STAMP := $(VENV)/.sgl-installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt Makefile $(foreach p,$(PLUGINS),$(p)/pyproject.toml)
+# the compiled plugin (sgl-kernels-cpu) is rebuilt when its sources change
+NATIVE_SOURCES := $(wildcard plugins/kernels/sgl-kernels-cpu/csrc/*) \
+	plugins/kernels/sgl-kernels-cpu/setup.py
+
+$(STAMP): pyproject.toml constraints.txt Makefile $(foreach p,$(PLUGINS),$(p)/pyproject.toml) \
+		$(NATIVE_SOURCES)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) --upgrade pip setuptools wheel
 	$(PIP_INSTALL) torch==$(TORCH_VERSION)
@@ -48,4 +54,5 @@ test: install
 	$(VENV)/bin/python -m pytest
 
 clean:
-	rm -rf $(VENV) build .pytest_cache
+	rm -rf $(VENV) build .pytest_cache plugins/kernels/sgl-kernels-cpu/build \
+		plugins/kernels/sgl-kernels-cpu/sgl_kernels_cpu/_C*.so

@@ -23,7 +23,7 @@ from sgl.engine.batch_builder import BatchSeq, make_forward_batch, release_seque
 from sgl.engine.forward_batch import ForwardMode
 from sgl.engine.model_runner import ModelRunner
 from sgl.kernels import cpu
-from sgl.layers.cpu_gemm import PackedWeight
+from sgl.layers.packed_linear import OneDnnWeight
 from sgl.plugins import create_plugin_manager
 
 
@@ -60,7 +60,7 @@ def stages(runner: ModelRunner) -> dict[str, Any]:
     kernels = cpu.load()
     layers = [m for m in runner.model.modules() if hasattr(m, "packed")]
     prepared = {id(m): m.packed for m in layers}
-    onednn = {id(m): PackedWeight("onednn", torch.ops.mkldnn._reorder_linear_weight(
+    onednn = {id(m): OneDnnWeight("onednn", torch.ops.mkldnn._reorder_linear_weight(
         m.weight, None), m.weight.shape[0], m.weight.dtype)
         if m.weight.dtype == torch.bfloat16 else None for m in layers}
 

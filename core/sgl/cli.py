@@ -220,6 +220,7 @@ def build_cli(pm: SglPluginManager) -> click.Group:
                 click.echo(f"    hooks: {', '.join(r['hooks'])}")
         from sgl.kernels import cpu
 
+        cpu.use_plugins(pm)
         try:
             click.echo(f"CPU kernels: {cpu.describe_isa()}")
         except ValueError as exc:  # a bad SGL_CPU_ISA

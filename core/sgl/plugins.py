@@ -116,6 +116,7 @@ class Registries:
     parallel: Registry[Any] = field(default_factory=lambda: Registry("parallel strategy"))
     transfer: Registry[Any] = field(default_factory=lambda: Registry("KV transfer backend"))
     frontends: Registry[Any] = field(default_factory=lambda: Registry("frontend"))
+    kernels: Registry[Any] = field(default_factory=lambda: Registry("kernel library"))
 
     HOOKS = {
         "attention": "sgl_register_attention_backends",
@@ -126,6 +127,7 @@ class Registries:
         "parallel": "sgl_register_parallel_strategies",
         "transfer": "sgl_register_kv_transfer_backends",
         "frontends": "sgl_register_frontends",
+        "kernels": "sgl_register_kernel_libraries",
     }
 
 

@@ -136,7 +136,7 @@ def test_batch_sizes_are_recorded_separately_and_evicted(model_dir: Path) -> Non
 def test_forward_with_torch_compute_is_not_recorded(model_dir: Path) -> None:
     """float32 below F32_MIN_ROWS rows goes through torch's matmul: that batch size stays
     eager (and right) while a larger one is recorded."""
-    from sgl.layers.cpu_gemm import F32_MIN_ROWS
+    from sgl_kernels_cpu.linear import F32_MIN_ROWS
 
     runner = make_runner(model_dir, "float32")
     graphs = runner.cpu_graphs

@@ -7,12 +7,13 @@ project's 2-core VM, measured with a model of the same depth whose kernels cost 
 a batch-1 bfloat16 step is about 36 ms.
 
 :class:`CpuGraphRunner` runs the second decode forward of a batch size as usual while
-:func:`sgl.kernels.cpu.recording` takes down every kernel call (the function, its exact
-arguments, the tensors its pointers lie in) and a torch dispatch mode checks that nothing else
-computed: only allocations and views may run outside the kernels. A later decode batch of the
-same size copies its inputs (token ids, positions, and what the attention backend lists in
-:meth:`~sgl.attention.base.BaseAttentionBackend.graph_inputs`) into the recorded tensors and
-replays the calls, all in one call of the C function ``sgl_replay``; no module code runs. A
+:func:`sgl.kernels.cpu.recording` has the kernel library take down every kernel call (the
+kernel, its exact arguments, the tensors it reads and writes) and a torch dispatch mode checks
+that nothing else computed: only the ``sgl::`` kernel operators, allocations and views may run.
+A later decode batch of the same size copies its inputs (token ids, positions, and what the
+attention backend lists in :meth:`~sgl.attention.base.BaseAttentionBackend.graph_inputs`) into
+the recorded tensors and replays the calls, all in one call of the library
+(:meth:`~sgl.kernels.library.KernelLibrary.replay`); no module code and no dispatcher runs. A
 forward that computes anything with torch (a torch fallback, a model's own elementwise op,
 float16) is not recorded and stays eager. Recording costs about 1.6 eager forwards, hence not
 the first forward of a size: a size the batch passes through only once is not worth it. The recorded activations stay allocated for the replays;
@@ -34,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sgl.kernels import cpu
+from sgl.kernels import cpu, ops
+from sgl.kernels.library import KernelTape
 
 if TYPE_CHECKING:
     from sgl.attention.base import BaseAttentionBackend
@@ -67,19 +69,23 @@ _VIEW_OR_COPY = frozenset({_aten.reshape, _aten.flatten, _aten.unflatten, _aten.
 
 
 class _ComputeWatch(TorchDispatchMode):
-    """Notes every torch op outside :data:`_NO_COMPUTE` that runs inside the block, and the
-    bytes that the block allocates."""
+    """Notes every torch op outside :data:`_NO_COMPUTE` and the kernel operators that runs
+    inside the block, the kernel operators it calls, and the bytes that it allocates outside
+    them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.compute: list[str] = []
+        self.kernel_calls = 0
         self.allocated = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         packet = func.overloadpacket
         out = func(*args, **(kwargs or {}))
-        if packet in _VIEW_OR_COPY:
+        if func.namespace == ops.NAMESPACE:
+            self.kernel_calls += 1
+        elif packet in _VIEW_OR_COPY:
             if out.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr():
                 self.compute.append(f"{packet} (a copy)")
         elif packet not in _NO_COMPUTE:
@@ -91,7 +97,7 @@ class _ComputeWatch(TorchDispatchMode):
 
 @dataclasses.dataclass
 class _Graph:
-    tape: cpu.KernelTape
+    tape: KernelTape
     inputs: list[torch.Tensor]  # what the recorded calls read of the batch, in _inputs' order
     output: torch.Tensor
     nbytes: int  # what the recording allocated (activations, kept for the replays)
@@ -168,20 +174,25 @@ class CpuGraphRunner:
         with cpu.recording() as tape, watch:
             output = self.model(own)
         graph = None
-        if watch.compute:
+        nbytes = watch.allocated + tape.output_bytes
+        if watch.kernel_calls != len(tape):  # a kernel operator ran without the library
+            logger.debug("decode forward of batch size %d not recorded: %d of its %d kernel "
+                         "calls were not recorded", batch.batch_size,
+                         watch.kernel_calls - len(tape), watch.kernel_calls)
+        elif watch.compute:
             logger.debug("decode forward of batch size %d not recorded: it runs torch ops "
                          "(%s)", batch.batch_size, ", ".join(sorted(set(watch.compute))))
-        elif watch.allocated > self.max_bytes:
+        elif nbytes > self.max_bytes:
             logger.debug("decode forward of batch size %d not recorded: its activations "
                          "(%.0f MiB) exceed the %.0f MiB for graphs", batch.batch_size,
-                         watch.allocated / 2**20, self.max_bytes / 2**20)
-        elif tape.calls:
-            graph = _Graph(tape, inputs, output, watch.allocated)
+                         nbytes / 2**20, self.max_bytes / 2**20)
+        elif len(tape):
+            graph = _Graph(tape, inputs, output, nbytes)
             self.captures += 1
             log = logger.info if self.captures == 1 else logger.debug
             log("recorded the decode forward of batch size %d (%d kernel calls, %.1f MiB); "
                 "batches of this size replay it (--disable-cpu-graph turns this off)",
-                batch.batch_size, len(tape.calls), watch.allocated / 2**20)
+                batch.batch_size, len(tape), nbytes / 2**20)
         self.graphs[key] = graph
         while self.nbytes > self.max_bytes:
             self.graphs.popitem(last=False)

@@ -86,6 +86,7 @@ class Scheduler:
         from sgl.model_loader import load_tokenizer, resolve_model_path
 
         self.settings = settings
+        cpu.use_plugins(pm)  # the kernel library of the plugins this process loaded
         cpu.set_isa(settings.cpu_isa)
         self.threads = configure_threads(settings.num_threads, settings.kernel_threads)
         self.num_threads = self.threads.torch_threads

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sgl.kernels import cpu
-from sgl.layers.cpu_gemm import PackedWeight, linear, pack_weight
+from sgl.layers.packed_linear import PackedWeight, linear, pack_weight
 from sgl.layers.tp import get_tp_group, tp_all_gather, tp_all_reduce
 
 __all__ = ["ParallelLMHead", "VocabParallelEmbedding"]
@@ -86,7 +86,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed: PackedWeight | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Pack the (possibly tied) weight for the CPU matmul (see :mod:`sgl.layers.cpu_gemm`)."""
+        """Pack the (possibly tied) weight for the CPU matmul (:mod:`sgl.layers.packed_linear`)."""
         self.packed = pack_weight(self.weight)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:

@@ -5,8 +5,9 @@ rank's slice of a full Hugging Face tensor into it, so a model's ``load_weights`
 knowledge of the split. Fused layers (``qkv_proj``, ``gate_up_proj``) take a ``shard_id`` naming
 which of the original tensors arrives.
 
-After loading, the runner calls ``process_weights_after_loading()``, which packs CPU bfloat16
-weights for oneDNN (:mod:`sgl.layers.cpu_gemm`); a weight reloaded later needs that call again.
+After loading, the runner calls ``process_weights_after_loading()``, which prepares CPU weights
+for the kernels' matmuls (:mod:`sgl.layers.packed_linear`); a weight reloaded later needs that
+call again.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sgl.layers.cpu_gemm import PackedWeight, linear, pack_weight
+from sgl.layers.packed_linear import PackedWeight, linear, pack_weight
 from sgl.layers.tp import divide, get_tp_group, tp_all_gather, tp_all_reduce
 
 __all__ = [
@@ -70,7 +71,7 @@ class ColumnParallelLinear(nn.Module):
         self.packed: PackedWeight | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Pack the loaded weight for the CPU matmul (see :mod:`sgl.layers.cpu_gemm`)."""
+        """Pack the loaded weight for the CPU matmul (see :mod:`sgl.layers.packed_linear`)."""
         self.packed = pack_weight(self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
@@ -175,7 +176,7 @@ class RowParallelLinear(nn.Module):
         self.packed: PackedWeight | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Pack the loaded weight for the CPU matmul (see :mod:`sgl.layers.cpu_gemm`)."""
+        """Pack the loaded weight for the CPU matmul (see :mod:`sgl.layers.packed_linear`)."""
         self.packed = pack_weight(self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,

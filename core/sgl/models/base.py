@@ -23,7 +23,7 @@ class BaseCausalLM(nn.Module):
     Constructed as ``cls(config, dtype=..., device=...)`` on the target device with
     uninitialised weights, then filled by :meth:`load_weights` tensor by tensor. After that the
     runner calls ``process_weights_after_loading()`` on every submodule that defines it (the
-    linear layers use it to prepare their CPU matmul weights; see ``sgl.layers.cpu_gemm``).
+    linear layers use it to prepare their CPU matmul weights; see ``sgl.layers.packed_linear``).
     """
 
     def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:

@@ -118,7 +118,7 @@ def test_decode_head_dim_64(dtype: torch.dtype, heads: tuple[int, int], window: 
     has them), through torch below them."""
     from sgl.kernels import cpu
 
-    assert (backend_module._native_kernels() is not None) == (cpu_isa in cpu.KERNEL_LEVELS)
+    assert (cpu.load() is not None) == (cpu_isa in cpu.KERNEL_LEVELS)
     torch.manual_seed(2)
     spec = AttentionLayerSpec(layer_id=0, num_heads=heads[0], num_kv_heads=heads[1], head_dim=64,
                               scaling=0.125, sliding_window=window, logit_softcap=softcap)
@@ -135,7 +135,7 @@ def test_decode_kernel_on_two_threads(dtype: torch.dtype) -> None:
     be attended (a skipped one leaves torch.empty's garbage, which the reference check sees)."""
     from sgl.kernels import cpu
 
-    assert backend_module._native_kernels() is not None
+    assert cpu.load() is not None
     torch.manual_seed(3)
     assert cpu.set_threads(2) == 2
     spec = AttentionLayerSpec(layer_id=0, num_heads=9, num_kv_heads=3, head_dim=64,
@@ -149,7 +149,7 @@ def test_decode_kernel_on_two_threads(dtype: torch.dtype) -> None:
 def test_decode_in_several_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(1)
     monkeypatch.setattr(backend_module, "DECODE_CHUNK_TOKENS", 16)
-    monkeypatch.setattr(backend_module, "_native_kernels", lambda: None)  # the torch path
+    monkeypatch.setattr(backend_module.cpu, "load", lambda: None)  # the torch path
     spec = AttentionLayerSpec(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM,
                               scaling=0.3)
     harness = Harness(spec, lengths=[15, 4, 9, 3, 11])

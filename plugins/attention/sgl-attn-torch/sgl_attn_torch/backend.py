@@ -44,14 +44,6 @@ if TYPE_CHECKING:
 __all__ = ["DECODE_CHUNK_TOKENS", "TorchAttentionBackend", "TorchAttentionMetadata"]
 
 DECODE_CHUNK_TOKENS = 8192
-# tensor dtype -> the kernel's dtype code
-_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-def _native_kernels() -> Any:
-    """sgl's CPU kernels (None without them, or with ``SGL_CPU_KERNELS=0``)."""
-    kernels = cpu.load()
-    return kernels if kernels is not None and kernels.avx512 else None
 
 
 @dataclass
@@ -87,10 +79,9 @@ class TorchAttentionMetadata:
 
 @dataclass
 class _NativeDecode:
-    """The per-batch arguments of ``sgl_decode_attention`` (see :mod:`sgl.kernels.cpu`)."""
+    """The per-batch arguments of ``sgl::decode_attention`` (see :mod:`sgl.kernels.ops`)."""
 
-    kernel: Any
-    bf16_dot: int  # the CPU has AVX512-BF16
+    kernels: cpu.CpuKernels
     rows: torch.Tensor  # [batch] int64, contiguous
     lens: torch.Tensor
     loc: torch.Tensor
@@ -128,12 +119,11 @@ class TorchAttentionBackend(BaseAttentionBackend):
 
     def _plan_decode(self, batch: ForwardBatch, seq_lens: list[int]) -> TorchAttentionMetadata:
         plan = TorchAttentionMetadata(ForwardMode.DECODE)
-        kernels = _native_kernels() if self.device.type == "cpu" else None
+        kernels = cpu.load() if self.device.type == "cpu" else None
         if kernels is not None:
             table = self.req_to_token_pool.req_to_token
             plan.native = _NativeDecode(
-                kernels.lib.sgl_decode_attention, int(kernels.avx512_bf16),
-                batch.req_pool_indices.contiguous(),
+                kernels, batch.req_pool_indices.contiguous(),
                 batch.seq_lens.contiguous(), batch.out_cache_loc.contiguous(), table)
             plan.batch = batch  # the chunks are planned only if a layer cannot use the kernel
             return plan
@@ -194,25 +184,19 @@ class TorchAttentionBackend(BaseAttentionBackend):
         dtype = q.dtype
         head_dim, v_dim = layer.head_dim, v_pool.shape[-1]
         kv_width = layer.num_kv_heads * head_dim
-        if (dtype not in _NATIVE_DTYPES or k.dtype != dtype or v.dtype != dtype
+        if (dtype not in cpu.DTYPES or k.dtype != dtype or v.dtype != dtype
                 or k_pool.dtype != dtype or v_pool.dtype != dtype
                 or q.dim() != 2 or k.dim() != 2 or v.dim() != 2
                 or q.stride(1) != 1 or k.stride(1) != 1 or v.stride(1) != 1
                 or k.shape[1] != kv_width or v.shape[1] != layer.num_kv_heads * v_dim
-                or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
+                or not (k_pool.is_contiguous() and v_pool.is_contiguous())
+                or not native.kernels.decode_attention_fits(layer.num_heads, layer.num_kv_heads,
+                                                            head_dim, v_dim)):
             return None
-        tokens = q.shape[0]
-        out = q.new_empty(tokens, layer.num_heads * v_dim)
-        table = native.table
-        rc = cpu.run(native.kernel, (
-            q.data_ptr(), q.stride(0), head_dim, k.data_ptr(), k.stride(0), v.data_ptr(),
-            v.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr(), table.stride(0),
-            native.rows.data_ptr(), native.lens.data_ptr(), native.loc.data_ptr(),
-            out.data_ptr(), out.stride(0), tokens, layer.num_heads, layer.num_kv_heads, head_dim,
-            v_dim, layer.scaling, layer.logit_softcap or 0.0, layer.sliding_window or 0,
-            _NATIVE_DTYPES[dtype], native.bf16_dot),
-            q, k, v, k_pool, v_pool, table, native.rows, native.lens, native.loc, out)
-        return out if rc == 0 else None
+        return torch.ops.sgl.decode_attention(
+            q, k, v, k_pool, v_pool, native.table, native.rows, native.lens, native.loc,
+            layer.num_heads, layer.num_kv_heads, head_dim, layer.scaling,
+            layer.logit_softcap or 0.0, layer.sliding_window or 0)
 
     def graph_inputs(self, batch: ForwardBatch) -> list[torch.Tensor] | None:
         """A decode batch on sgl's CPU kernel: its rows, lengths and new slots."""

@@ -1,5 +1,6 @@
-"""sgl's CPU kernels (``sgl.kernels.cpu``) against the torch code they replace, at every
-kernel level of the instruction-set ladder this CPU has (the ``kernel_isa`` fixture).
+"""sgl's CPU kernels (sgl-kernels-cpu, through ``sgl.kernels.cpu``) against the torch code they
+replace and the reference implementations of ``sgl.kernels.ops``, at every kernel level of the
+instruction-set ladder this CPU has (the ``kernel_isa`` fixture).
 
 The elementwise kernels round where torch rounds, so for bfloat16 they must agree bit for bit;
 the matmul and the attention sum in another order, so they agree to rounding.
@@ -12,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from sgl.kernels import cpu
-from sgl.layers.cpu_gemm import PackedWeight, linear, pack_weight
+from sgl.kernels import ops
+from sgl.layers.packed_linear import PackedWeight, linear, pack_weight
 from sgl.layers.rotary import RotaryEmbedding
 
 
@@ -50,7 +52,7 @@ def test_bf16_linear(kernels: cpu.CpuKernels, n: int, k: int, rows: int) -> None
     expected = F.linear(x.float(), weight.float(), bias.float())
     with cpu.recording() as tape:
         got = linear(x, weight, bias, packed).float()
-    assert [fn.__name__ for fn, _ in tape.calls] == [bf16_kernel_name(kernels.isa)]
+    assert tape.names == [bf16_kernel_name(kernels.isa)]
     torch.testing.assert_close(got, expected, rtol=0.02, atol=0.05)
 
 
@@ -62,15 +64,20 @@ def test_bf16_dot_and_widened_matmuls_agree(kernels: cpu.CpuKernels, n: int, k: 
     every kernel level, the vdpbf16ps one where the level has AVX512-BF16."""
     torch.manual_seed(rows + n)
     weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).float()
-    packed = cpu.pack_amx_weight(weight)
+    packed = cpu.pack_bf16_weight(weight)
     x = torch.randn(rows, k).bfloat16()
     expected = F.linear(x.float(), weight.float(), bias)
-    for dp in (0, 1) if kernels.avx512_bf16 else (0,):
-        y = torch.empty(rows, n, dtype=torch.bfloat16)
-        assert kernels.lib.sgl_linear_bf16_avx512(x.data_ptr(), k, packed.data_ptr(),
-                                                  y.data_ptr(), n, rows, n, k, bias.data_ptr(),
-                                                  dp) == 0
-        torch.testing.assert_close(y.float(), expected, rtol=0.02, atol=0.05)
+    try:
+        for level, dot in ([("avx512", False), ("avx512_bf16", True)] if kernels.avx512_bf16
+                           else [("avx512", False)]):
+            kernels.library.set_level(level, dot)
+            with cpu.recording() as tape:
+                y = kernels.linear_bf16(x, packed, n, bias)
+            assert tape.names == ["sgl_linear_bf16_avx512"]
+            assert int(tape.calls[0, 10]) == int(dot)  # the kernel's dp argument
+            torch.testing.assert_close(y.float(), expected, rtol=0.02, atol=0.05)
+    finally:
+        kernels.library.set_level(kernels.isa, kernels.bf16_dot_matmul)
 
 
 @pytest.mark.parametrize("n,k", [(49152, 576), (960, 576), (100, 40)])
@@ -92,7 +99,7 @@ def test_bf16_linear_threads_share_the_columns(kernels: cpu.CpuKernels, n: int, 
     two = [kernels.linear_bf16(x, packed.tensor, n, packed.bias) for _ in range(3)]
     with cpu.recording() as tape:
         via_layer = linear(x, weight, bias, packed)
-    assert [fn.__name__ for fn, _ in tape.calls] == [bf16_kernel_name(kernels.isa)]
+    assert tape.names == [bf16_kernel_name(kernels.isa)]
     for got in two + [via_layer]:
         assert torch.equal(got, one)
     torch.testing.assert_close(one.float(), F.linear(x.float(), weight.float(), bias.float()),
@@ -136,7 +143,7 @@ def test_f32_linear_threads_share_the_columns(kernels: cpu.CpuKernels, n: int, k
         via_layer = linear(x, weight, bias, packed)
     for got in two + [via_layer]:
         assert torch.equal(got, one)
-    assert len(tape.calls) == 1  # the kernel, not torch's matmul
+    assert len(tape) == 1  # the kernel, not torch's matmul
     torch.testing.assert_close(one.double(), F.linear(x.double(), weight.double(),
                                                       bias.double()), rtol=1e-5, atol=1e-4)
 
@@ -215,17 +222,18 @@ def test_recording_keeps_the_calls_and_replays_them(kernels: cpu.CpuKernels) -> 
     weight = torch.randn(1, 8)
     with cpu.recording() as tape:
         out, _ = kernels.rmsnorm(x, None, weight, 1e-6)
-        with pytest.raises(RuntimeError, match="already being recorded"):
+        with pytest.raises(RuntimeError, match="already recording"):
             with cpu.recording():
                 pass
-    assert len(tape.calls) == 1 and any(t is out for t in tape.tensors)
+    assert len(tape) == 1 and any(t is out for t in tape.outputs)
+    assert any(t is x for t in tape.inputs)
     first = out.clone()
     x.copy_(torch.randn(3, 8))  # replay reads the recorded tensors as they are now
     tape.replay()
     assert not torch.equal(out, first)
     torch.testing.assert_close(out, kernels.rmsnorm(x, None, weight, 1e-6)[0], rtol=0, atol=0)
     kernels.rmsnorm(x, None, weight, 1e-6)  # outside the block: not recorded
-    assert len(tape.calls) == 1
+    assert len(tape) == 1
 
 
 def test_replay_reports_the_call_that_failed(kernels: cpu.CpuKernels) -> None:
@@ -244,22 +252,18 @@ def test_replay_reports_the_call_that_failed(kernels: cpu.CpuKernels) -> None:
     assert torch.equal(rows, table[[1, 3]])
 
 
-def test_replay_of_calls_sgl_replay_does_not_know() -> None:
-    """A recorded function that is not one of the library's runs one call at a time."""
-    seen: list[int] = []
-
-    def append(value: int) -> int:
-        seen.append(value)
-        return 0 if value < 10 else 1
-
+def test_replay_refuses_a_call_it_does_not_know(kernels: cpu.CpuKernels) -> None:
+    """A recorded row whose kernel the library does not have fails with its kind, and nothing
+    after it runs."""
+    x = torch.randn(2, 8)
     with cpu.recording() as tape:
-        cpu.run(append, (1,))
-        cpu.run(append, (2,))
-    tape.replay()
-    assert seen == [1, 2, 1, 2]
-    tape.calls.append((append, (11,)))
-    with pytest.raises(RuntimeError, match="append failed on replay"):
+        kernels.silu_mul(x)
+        out = kernels.silu_mul(x)
+    tape.calls[0, 0] = 99
+    out.zero_()
+    with pytest.raises(RuntimeError, match="kind 99 failed on replay"):
         tape.replay()
+    assert not out.any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -282,10 +286,7 @@ def test_rmsnorm_per_head_on_a_strided_view(kernels: cpu.CpuKernels,
             assert torch.equal(got, expected)
         else:  # another summation order
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-    assert kernels.lib.sgl_rmsnorm(q.data_ptr(), q.stride(0), qkv.data_ptr(), 0, None, 0,
-                                   norm.weight.data_ptr(), q.data_ptr(), 32, 44, 32, 4, 1e-6,
-                                   cpu.DTYPES[dtype]) == -1  # per-head rows take no residual
-    with pytest.raises(ValueError, match="sgl_rmsnorm refused"):  # narrower than one head
+    with pytest.raises(ValueError, match="not whole heads of 32"):  # narrower than one head
         kernels.rmsnorm_heads(torch.randn(2, 16).to(dtype), norm.weight.view(1, -1), 1e-6, 32)
 
 
@@ -343,11 +344,11 @@ def test_each_level_runs_its_own_kernels_or_torch(cpu_isa: str) -> None:
         picked = cpu.argmax_rows(torch.randn(4, 100))
     if cpu_isa in cpu.KERNEL_LEVELS:
         assert cpu.load() is not None and packed is not None and packed.kind == "bf16"
-        assert [fn.__name__ for fn, _ in tape.calls] == [bf16_kernel_name(cpu_isa),
+        assert tape.names == [bf16_kernel_name(cpu_isa),
                                                          "sgl_argmax_f32"]
         assert pack_weight(torch.randn(64, 32)).kind == "f32"
     else:
-        assert cpu.load() is None and not tape.calls and picked.shape == (4,)
+        assert cpu.load() is None and not len(tape) and picked.shape == (4,)
         assert packed is None or packed.kind == "onednn"
         assert pack_weight(torch.randn(64, 32)) is None  # float32 stays with MKL
     torch.testing.assert_close(got, F.linear(x, weight), rtol=0.02, atol=0.05)

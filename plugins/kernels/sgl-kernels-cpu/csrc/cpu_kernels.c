@@ -1,12 +1,15 @@
 /* sgl's CPU kernels for decode: bfloat16 and float32 matmuls, paged decode attention, norms.
  *
- * Built at run time by sgl/kernels/cpu.py with the system C compiler and called through ctypes
- * on torch tensors' memory. The matmuls split their columns over a small pool of helper threads
- * (sgl_set_threads), the decode attention its sequences and the row-wise kernels (norm, SiLU x
- * up, rotary) their rows; embedding and argmax are single-threaded. Instruction sets are picked
- * per function (target attributes), so the file compiles with any x86-64 gcc >= 11 or clang, and
- * the Python side only calls what the CPU supports.
+ * Compiled when sgl-kernels-cpu is installed (setup.py) and called by the torch operators of
+ * torch_ops.cpp, which hand each call over as one sgl_op (cpu_kernels.h) to sgl_run_op. The
+ * matmuls split their columns over a small pool of helper threads (sgl_set_threads), the decode
+ * attention its sequences and the row-wise kernels (norm, SiLU x up, rotary) their rows;
+ * embedding and argmax are single-threaded. Instruction sets are picked per function (target
+ * attributes), so the file compiles with any x86-64 gcc >= 11 or clang, and the operators only
+ * call what the CPU supports (the level set by sgl_cpu::set_level).
  */
+#include "cpu_kernels.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,7 +22,7 @@
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define AVX512_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
-int sgl_kernels_version(void) { return 1; }
+int sgl_kernels_version(void) { return 2; }
 
 /* Linux keeps AMX tile data off until the process asks for it (arch_prctl): sgl/kernels/cpu.py
  * asks before it picks the AMX level. */
@@ -1214,19 +1217,11 @@ AVX512_TARGET int sgl_linear_bf16_avx512(const uint16_t *x, int64_t ldx, const u
     return 0;
 }
 
-/* -- replay -----------------------------------------------------------------------------------
- * A recorded sequence of the calls above (sgl.engine.cpu_graph), run in one call instead of one
- * ctypes call each: op `kind` names the function, `a` holds its arguments in order as 64-bit
- * integers (pointers, integers; a float argument as its 32-bit pattern). Returns 0, or 1 + the
- * index of the first call that failed (nothing after it runs). */
-
-enum { OP_LINEAR_BF16 = 1, OP_LINEAR_F32, OP_RMSNORM, OP_SILU_MUL, OP_ROTARY, OP_EMBEDDING,
-       OP_DECODE_ATTENTION, OP_ARGMAX, OP_LINEAR_BF16_AVX512 };
-
-typedef struct {
-    int64_t kind;
-    int64_t a[26];
-} sgl_op;
+/* -- one call, and a recorded sequence of calls -------------------------------------------------
+ * sgl_run_op runs one of the functions above from an sgl_op (cpu_kernels.h): `kind` names the
+ * function, `a` holds its arguments in order as 64-bit integers (pointers, integers; a float
+ * argument as its 32-bit pattern). The torch operators call it, and sgl_replay runs a recorded
+ * sequence of them (sgl.engine.cpu_graph) in one call. */
 
 static inline float f32_bits(int64_t v) {
     union { uint32_t i; float f; } u;
@@ -1236,49 +1231,41 @@ static inline float f32_bits(int64_t v) {
 
 #define P(i) ((void *)(intptr_t)a[i])
 
-int64_t sgl_replay(const sgl_op *ops, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t *a = ops[i].a;
-        int rc;
-        switch (ops[i].kind) {
-        case OP_LINEAR_BF16:
-            rc = sgl_linear_bf16_amx(P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8));
-            break;
-        case OP_LINEAR_F32:
-            rc = sgl_linear_f32(P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8));
-            break;
-        case OP_RMSNORM:
-            rc = sgl_rmsnorm(P(0), a[1], P(2), a[3], P(4), a[5], P(6), P(7), a[8], a[9], a[10],
-                             a[11], f32_bits(a[12]), (int)a[13]);
-            break;
-        case OP_SILU_MUL:
-            rc = sgl_silu_mul(P(0), a[1], P(2), a[3], a[4], a[5], (int)a[6]);
-            break;
-        case OP_ROTARY:
-            rc = sgl_rotary(P(0), a[1], P(2), a[3], P(4), a[5], P(6), a[7], a[8], a[9], a[10],
-                            (int)a[11]);
-            break;
-        case OP_EMBEDDING:
-            rc = sgl_embedding(P(0), a[1], a[2], P(3), a[4], P(5), a[6], a[7], a[8]);
-            break;
-        case OP_DECODE_ATTENTION:
-            rc = sgl_decode_attention(P(0), a[1], a[2], P(3), a[4], P(5), a[6], P(7), P(8), P(9),
-                                      a[10], P(11), P(12), P(13), P(14), a[15], a[16], a[17],
-                                      a[18], a[19], a[20], f32_bits(a[21]), f32_bits(a[22]),
-                                      a[23], (int)a[24], (int)a[25]);
-            break;
-        case OP_ARGMAX:
-            rc = sgl_argmax_f32(P(0), a[1], a[2], a[3], P(4));
-            break;
-        case OP_LINEAR_BF16_AVX512:
-            rc = sgl_linear_bf16_avx512(P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8),
-                                        (int)a[9]);
-            break;
-        default:
-            rc = -100;
-        }
-        if (rc) return i + 1;
+int sgl_run_op(const sgl_op *op) {
+    const int64_t *a = op->a;
+    switch (op->kind) {
+    case SGL_OP_LINEAR_BF16_AMX:
+        return sgl_linear_bf16_amx(P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8));
+    case SGL_OP_LINEAR_F32:
+        return sgl_linear_f32(P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8));
+    case SGL_OP_RMSNORM:
+        return sgl_rmsnorm(P(0), a[1], P(2), a[3], P(4), a[5], P(6), P(7), a[8], a[9], a[10],
+                           a[11], f32_bits(a[12]), (int)a[13]);
+    case SGL_OP_SILU_MUL:
+        return sgl_silu_mul(P(0), a[1], P(2), a[3], a[4], a[5], (int)a[6]);
+    case SGL_OP_ROTARY:
+        return sgl_rotary(P(0), a[1], P(2), a[3], P(4), a[5], P(6), a[7], a[8], a[9], a[10],
+                          (int)a[11]);
+    case SGL_OP_EMBEDDING:
+        return sgl_embedding(P(0), a[1], a[2], P(3), a[4], P(5), a[6], a[7], a[8]);
+    case SGL_OP_DECODE_ATTENTION:
+        return sgl_decode_attention(P(0), a[1], a[2], P(3), a[4], P(5), a[6], P(7), P(8), P(9),
+                                    a[10], P(11), P(12), P(13), P(14), a[15], a[16], a[17],
+                                    a[18], a[19], a[20], f32_bits(a[21]), f32_bits(a[22]),
+                                    a[23], (int)a[24], (int)a[25]);
+    case SGL_OP_ARGMAX_F32:
+        return sgl_argmax_f32(P(0), a[1], a[2], a[3], P(4));
+    case SGL_OP_LINEAR_BF16_AVX512:
+        return sgl_linear_bf16_avx512(P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8),
+                                      (int)a[9]);
+    default:
+        return -100;
     }
+}
+
+int64_t sgl_replay(const sgl_op *ops, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (sgl_run_op(&ops[i])) return i + 1;
     return 0;
 }
 
@@ -1286,4 +1273,7 @@ int64_t sgl_replay(const sgl_op *ops, int64_t n) {
 
 #else
 int sgl_kernels_version(void) { return 0; }
+int sgl_set_threads(int threads) { (void)threads; return 1; }
+int sgl_run_op(const sgl_op *op) { (void)op; return -100; }
+int64_t sgl_replay(const sgl_op *ops, int64_t n) { (void)ops; return n > 0 ? 1 : 0; }
 #endif

@@ -1,0 +1,108 @@
+"""What a native kernel library gives the core, besides its operators (:mod:`sgl.kernels.ops`).
+
+A kernel plugin registers a subclass of :class:`KernelLibrary` under a device type
+(``sgl_register_kernel_libraries``, ``register("cpu", "pkg.module:Class")``). The core builds
+it the first time a kernel could run, tells it the instruction-set level once
+(:meth:`~KernelLibrary.set_level`), and from then on calls the ``torch.ops.sgl`` operators,
+which the library implements for its device. The controls here are the rest: the library's own
+threads, and recording a forward's kernel calls for replay (:mod:`sgl.engine.cpu_graph`).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from sgl.layers.packed_linear import PackedWeight
+
+__all__ = ["KernelLibrary", "KernelLibraryUnavailable", "KernelTape"]
+
+
+class KernelLibraryUnavailable(RuntimeError):
+    """The library is installed but cannot run here (its compiled part is missing, or built
+    for another machine); the message says why and what to do."""
+
+
+@dataclass
+class KernelTape:
+    """The kernel calls one thread made between :meth:`KernelLibrary.record_begin` and
+    :meth:`KernelLibrary.record_end`: ``calls`` in the library's own encoding, and every tensor
+    they read (``inputs``) or allocated (``outputs``), kept alive so their memory is never handed
+    to anything else. :meth:`replay` runs the calls again on whatever those tensors hold now."""
+
+    library: KernelLibrary | None = None
+    calls: Any = None
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    count: int = 0  # the number of calls
+
+    def __len__(self) -> int:
+        return self.count
+
+    @property
+    def names(self) -> list[str]:
+        """The kernel of each call, in order (for logs and tests)."""
+        return self.library.call_names(self) if self.library is not None else []
+
+    @property
+    def output_bytes(self) -> int:
+        """Memory of the tensors the calls allocated (the activations a replay reuses)."""
+        seen: dict[int, int] = {}
+        for t in self.outputs:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+    def replay(self) -> None:
+        """Run the recorded calls in order; RuntimeError naming the first that fails."""
+        if self.library is None or not self.count:
+            return
+        self.library.replay(self)
+
+
+class KernelLibrary(abc.ABC):
+    """The controls of one device's kernel library (see the module docstring)."""
+
+    #: the instruction-set levels (:data:`sgl.kernels.cpu.KERNEL_LEVELS`) it has kernels for
+    levels: ClassVar[tuple[str, ...]] = ()
+
+    @abc.abstractmethod
+    def set_level(self, level: str, bf16_dot_matmul: bool) -> None:
+        """Run the kernels of ``level`` from now on (one of :attr:`levels`); with
+        ``bf16_dot_matmul``, the bfloat16 matmul without AMX multiplies with ``vdpbf16ps``
+        rather than widening to float32 FMAs."""
+
+    @abc.abstractmethod
+    def set_threads(self, threads: int) -> int:
+        """Use ``threads`` threads (the caller included) in the kernels; the number in use."""
+
+    @abc.abstractmethod
+    def record_begin(self) -> None:
+        """Start keeping this thread's kernel calls (RuntimeError if it already does)."""
+
+    @abc.abstractmethod
+    def record_end(self) -> KernelTape:
+        """Stop keeping them; the calls kept since :meth:`record_begin`."""
+
+    @abc.abstractmethod
+    def replay(self, tape: KernelTape) -> None:
+        """Run ``tape``'s calls again, in one go; RuntimeError naming the first that fails."""
+
+    def call_names(self, tape: KernelTape) -> list[str]:
+        """The kernel of each call on ``tape``, in order (for logs and tests)."""
+        return [f"call {i}" for i in range(tape.count)]
+
+    def pack_linear(self, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> PackedWeight | None:
+        """A prepared copy of a 2-D ``weight [out, in]`` (and ``bias``) of this device for the
+        library's matmuls (:func:`sgl.layers.packed_linear.pack_weight` asks), or None where it
+        has none for that dtype."""
+        return None
+
+    def describe(self) -> str:
+        """A few words for logs: what the library is and where it was built."""
+        return type(self).__name__

@@ -1,0 +1,217 @@
+"""sgl's kernel operators: the contract between the core and kernel plugins.
+
+Each operator is declared here with torch's dispatcher (``torch.library``, namespace ``sgl``) and
+given a pure-torch reference implementation (the ``CompositeExplicitAutograd`` kernel), so that
+``torch.ops.sgl.<name>`` runs on any device with no plugin installed, correctly and slowly. A
+kernel plugin registers a faster implementation for its device (sgl-kernels-cpu:
+``TORCH_LIBRARY_IMPL(sgl, CPU, m)`` in C++); the dispatcher then picks it for tensors on that
+device, and the calls show in torch's profiler under their ``sgl::`` names.
+
+The reference functions are plain Python functions too (:data:`REFERENCES`): the tests hold
+every plugin's kernels to them. The packed weight layouts are part of the contract
+(:func:`pack_bf16_weight`, :func:`pack_f32_weight`).
+
+Shapes: ``x`` arguments are 2-D ``[T, width]`` with unit stride in the last dimension (a
+row-strided view is fine); bfloat16 or float32 unless the schema says otherwise. See
+``docs/kernels.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["NAMESPACE", "REFERENCES", "SCHEMAS", "pack_bf16_weight", "pack_f32_weight",
+           "unpack_bf16_weight", "unpack_f32_weight"]
+
+NAMESPACE = "sgl"
+
+#: operator name -> schema (the arguments a plugin's implementation takes)
+SCHEMAS = {
+    "linear_bf16": "linear_bf16(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor",
+    "linear_f32": "linear_f32(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor",
+    "rmsnorm": "rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor",
+    "add_rmsnorm": "add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) "
+                   "-> (Tensor, Tensor)",
+    "rmsnorm_heads": "rmsnorm_heads(Tensor x, Tensor weight, float eps, int head_dim) -> Tensor",
+    "silu_mul": "silu_mul(Tensor x) -> Tensor",
+    "rotary": "rotary(Tensor x, int heads, int head_dim, int rotary_dim, Tensor cos_sin, "
+              "Tensor? positions) -> Tensor",
+    "embedding": "embedding(Tensor weight, Tensor ids) -> Tensor",
+    "argmax": "argmax(Tensor logits) -> Tensor",
+    "decode_attention": "decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, "
+                        "Tensor(b!) v_pool, Tensor table, Tensor rows, Tensor lens, Tensor loc, "
+                        "int num_heads, int num_kv_heads, int head_dim, float scale, "
+                        "float softcap, int window) -> Tensor",
+}
+
+
+# -- the packed weight layouts ---------------------------------------------------------------
+
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``W [N, K]`` bfloat16 -> the layout ``linear_bf16`` takes: ``[Np/32, Kp/32, 2, 16, 16,
+    2]`` with N and K zero-padded to multiples of 32 (AMX's tile layout: pairs of K values,
+    16 columns by 16 K pairs per tile, two tiles of columns per panel)."""
+    n, k = weight.shape
+    np_, kp = -(-n // 32) * 32, -(-k // 32) * 32
+    w = weight.detach()
+    if (np_, kp) != (n, k):
+        w = F.pad(w, (0, kp - k, 0, np_ - n))
+    # [n-pair, half, n, k-block, k-pair, 2] -> [n-pair, k-block, half, k-pair, n, 2]
+    return w.reshape(np_ // 32, 2, 16, kp // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+
+
+def unpack_bf16_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The ``[n, k]`` weight that :func:`pack_bf16_weight` packed."""
+    np_, kp = packed.shape[0] * 32, packed.shape[1] * 32
+    return packed.permute(0, 2, 4, 1, 3, 5).reshape(np_, kp)[:n, :k]
+
+
+def pack_f32_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``W [N, K]`` float32 -> the layout ``linear_f32`` takes: ``[Np/32, K, 32]`` (32-column
+    panels of ``W^T``) with N zero-padded to a multiple of 32."""
+    n, k = weight.shape
+    np_ = -(-n // 32) * 32
+    w = weight.detach()
+    if np_ != n:
+        w = F.pad(w, (0, 0, 0, np_ - n))
+    return w.reshape(np_ // 32, 32, k).transpose(1, 2).contiguous()
+
+
+def unpack_f32_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``[n, K]`` weight that :func:`pack_f32_weight` packed."""
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n]
+
+
+# -- the reference implementations -------------------------------------------------------------
+
+def linear_bf16(x: torch.Tensor, packed: torch.Tensor, n: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T + bias`` for bfloat16 ``x [M, K]`` and the :func:`pack_bf16_weight` copy of
+    ``W``; the products summed in float32, rounded to bfloat16 once. ``bias``: float32 ``[n]``."""
+    w = unpack_bf16_weight(packed, n, x.shape[1])
+    y = x.float() @ w.float().t()
+    return (y if bias is None else y + bias).to(torch.bfloat16)
+
+
+def linear_f32(x: torch.Tensor, packed: torch.Tensor, n: int,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T + bias`` for float32 ``x [M, K]`` and the :func:`pack_f32_weight` copy of
+    ``W``."""
+    return F.linear(x, unpack_f32_weight(packed, n), bias)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / rms(x))`` per row with ``weight [1, width]``: normalised in float32 and
+    rounded to ``x``'s dtype before the weight multiplies (transformers' order)."""
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * normed
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rmsnorm(x + residual), x + residual)``, the sum rounded to ``x``'s dtype first."""
+    summed = x + residual
+    return rmsnorm(summed, weight, eps), summed
+
+
+def rmsnorm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  head_dim: int) -> torch.Tensor:
+    """:func:`rmsnorm` of every ``head_dim``-wide part of the rows of ``x [T, heads * head_dim]``
+    with ``weight [1, head_dim]`` (per-head q/k norms); a new contiguous tensor."""
+    return rmsnorm(x.reshape(-1, head_dim), weight, eps).view(x.shape[0], -1)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :d]) * x[:, d:]`` for ``x [T, 2d]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary(x: torch.Tensor, heads: int, head_dim: int, rotary_dim: int, cos_sin: torch.Tensor,
+           positions: torch.Tensor | None) -> torch.Tensor:
+    """Rotate-half rotary of the first ``heads * head_dim`` columns of ``x [T, ...]`` with the
+    rows of ``cos_sin [R, 2 * rotary_dim]`` (``cos | cos`` then ``-sin | sin``, in ``x``'s
+    dtype): token t uses row ``positions[t]`` (int64), or row t without ``positions``. The
+    first ``rotary_dim`` features of each head turn; the rest are copied. A new contiguous
+    tensor, computed in ``x``'s dtype as transformers does."""
+    t = x.shape[0]
+    rows = cos_sin[:t] if positions is None else cos_sin.index_select(0, positions)
+    cos = rows[:, None, :rotary_dim]
+    sin = rows[:, None, rotary_dim:2 * rotary_dim]
+    heads_x = x[:, :heads * head_dim].reshape(t, heads, head_dim)
+    part = heads_x[..., :rotary_dim]
+    swapped = part.unflatten(-1, (2, rotary_dim // 2)).flip(-2).flatten(-2)
+    out = part * cos + swapped * sin
+    if rotary_dim < head_dim:
+        out = torch.cat([out, heads_x[..., rotary_dim:]], dim=-1)
+    return out.reshape(t, heads * head_dim)
+
+
+def embedding(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``weight[ids]`` for int64 ``ids [T]``; IndexError for an id outside the table."""
+    return F.embedding(ids, weight)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's maximum of float32 ``logits [B, V]`` (int64 ``[B]``)."""
+    return logits.argmax(-1)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                     v_pool: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                     lens: torch.Tensor, loc: torch.Tensor, num_heads: int, num_kv_heads: int,
+                     head_dim: int, scale: float, softcap: float, window: int) -> torch.Tensor:
+    """One decode step of paged attention for ``T`` sequences of one new token each.
+
+    Writes the new keys ``k [T, Hk * D]`` and values ``v [T, Hk * Dv]`` into the pools (``[slots,
+    Hk, D]`` and ``[slots, Hk, Dv]``, or any contiguous shape of those sizes) at slots ``loc
+    [T]``, then attends query ``q [T, Hq * D]`` of token t over the slots ``table[rows[t],
+    start:lens[t]]`` (``start``: the last ``window`` positions when ``window > 0``, else 0):
+    scores times ``scale``, capped as ``softcap * tanh(s / softcap)`` when ``softcap > 0``,
+    softmax in float32. Grouped-query: query head h reads KV head ``h // (Hq / Hk)``. Returns
+    ``[T, Hq * Dv]`` in ``q``'s dtype."""
+    tokens, v_dim = q.shape[0], v_pool.shape[-1]
+    k_slots = k_pool.view(-1, num_kv_heads, head_dim)
+    v_slots = v_pool.view(-1, num_kv_heads, v_dim)
+    k_slots[loc] = k.reshape(tokens, num_kv_heads, head_dim)
+    v_slots[loc] = v.reshape(tokens, num_kv_heads, v_dim)
+    group = num_heads // num_kv_heads
+    out = q.new_empty(tokens, num_heads * v_dim)
+    for t in range(tokens):
+        length = int(lens[t])
+        start = length - window if 0 < window < length else 0
+        slots = table[int(rows[t]), start:length]
+        keys = k_slots[slots].float().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        values = v_slots[slots].float().repeat_interleave(group, dim=1)
+        query = q[t, :num_heads * head_dim].float().view(num_heads, head_dim)
+        scores = torch.einsum("hd,nhd->hn", query, keys) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        weights = scores.softmax(-1)
+        out[t] = torch.einsum("hn,nhd->hd", weights, values).reshape(-1).to(q.dtype)
+    return out
+
+
+#: operator name -> its reference implementation
+REFERENCES: dict[str, Callable[..., Any]] = {
+    "linear_bf16": linear_bf16, "linear_f32": linear_f32, "rmsnorm": rmsnorm,
+    "add_rmsnorm": add_rmsnorm, "rmsnorm_heads": rmsnorm_heads, "silu_mul": silu_mul,
+    "rotary": rotary, "embedding": embedding, "argmax": argmax,
+    "decode_attention": decode_attention,
+}
+
+
+def _declare() -> torch.library.Library:
+    library = torch.library.Library(NAMESPACE, "DEF")
+    for name, schema in SCHEMAS.items():
+        library.define(schema)
+        library.impl(name, REFERENCES[name], "CompositeExplicitAutograd")
+    return library
+
+
+_LIBRARY = _declare()  # kept alive: dropping it would remove the operators

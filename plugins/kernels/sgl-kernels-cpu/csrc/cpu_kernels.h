@@ -1,0 +1,48 @@
+/* The interface of cpu_kernels.c that the torch operators (torch_ops.cpp) call.
+ *
+ * Every kernel call is one sgl_op: the function (`kind`) and its arguments in the function's
+ * order as 64-bit integers (a pointer as its address, a float as its 32-bit pattern). The
+ * operators build one per call and run it with sgl_run_op; while a forward is recorded they also
+ * keep it, and sgl_replay runs the kept sequence again in one call. */
+#ifndef SGL_CPU_KERNELS_H
+#define SGL_CPU_KERNELS_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum {
+    SGL_OP_LINEAR_BF16_AMX = 1,
+    SGL_OP_LINEAR_F32 = 2,
+    SGL_OP_RMSNORM = 3,
+    SGL_OP_SILU_MUL = 4,
+    SGL_OP_ROTARY = 5,
+    SGL_OP_EMBEDDING = 6,
+    SGL_OP_DECODE_ATTENTION = 7,
+    SGL_OP_ARGMAX_F32 = 8,
+    SGL_OP_LINEAR_BF16_AVX512 = 9,
+};
+
+#define SGL_OP_ARGS 26
+
+typedef struct {
+    int64_t kind;
+    int64_t a[SGL_OP_ARGS];
+} sgl_op;
+
+/* 2 where the kernels were compiled for x86-64, 0 elsewhere (every call then fails). */
+int sgl_kernels_version(void);
+/* Use `threads` threads (the caller included) from now on; returns the number in use. */
+int sgl_set_threads(int threads);
+/* Run one call: the kernel's return code (0 for success). */
+int sgl_run_op(const sgl_op *op);
+/* Run `n` calls in order: 0, or 1 + the index of the first that failed (nothing after it runs). */
+int64_t sgl_replay(const sgl_op *ops, int64_t n);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,375 @@
+// The CPU implementations of sgl's kernel operators (namespace `sgl`, declared by the core in
+// sgl/kernels/ops.py with pure-torch reference implementations), and this library's own
+// controls (namespace `sgl_cpu`: level, threads, recording, replay).
+//
+// Each operator checks its tensors, allocates its output, and hands the call to cpu_kernels.c as
+// one sgl_op. While this thread records (sgl_cpu::record_begin .. record_end), every op is also
+// kept with the tensors it reads and writes, so that sgl_cpu::replay can run the same calls again
+// on whatever those tensors hold then (sgl.engine.cpu_graph), without Python or the dispatcher.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+// --- the level (set once at start-up by sgl.kernels.cpu) -------------------------------------
+
+enum Level { AMX = 0, AVX512_BF16 = 1, AVX512 = 2 };
+Level g_level = AVX512;
+bool g_bf16_dot_matmul = false;  // the bfloat16 matmul without AMX on vdpbf16ps (AMD)
+
+void set_level(std::string level, bool bf16_dot_matmul) {
+  if (level == "amx") {
+    g_level = AMX;
+  } else if (level == "avx512_bf16") {
+    g_level = AVX512_BF16;
+  } else if (level == "avx512") {
+    g_level = AVX512;
+  } else {
+    TORCH_CHECK_VALUE(false, "sgl_cpu::set_level: no kernels at level '", level,
+                      "' (expected amx, avx512_bf16 or avx512)");
+  }
+  g_bf16_dot_matmul = bf16_dot_matmul && g_level == AVX512_BF16;
+}
+
+std::string level() {
+  return g_level == AMX ? "amx" : g_level == AVX512_BF16 ? "avx512_bf16" : "avx512";
+}
+
+int64_t set_threads(int64_t threads) {
+  return sgl_set_threads(static_cast<int>(threads < 1 ? 1 : threads > 1024 ? 1024 : threads));
+}
+
+int64_t version() { return sgl_kernels_version(); }
+
+// --- recording -------------------------------------------------------------------------------
+
+struct Tape {
+  bool on = false;
+  std::vector<sgl_op> ops;
+  std::vector<Tensor> inputs;   // what the ops read (weights, activations, tables)
+  std::vector<Tensor> outputs;  // what the ops allocated
+};
+
+thread_local Tape tape;
+
+void record_begin() {
+  TORCH_CHECK(!tape.on, "sgl_cpu::record_begin: this thread is already recording");
+  tape = Tape{};
+  tape.on = true;
+}
+
+std::tuple<Tensor, std::vector<Tensor>, std::vector<Tensor>> record_end() {
+  TORCH_CHECK(tape.on, "sgl_cpu::record_end: this thread is not recording");
+  const int64_t n = static_cast<int64_t>(tape.ops.size());
+  Tensor ops = at::empty({n, 1 + SGL_OP_ARGS}, at::kLong);
+  static_assert(sizeof(sgl_op) == (1 + SGL_OP_ARGS) * sizeof(int64_t), "sgl_op has padding");
+  if (n) std::memcpy(ops.data_ptr<int64_t>(), tape.ops.data(), n * sizeof(sgl_op));
+  auto result = std::make_tuple(ops, std::move(tape.inputs), std::move(tape.outputs));
+  tape = Tape{};
+  return result;
+}
+
+int64_t replay(const Tensor& ops) {
+  TORCH_CHECK_VALUE(ops.device().is_cpu() && ops.scalar_type() == at::kLong && ops.dim() == 2 &&
+                        ops.size(1) == 1 + SGL_OP_ARGS && ops.is_contiguous(),
+                    "sgl_cpu::replay: expected the contiguous int64 [n, ", 1 + SGL_OP_ARGS,
+                    "] tensor of record_end");
+  return sgl_replay(reinterpret_cast<const sgl_op*>(ops.data_ptr<int64_t>()), ops.size(0));
+}
+
+// --- building one call -----------------------------------------------------------------------
+
+int64_t ptr(const Tensor& t) { return reinterpret_cast<intptr_t>(t.data_ptr()); }
+int64_t ptr(const OptTensor& t) { return t.has_value() ? ptr(*t) : 0; }
+
+int64_t bits(float value) {
+  uint32_t u;
+  std::memcpy(&u, &value, sizeof u);
+  return u;
+}
+
+struct Call {
+  sgl_op op{};
+  int n = 0;
+  explicit Call(int64_t kind) { op.kind = kind; }
+  Call& operator<<(int64_t value) {
+    op.a[n++] = value;
+    return *this;
+  }
+};
+
+// Runs the call (and keeps it while recording); the kernel's return code.
+int run(const Call& call, std::initializer_list<const OptTensor> inputs,
+        std::initializer_list<const Tensor> outputs) {
+  const int rc = sgl_run_op(&call.op);
+  if (tape.on) {
+    tape.ops.push_back(call.op);
+    for (const auto& t : inputs)
+      if (t.has_value()) tape.inputs.push_back(*t);
+    for (const auto& t : outputs) tape.outputs.push_back(t);
+  }
+  return rc;
+}
+
+int dtype_code(const Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 1 : 0; }
+
+// A 2-D CPU tensor of `dtype` (float32 or bfloat16 where `dtype` is undefined) with unit stride
+// in its rows.
+void check_rows(const char* op, const char* name, const Tensor& t,
+                std::optional<at::ScalarType> dtype = std::nullopt) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": ", name, " must be on the CPU");
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.stride(1) == 1, op, ": ", name,
+                    " must be 2-D with unit stride in its last dimension, got sizes ", t.sizes(),
+                    " strides ", t.strides());
+  if (dtype.has_value()) {
+    TORCH_CHECK_VALUE(t.scalar_type() == *dtype, op, ": ", name, " must be ", *dtype, ", got ",
+                      t.scalar_type());
+  } else {
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, op,
+                      ": ", name, " must be float32 or bfloat16, got ", t.scalar_type());
+  }
+}
+
+void check_contiguous(const char* op, const char* name, const Tensor& t, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous(), op,
+                    ": ", name, " must be a contiguous CPU ", dtype, " tensor");
+}
+
+// --- the operators ---------------------------------------------------------------------------
+
+Tensor linear(const char* op, const Tensor& x, const Tensor& packed, int64_t n,
+              const OptTensor& bias, at::ScalarType dtype) {
+  check_rows(op, "x", x, dtype);
+  check_contiguous(op, "packed", packed, dtype);
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t k_padded = dtype == at::kBFloat16 ? (k + 31) / 32 * 32 : k;
+  TORCH_CHECK_VALUE(n > 0 && packed.numel() == (n + 31) / 32 * 32 * k_padded, op,
+                    ": packed holds ", packed.numel(), " values, not the packed [", n, ", ", k,
+                    "] weight");
+  if (bias.has_value()) {
+    check_contiguous(op, "bias", *bias, at::kFloat);
+    TORCH_CHECK_VALUE(bias->numel() == n, op, ": bias has ", bias->numel(), " values, not ", n);
+  }
+  Tensor y = at::empty({m, n}, x.options());
+  Call call(dtype == at::kFloat            ? SGL_OP_LINEAR_F32
+            : g_level == AMX               ? SGL_OP_LINEAR_BF16_AMX
+                                           : SGL_OP_LINEAR_BF16_AVX512);
+  call << ptr(x) << x.stride(0) << ptr(packed) << ptr(y) << n << m << n << k << ptr(bias);
+  if (call.op.kind == SGL_OP_LINEAR_BF16_AVX512) call << (g_bf16_dot_matmul ? 1 : 0);
+  TORCH_CHECK(run(call, {x, packed, bias}, {y}) == 0, op, ": no memory for the input's copy");
+  return y;
+}
+
+Tensor linear_bf16(const Tensor& x, const Tensor& packed, int64_t n, const OptTensor& bias) {
+  return linear("sgl::linear_bf16", x, packed, n, bias, at::kBFloat16);
+}
+
+Tensor linear_f32(const Tensor& x, const Tensor& packed, int64_t n, const OptTensor& bias) {
+  return linear("sgl::linear_f32", x, packed, n, bias, at::kFloat);
+}
+
+void check_rmsnorm(const char* op, int rc) {
+  TORCH_CHECK(rc != -2, op, ": no memory for its row buffer");
+  TORCH_CHECK_VALUE(rc == 0, op, " refused its arguments (", rc, ")");
+}
+
+void check_norm_weight(const char* op, const Tensor& x, const Tensor& weight, int64_t width) {
+  check_rows(op, "weight", weight, x.scalar_type());
+  TORCH_CHECK_VALUE(weight.size(0) == 1 && weight.size(1) == width, op, ": weight must be [1, ",
+                    width, "], got ", weight.sizes());
+}
+
+Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps) {
+  const char* op = "sgl::rmsnorm";
+  check_rows(op, "x", x);
+  check_norm_weight(op, x, weight, x.size(1));
+  const int64_t t = x.size(0), h = x.size(1);
+  Tensor out = at::empty({t, h}, x.options());
+  Call call(SGL_OP_RMSNORM);
+  call << ptr(x) << x.stride(0) << 0 << 0 << 0 << h << ptr(weight) << ptr(out) << h << t << h
+       << 1 << bits(static_cast<float>(eps)) << dtype_code(x);
+  check_rmsnorm(op, run(call, {x, weight}, {out}));
+  return out;
+}
+
+std::tuple<Tensor, Tensor> add_rmsnorm(const Tensor& x, const Tensor& residual,
+                                       const Tensor& weight, double eps) {
+  const char* op = "sgl::add_rmsnorm";
+  check_rows(op, "x", x);
+  check_rows(op, "residual", residual, x.scalar_type());
+  TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), op, ": residual ", residual.sizes(),
+                    " and x ", x.sizes(), " differ");
+  check_norm_weight(op, x, weight, x.size(1));
+  const int64_t t = x.size(0), h = x.size(1);
+  Tensor out = at::empty({t, h}, x.options());
+  Tensor summed = at::empty({t, h}, x.options());
+  Call call(SGL_OP_RMSNORM);
+  call << ptr(x) << x.stride(0) << ptr(residual) << residual.stride(0) << ptr(summed) << h
+       << ptr(weight) << ptr(out) << h << t << h << 1 << bits(static_cast<float>(eps))
+       << dtype_code(x);
+  check_rmsnorm(op, run(call, {x, residual, weight}, {out, summed}));
+  return {out, summed};
+}
+
+Tensor rmsnorm_heads(const Tensor& x, const Tensor& weight, double eps, int64_t head_dim) {
+  const char* op = "sgl::rmsnorm_heads";
+  check_rows(op, "x", x);
+  TORCH_CHECK_VALUE(head_dim > 0 && x.size(1) % head_dim == 0, op, ": rows of ", x.size(1),
+                    " values are not whole heads of ", head_dim);
+  check_norm_weight(op, x, weight, head_dim);
+  const int64_t t = x.size(0), heads = x.size(1) / head_dim;
+  Tensor out = at::empty({t, x.size(1)}, x.options());
+  Call call(SGL_OP_RMSNORM);
+  call << ptr(x) << x.stride(0) << 0 << 0 << 0 << 0 << ptr(weight) << ptr(out) << head_dim
+       << t * heads << head_dim << heads << bits(static_cast<float>(eps)) << dtype_code(x);
+  check_rmsnorm(op, run(call, {x, weight}, {out}));
+  return out;
+}
+
+Tensor silu_mul(const Tensor& x) {
+  const char* op = "sgl::silu_mul";
+  check_rows(op, "x", x);
+  TORCH_CHECK_VALUE(x.size(1) % 2 == 0, op, ": x must have an even width, got ", x.size(1));
+  const int64_t t = x.size(0), d = x.size(1) / 2;
+  Tensor out = at::empty({t, d}, x.options());
+  Call call(SGL_OP_SILU_MUL);
+  call << ptr(x) << x.stride(0) << ptr(out) << d << t << d << dtype_code(x);
+  run(call, {x}, {out});
+  return out;
+}
+
+Tensor rotary(const Tensor& x, int64_t heads, int64_t head_dim, int64_t rotary_dim,
+              const Tensor& cos_sin, const OptTensor& positions) {
+  const char* op = "sgl::rotary";
+  check_rows(op, "x", x);
+  check_rows(op, "cos_sin", cos_sin, x.scalar_type());
+  TORCH_CHECK_VALUE(heads > 0 && head_dim > 0 && x.size(1) >= heads * head_dim, op, ": x rows of ",
+                    x.size(1), " values hold no ", heads, " heads of ", head_dim);
+  TORCH_CHECK_VALUE(cos_sin.size(1) >= 2 * rotary_dim, op, ": cos_sin rows must hold ",
+                    2 * rotary_dim, " values");
+  const int64_t t = x.size(0);
+  if (positions.has_value()) {
+    check_contiguous(op, "positions", *positions, at::kLong);
+    TORCH_CHECK_VALUE(positions->numel() == t, op, ": ", positions->numel(), " positions for ",
+                      t, " tokens");
+  } else {
+    TORCH_CHECK_INDEX(t <= cos_sin.size(0), op, ": ", t, " tokens but ", cos_sin.size(0),
+                      " rows in the rotary table");
+  }
+  Tensor out = at::empty({t, heads * head_dim}, x.options());
+  Call call(SGL_OP_ROTARY);
+  call << ptr(x) << x.stride(0) << ptr(cos_sin) << cos_sin.stride(0) << ptr(positions)
+       << cos_sin.size(0) << ptr(out) << t << heads << head_dim << rotary_dim << dtype_code(x);
+  const int rc = run(call, {x, cos_sin, positions}, {out});
+  TORCH_CHECK_INDEX(rc != -2, op, ": a position outside the ", cos_sin.size(0),
+                    " rows of the rotary table");
+  TORCH_CHECK_VALUE(rc == 0, op, ": rotary_dim ", rotary_dim, " for head_dim ", head_dim);
+  return out;
+}
+
+Tensor embedding(const Tensor& weight, const Tensor& ids) {
+  const char* op = "sgl::embedding";
+  TORCH_CHECK_VALUE(weight.device().is_cpu() && weight.dim() == 2 && weight.stride(1) == 1, op,
+                    ": weight must be a 2-D CPU tensor with unit stride in its rows");
+  check_contiguous(op, "ids", ids, at::kLong);
+  const int64_t t = ids.numel(), h = weight.size(1);
+  Tensor out = at::empty({t, h}, weight.options());
+  Call call(SGL_OP_EMBEDDING);
+  call << ptr(weight) << weight.stride(0) << weight.size(0) << ptr(ids) << t << ptr(out) << h
+       << h << weight.element_size();
+  TORCH_CHECK_INDEX(run(call, {weight, ids}, {out}) == 0, op,
+                    ": token id outside the embedding table of ", weight.size(0), " rows");
+  return out;
+}
+
+Tensor argmax(const Tensor& logits) {
+  const char* op = "sgl::argmax";
+  check_rows(op, "logits", logits, at::kFloat);
+  TORCH_CHECK_VALUE(logits.size(1) > 0, op, ": empty rows");
+  const int64_t b = logits.size(0), v = logits.size(1);
+  Tensor out = at::empty({b}, logits.options().dtype(at::kLong));
+  Call call(SGL_OP_ARGMAX_F32);
+  call << ptr(logits) << logits.stride(0) << b << v << ptr(out);
+  run(call, {logits}, {out});
+  return out;
+}
+
+Tensor decode_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& k_pool,
+                        Tensor& v_pool, const Tensor& table, const Tensor& rows,
+                        const Tensor& lens, const Tensor& loc, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, double scale, double softcap,
+                        int64_t window) {
+  const char* op = "sgl::decode_attention";
+  check_rows(op, "q", q);
+  const auto dtype = q.scalar_type();
+  check_rows(op, "k", k, dtype);
+  check_rows(op, "v", v, dtype);
+  TORCH_CHECK_VALUE(k_pool.device().is_cpu() && k_pool.scalar_type() == dtype &&
+                        k_pool.is_contiguous() && v_pool.device().is_cpu() &&
+                        v_pool.scalar_type() == dtype && v_pool.is_contiguous(),
+                    op, ": the pools must be contiguous CPU tensors of q's dtype");
+  const int64_t tokens = q.size(0);
+  const int64_t v_dim = v_pool.size(-1);
+  TORCH_CHECK_VALUE(q.size(1) >= num_heads * head_dim && k.size(1) == num_kv_heads * head_dim &&
+                        v.size(1) == num_kv_heads * v_dim && k.size(0) == tokens &&
+                        v.size(0) == tokens,
+                    op, ": q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " for ",
+                    num_heads, " heads and ", num_kv_heads, " KV heads of ", head_dim);
+  TORCH_CHECK_VALUE(table.device().is_cpu() && table.scalar_type() == at::kLong &&
+                        table.dim() == 2 && table.stride(1) == 1,
+                    op, ": table must be a 2-D int64 CPU tensor with unit stride in its rows");
+  check_contiguous(op, "rows", rows, at::kLong);
+  check_contiguous(op, "lens", lens, at::kLong);
+  check_contiguous(op, "loc", loc, at::kLong);
+  TORCH_CHECK_VALUE(rows.numel() == tokens && lens.numel() == tokens && loc.numel() == tokens, op,
+                    ": rows, lens and loc must hold one value per token");
+  Tensor out = at::empty({tokens, num_heads * v_dim}, q.options());
+  Call call(SGL_OP_DECODE_ATTENTION);
+  call << ptr(q) << q.stride(0) << head_dim << ptr(k) << k.stride(0) << ptr(v) << v.stride(0)
+       << ptr(k_pool) << ptr(v_pool) << ptr(table) << table.stride(0) << ptr(rows) << ptr(lens)
+       << ptr(loc) << ptr(out) << out.stride(0) << tokens << num_heads << num_kv_heads << head_dim
+       << v_dim << bits(static_cast<float>(scale)) << bits(static_cast<float>(softcap)) << window
+       << dtype_code(q) << (g_level == AVX512 ? 0 : 1);
+  const int rc = run(call, {q, k, v, k_pool, v_pool, table, rows, lens, loc}, {out});
+  TORCH_CHECK(rc != -2, op, ": no memory for the scores");
+  TORCH_CHECK_VALUE(rc == 0, op, ": ", num_heads, " heads and ", num_kv_heads, " KV heads of ",
+                    head_dim, " (values ", v_dim, ") are not a shape the kernel takes");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sgl_cpu, m) {
+  m.def("version() -> int", &version);
+  m.def("set_level(str level, bool bf16_dot_matmul) -> ()", &set_level);
+  m.def("level() -> str", &level);
+  m.def("set_threads(int threads) -> int", &set_threads);
+  m.def("record_begin() -> ()", &record_begin);
+  m.def("record_end() -> (Tensor, Tensor[], Tensor[])", &record_end);
+  m.def("replay(Tensor ops) -> int", &replay);
+}
+
+TORCH_LIBRARY_IMPL(sgl, CPU, m) {
+  m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_f32", &linear_f32);
+  m.impl("rmsnorm", &rmsnorm);
+  m.impl("add_rmsnorm", &add_rmsnorm);
+  m.impl("rmsnorm_heads", &rmsnorm_heads);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rotary", &rotary);
+  m.impl("embedding", &embedding);
+  m.impl("argmax", &argmax);
+  m.impl("decode_attention", &decode_attention);
+}

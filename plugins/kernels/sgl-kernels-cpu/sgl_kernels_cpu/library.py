@@ -1,0 +1,106 @@
+"""The compiled CPU kernels, loaded into torch's dispatcher, and their controls.
+
+Loading ``_C`` (built by ``setup.py`` when the package was installed) registers the CPU
+implementations of the ``torch.ops.sgl`` operators (:mod:`sgl.kernels.ops`) and this library's
+controls, ``torch.ops.sgl_cpu``: ``set_level``, ``set_threads``, ``record_begin``/``record_end``
+(this thread's calls, each kept as one row of an int64 tensor: the kernel and its arguments) and
+``replay`` (those rows run again in one call, with no Python or dispatcher between them).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from pathlib import Path
+
+import torch
+
+from sgl.kernels import ops as _ops  # noqa: F401  (declares the sgl operators _C implements)
+from sgl.kernels.library import KernelLibrary, KernelLibraryUnavailable, KernelTape
+from sgl.layers.packed_linear import PackedWeight
+from sgl_kernels_cpu import linear
+
+__all__ = ["KERNEL_NAMES", "CpuKernelLibrary", "compiled_path"]
+
+#: the kernel of each op kind in a recorded row (``SGL_OP_*`` in csrc/cpu_kernels.h)
+KERNEL_NAMES = {1: "sgl_linear_bf16_amx", 2: "sgl_linear_f32", 3: "sgl_rmsnorm",
+                4: "sgl_silu_mul", 5: "sgl_rotary", 6: "sgl_embedding",
+                7: "sgl_decode_attention", 8: "sgl_argmax_f32", 9: "sgl_linear_bf16_avx512"}
+#: what ``sgl_kernels_version`` of a build of this source returns
+VERSION = 2
+
+_lock = threading.Lock()
+_loaded_path: Path | None = None
+
+
+def compiled_path() -> Path | None:
+    """The built ``_C`` library, or None where the package was installed without it."""
+    spec = importlib.util.find_spec("sgl_kernels_cpu._C")
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+def _load() -> Path:
+    global _loaded_path
+    with _lock:
+        if _loaded_path is not None:
+            return _loaded_path
+        path = compiled_path()
+        if path is None:
+            raise KernelLibraryUnavailable(
+                "sgl-kernels-cpu was installed without its compiled kernels (no C/C++ compiler "
+                "then, or not x86-64); reinstall it with gcc/g++ present: pip install "
+                "--no-build-isolation --force-reinstall plugins/kernels/sgl-kernels-cpu")
+        try:
+            torch.ops.load_library(str(path))
+        except OSError as exc:
+            raise KernelLibraryUnavailable(
+                f"sgl-kernels-cpu's compiled kernels do not load ({exc}); they were built for "
+                "another torch: reinstall the plugin (make install)") from exc
+        version = torch.ops.sgl_cpu.version()
+        if version != VERSION:
+            raise KernelLibraryUnavailable(
+                f"sgl-kernels-cpu's compiled kernels are version {version}, this Python code "
+                f"expects {VERSION}: reinstall the plugin (make install)")
+        _loaded_path = path
+        return path
+
+
+class CpuKernelLibrary(KernelLibrary):
+    """sgl's CPU kernels (AMX, AVX512-BF16, AVX-512), implementing the ``sgl`` operators."""
+
+    levels = ("amx", "avx512_bf16", "avx512")
+
+    def __init__(self) -> None:
+        self.path = _load()
+        self._ops = torch.ops.sgl_cpu
+
+    def set_level(self, level: str, bf16_dot_matmul: bool) -> None:
+        self._ops.set_level(level, bf16_dot_matmul)
+
+    def set_threads(self, threads: int) -> int:
+        return int(self._ops.set_threads(threads))
+
+    def record_begin(self) -> None:
+        self._ops.record_begin()
+
+    def record_end(self) -> KernelTape:
+        calls, inputs, outputs = self._ops.record_end()
+        return KernelTape(self, calls, list(inputs), list(outputs), calls.shape[0])
+
+    def call_names(self, tape: KernelTape) -> list[str]:
+        if not tape.count:
+            return []
+        return [KERNEL_NAMES.get(kind, f"kind {kind}") for kind in tape.calls[:, 0].tolist()]
+
+    def replay(self, tape: KernelTape) -> None:
+        failed = int(self._ops.replay(tape.calls))
+        if failed:
+            name = self.call_names(tape)[failed - 1]
+            raise RuntimeError(f"{name} failed on replay (call {failed} of {tape.count})")
+
+    def pack_linear(self, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> PackedWeight | None:
+        return linear.pack(weight, bias)
+
+    def describe(self) -> str:
+        return f"sgl-kernels-cpu, {self.path.name}"

@@ -1,0 +1,171 @@
+"""The kernel plugin's contract with the core: registered through the hook, found through the
+plugins a process loaded (or not, and then said why), the ``sgl`` operators' CPU kernels held to
+their pure-torch references, visible to torch's profiler."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sgl.kernels import cpu, ops
+from sgl.plugins import PluginSelection, create_plugin_manager
+
+
+@pytest.fixture
+def restore_plugins():
+    """The test may point the kernels at another plugin manager; the installed plugins after."""
+    yield
+    cpu.use_plugins(None)
+
+
+def test_hook_sgl_register_kernel_libraries() -> None:
+    pm = create_plugin_manager(PluginSelection())
+    entry = pm.registries.kernels.entry("cpu")
+    assert entry.owner == "kernels-cpu"
+    assert entry.target == "sgl_kernels_cpu.library:CpuKernelLibrary"
+    from sgl.kernels.library import KernelLibrary
+
+    assert issubclass(entry.load(), KernelLibrary)
+
+
+@pytest.mark.usefixtures("restore_plugins", "one_torch_thread")
+def test_without_the_plugin_the_layers_run_torch_and_say_why() -> None:
+    """--disable-plugin kernels-cpu: no kernels at any level, the reason on the CPU-kernels
+    line, and the layers' results those of torch."""
+    from sgl.layers.packed_linear import linear, pack_weight
+
+    pm = create_plugin_manager(PluginSelection(disable=("kernels-cpu",)))
+    cpu.use_plugins(pm)
+    assert cpu.load() is None and cpu.cpu_isa() == "none"
+    if cpu.detected_isa() in cpu.KERNEL_LEVELS and cpu.requested_isa() == "auto":
+        assert "no CPU kernel library: install sgl-kernels-cpu" in cpu.describe_isa()
+    weight, x = torch.randn(64, 32).bfloat16(), torch.randn(3, 32).bfloat16()
+    packed = pack_weight(weight)
+    assert packed is None or packed.kind == "onednn"
+    torch.testing.assert_close(linear(x, weight, None, packed),
+                               torch.nn.functional.linear(x, weight), rtol=0.02, atol=0.05)
+    with cpu.recording() as tape:
+        pass
+    assert len(tape) == 0 and tape.names == []
+    cpu.use_plugins(None)
+    if cpu.detected_isa() in cpu.KERNEL_LEVELS and cpu.requested_isa() == "auto":
+        assert cpu.load() is not None
+
+
+def test_cli_reports_the_disabled_plugin() -> None:
+    out = subprocess.run([sys.executable, "-m", "sgl", "plugins", "--disable-plugin",
+                          "kernels-cpu"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("CPU kernels: ")
+    if cpu.detected_isa() in cpu.KERNEL_LEVELS and cpu.requested_isa() == "auto":
+        assert line.startswith("CPU kernels: none (") and "install sgl-kernels-cpu" in line
+
+
+def _op_inputs(dtype: torch.dtype) -> dict[str, tuple]:
+    """Arguments of every operator, at sizes of SmolLM2's layers (small batch)."""
+    torch.manual_seed(7)
+    t, h = 5, 64
+    x = torch.randn(t, h).to(dtype)
+    weight = (torch.rand(1, h) + 0.5).to(dtype)
+    tokens, hq, hk, d = 3, 6, 2, 32
+    slots, width = 128, 40
+    k_pool = torch.randn(slots, hk, d).to(dtype)
+    v_pool = torch.randn(slots, hk, d).to(dtype)
+    table = torch.randperm(slots)[:tokens * width].view(tokens, width).contiguous()
+    lens = torch.tensor([7, 1, 30])
+    loc = table[torch.arange(tokens), lens - 1].contiguous()
+    rope = torch.randn(100, 2 * 16).to(dtype)
+    args = {
+        "rmsnorm": (x, weight, 1e-5),
+        "add_rmsnorm": (x, torch.randn(t, h).to(dtype), weight, 1e-5),
+        "rmsnorm_heads": (x, weight[:, :16].contiguous(), 1e-5, 16),
+        "silu_mul": (torch.randn(t, 2 * h).to(dtype),),
+        "rotary": (x, 2, 32, 16, rope, torch.tensor([3, 99, 0, 5, 5])),
+        "embedding": (torch.randn(50, h).to(dtype), torch.tensor([0, 49, 3])),
+        "decode_attention": (torch.randn(tokens, hq * d).to(dtype),
+                             torch.randn(tokens, hk * d).to(dtype),
+                             torch.randn(tokens, hk * d).to(dtype), k_pool, v_pool, table,
+                             torch.tensor([2, 0, 1]), lens, loc, hq, hk, d, d ** -0.5, 0.0, 0),
+    }
+    if dtype == torch.float32:
+        args["argmax"] = (torch.randn(4, 1000),)
+        args["linear_f32"] = (x, ops.pack_f32_weight(torch.randn(70, h)), 70, torch.randn(70))
+    else:
+        args["linear_bf16"] = (x, ops.pack_bf16_weight(torch.randn(70, h).bfloat16()), 70,
+                               torch.randn(70))
+    return args
+
+
+def _clone(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("kernel_isa")
+def test_every_operator_matches_its_reference(dtype: torch.dtype) -> None:
+    """``torch.ops.sgl.X`` on CPU runs the plugin's kernel (a recorded call); its result is the
+    core's pure-torch reference to rounding, including what it writes into its arguments."""
+    args = _op_inputs(dtype)
+    tested = set()
+    for name, op_args in args.items():
+        mine, theirs = [_clone(a) for a in op_args], [_clone(a) for a in op_args]
+        with cpu.recording() as tape:
+            got = getattr(torch.ops.sgl, name)(*mine)
+        assert len(tape) >= 1, f"{name} did not run the plugin's kernel"
+        expected = ops.REFERENCES[name](*theirs)
+        got_all = got if isinstance(got, tuple) else (got,)
+        expected_all = expected if isinstance(expected, tuple) else (expected,)
+        tol = {"rtol": 0.02, "atol": 0.05} if dtype == torch.bfloat16 else {"rtol": 1e-5,
+                                                                            "atol": 1e-5}
+        for g, e in zip(got_all, expected_all, strict=True):
+            assert g.shape == e.shape and g.dtype == e.dtype, name
+            if g.dtype == torch.int64:
+                assert torch.equal(g, e), name
+            else:
+                torch.testing.assert_close(g.float(), e.float(), **tol, msg=name)
+        for a, b in zip(mine, theirs):  # the pools decode_attention writes into
+            if isinstance(a, torch.Tensor) and a.is_floating_point():
+                torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=0, msg=name)
+        tested.add(name)
+    assert tested == set(args)
+    assert set(ops.SCHEMAS) == {n for d in (torch.float32, torch.bfloat16)
+                                for n in _op_inputs(d)}  # every operator is tested
+
+
+@pytest.mark.usefixtures("kernel_isa")
+def test_operators_refuse_bad_arguments_with_clear_errors() -> None:
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="sgl::silu_mul: x must be 2-D"):
+        torch.ops.sgl.silu_mul(torch.randn(2, 4, 8))
+    with pytest.raises(ValueError, match="sgl::rmsnorm: weight must be \\[1, 64\\]"):
+        torch.ops.sgl.rmsnorm(x, torch.randn(1, 32), 1e-5)
+    with pytest.raises(ValueError, match="sgl::linear_f32: packed holds"):
+        torch.ops.sgl.linear_f32(x, torch.randn(10), 70, None)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        torch.ops.sgl.silu_mul(torch.randn(2, 8).half())
+    with pytest.raises(IndexError, match="outside the embedding table of 50 rows"):
+        torch.ops.sgl.embedding(torch.randn(50, 8), torch.tensor([50]))
+
+
+@pytest.mark.usefixtures("kernel_isa")
+def test_kernels_show_in_torch_profiler() -> None:
+    x = torch.randn(8, 128)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ops.sgl.silu_mul(x)
+        torch.ops.sgl.rmsnorm(x, torch.ones(1, 128), 1e-6)
+    names = {event.key for event in prof.key_averages()}
+    assert {"sgl::silu_mul", "sgl::rmsnorm"} <= names
+
+
+def test_references_run_without_the_plugin_on_another_device() -> None:
+    """The reference is the dispatcher's kernel for any device without its own: here, the
+    meta device (shapes only), as a GPU without a kernel plugin would run it."""
+    x = torch.empty(3, 64, device="meta")
+    out = torch.ops.sgl.rmsnorm(x, torch.empty(1, 64, device="meta"), 1e-6)
+    assert out.device.type == "meta" and out.shape == (3, 64)
+    out = torch.ops.sgl.silu_mul(torch.empty(3, 64, device="meta"))
+    assert out.shape == (3, 32)
