@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from sgl.kernels import cpu, ops
 from sgl.plugins import PluginSelection, create_plugin_manager
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -169,3 +172,36 @@ def test_references_run_without_the_plugin_on_another_device() -> None:
     assert out.device.type == "meta" and out.shape == (3, 64)
     out = torch.ops.sgl.silu_mul(torch.empty(3, 64, device="meta"))
     assert out.shape == (3, 32)
+
+
+def test_installed_without_a_compiler_runs_torch_and_says_why(tmp_path) -> None:
+    """The real install where no compiler works (CC=CXX=false): the package installs without
+    its compiled part, and ``sgl plugins`` (run with that install first on the path) names it
+    and says what to do."""
+    import os
+    import shutil
+
+    source = tmp_path / "src"
+    shutil.copytree(ROOT / "plugins/kernels/sgl-kernels-cpu", source,
+                    ignore=shutil.ignore_patterns("build", "_C*.so", "*.egg-info"))
+    env = {**os.environ, "CC": "false", "CXX": "false"}
+    target = tmp_path / "site"
+    build = subprocess.run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check",
+                            "--no-build-isolation", "--no-deps", "--no-index", "--target",
+                            str(target), str(source)], capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert build.returncode == 0, build.stdout + build.stderr
+    assert (target / "sgl_kernels_cpu" / "library.py").exists()
+    assert not list((target / "sgl_kernels_cpu").glob("_C*"))
+    env = {**env, "PYTHONPATH": str(target)}
+    # the editable install's import hook would still find the checkout's package: drop it
+    script = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path if "
+              "'sgl_kernels_cpu' not in getattr(f, '__module__', '') + repr(f)]; "
+              "sys.argv = ['sgl', 'plugins']; runpy.run_module('sgl', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.strip().splitlines()[-1]
+    if cpu.detected_isa() in cpu.KERNEL_LEVELS and cpu.requested_isa() == "auto":
+        assert line.startswith("CPU kernels: none (")
+        assert "installed without its compiled kernels" in line and "reinstall" in line
