@@ -75,6 +75,15 @@ def stages(runner: ModelRunner) -> dict[str, Any]:
             "+ C kernels": stage(True, prepared)}
 
 
+def make_runner(pm: Any, dtype: str, batch: int, cpu_graphs: bool = True) -> ModelRunner:
+    """The bundled model in ``dtype`` with room for ``batch`` sequences of a few hundred
+    tokens."""
+    return ModelRunner(model_path=None, dtype=dtype, registries=pm.registries,
+                       plugin_manager=pm, max_total_tokens=batch * 400,
+                       max_running_requests=batch, context_length=2048, show_progress=False,
+                       cpu_graphs=cpu_graphs)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtypes", default="bfloat16,float32")
@@ -87,10 +96,7 @@ def main() -> None:
     pm = create_plugin_manager()
     for dtype in args.dtypes.split(","):
         for batch in (int(b) for b in args.batch_sizes.split(",")):
-            runner = ModelRunner(model_path=None, dtype=dtype, registries=pm.registries,
-                                 plugin_manager=pm, max_total_tokens=batch * 400,
-                                 max_running_requests=batch, context_length=2048,
-                                 show_progress=False)
+            runner = make_runner(pm, dtype, batch)
             decoder = Decoder(runner, batch, args.context)
             switches = stages(runner)
             times: dict[str, list[float]] = {name: [] for name in switches}

@@ -28,9 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from decode_stages import Decoder  # noqa: E402
+from decode_stages import Decoder, make_runner  # noqa: E402
 
-from sgl.engine.model_runner import ModelRunner  # noqa: E402
 from sgl.kernels import cpu  # noqa: E402
 from sgl.plugins import create_plugin_manager  # noqa: E402
 
@@ -56,11 +55,11 @@ def per_call_us(reps: int) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtypes", default="bfloat16,float32")
-    p.add_argument("--batch-sizes", default="1,32")
-    p.add_argument("--context", type=int, default=96)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated dtypes")
+    p.add_argument("--batch-sizes", default="1,32", help="comma-separated decode batch sizes")
+    p.add_argument("--context", type=int, default=96, help="prompt tokens of each sequence")
+    p.add_argument("--steps", type=int, default=8, help="decode steps per timed run")
+    p.add_argument("--reps", type=int, default=7, help="timed runs (the median is reported)")
     args = p.parse_args()
     torch.set_num_threads(1)
     if cpu.load() is None:
@@ -73,10 +72,7 @@ def main() -> None:
     pm = create_plugin_manager()
     for dtype in args.dtypes.split(","):
         for batch in (int(b) for b in args.batch_sizes.split(",")):
-            runner = ModelRunner(model_path=None, dtype=dtype, registries=pm.registries,
-                                 plugin_manager=pm, max_total_tokens=batch * 400,
-                                 max_running_requests=batch, context_length=2048,
-                                 show_progress=False, cpu_graphs=False)
+            runner = make_runner(pm, dtype, batch, cpu_graphs=False)
             decoder = Decoder(runner, batch, args.context)
             decoder.run(2)  # warm-up
             with cpu.recording() as tape:

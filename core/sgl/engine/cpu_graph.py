@@ -16,8 +16,9 @@ the recorded tensors and replays the calls, all in one call of the library
 (:meth:`~sgl.kernels.library.KernelLibrary.replay`); no module code and no dispatcher runs. A
 forward that computes anything with torch (a torch fallback, a model's own elementwise op,
 float16) is not recorded and stays eager. Recording costs about 1.6 eager forwards, hence not
-the first forward of a size: a size the batch passes through only once is not worth it. The recorded activations stay allocated for the replays;
-graphs are dropped least recently used first beyond ``max_bytes``.
+the first forward of a size: a size the batch passes through only once is not worth it. The
+recorded activations stay allocated for the replays; graphs are dropped least recently used first
+beyond ``max_bytes``.
 
 As with CUDA graphs, the hidden states returned by a replay are the recorded tensor: they stay
 valid until the next forward. The models' and the attention backend's kernels must not decide

@@ -46,6 +46,10 @@ SCHEMAS = {
                         "Tensor(b!) v_pool, Tensor table, Tensor rows, Tensor lens, Tensor loc, "
                         "int num_heads, int num_kv_heads, int head_dim, float scale, "
                         "float softcap, int window) -> Tensor",
+    "extend_attention": "extend_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, "
+                        "Tensor rows, Tensor q_starts, Tensor prefix_lens, Tensor extend_lens, "
+                        "int num_heads, int num_kv_heads, int head_dim, float scale, "
+                        "float softcap, int window) -> Tensor",
 }
 
 
@@ -197,12 +201,53 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
     return out
 
 
+def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     table: torch.Tensor, rows: torch.Tensor, q_starts: torch.Tensor,
+                     prefix_lens: torch.Tensor, extend_lens: torch.Tensor, num_heads: int,
+                     num_kv_heads: int, head_dim: int, scale: float, softcap: float,
+                     window: int) -> torch.Tensor:
+    """Prefill attention of ragged sequences on top of cached prefixes, from the paged pools.
+
+    Sequence b has ``prefix_lens[b]`` cached tokens and ``extend_lens[b]`` new ones, whose
+    queries are rows ``q_starts[b]`` onwards of ``q [T, Hq * D]``; the keys and values of all of
+    them (the new ones already written) are the pool slots ``table[rows[b], :prefix + extend]``.
+    New token i (position ``p = prefix + i``) attends positions ``start .. p`` (causal; ``start
+    = p - window + 1`` when ``window > 0``, else 0), with ``scale``, ``softcap`` and
+    grouped-query heads as in :func:`decode_attention`. Returns ``[T, Hq * Dv]`` in ``q``'s dtype
+    (rows of no sequence are zero)."""
+    v_dim = v_pool.shape[-1]
+    k_slots = k_pool.view(-1, num_kv_heads, head_dim)
+    v_slots = v_pool.view(-1, num_kv_heads, v_dim)
+    group = num_heads // num_kv_heads
+    out = q.new_zeros(q.shape[0], num_heads * v_dim)
+    for b in range(rows.shape[0]):
+        start, prefix, n = int(q_starts[b]), int(prefix_lens[b]), int(extend_lens[b])
+        if n == 0:
+            continue
+        slots = table[int(rows[b]), :prefix + n]
+        keys = k_slots[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        values = v_slots[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        query = q[start:start + n, :num_heads * head_dim].float()
+        query = query.view(n, num_heads, head_dim).transpose(0, 1)  # [Hq, n, D]
+        scores = query @ keys.transpose(1, 2) * scale  # [Hq, n, prefix + n]
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos = torch.arange(prefix, prefix + n).unsqueeze(1)
+        key_pos = torch.arange(prefix + n).unsqueeze(0)
+        allowed = key_pos <= pos
+        if window > 0:
+            allowed &= key_pos > pos - window
+        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        out[start:start + n] = (weights @ values).transpose(0, 1).reshape(n, -1).to(q.dtype)
+    return out
+
+
 #: operator name -> its reference implementation
 REFERENCES: dict[str, Callable[..., Any]] = {
     "linear_bf16": linear_bf16, "linear_f32": linear_f32, "rmsnorm": rmsnorm,
     "add_rmsnorm": add_rmsnorm, "rmsnorm_heads": rmsnorm_heads, "silu_mul": silu_mul,
     "rotary": rotary, "embedding": embedding, "argmax": argmax,
-    "decode_attention": decode_attention,
+    "decode_attention": decode_attention, "extend_attention": extend_attention,
 }
 
 

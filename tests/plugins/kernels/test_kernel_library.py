@@ -94,6 +94,7 @@ def _op_inputs(dtype: torch.dtype) -> dict[str, tuple]:
                              torch.randn(tokens, hk * d).to(dtype), k_pool, v_pool, table,
                              torch.tensor([2, 0, 1]), lens, loc, hq, hk, d, d ** -0.5, 0.0, 0),
     }
+    args["extend_attention"] = _extend_args(dtype, hq, hk, d, softcap=0.0, window=0)
     if dtype == torch.float32:
         args["argmax"] = (torch.randn(4, 1000),)
         args["linear_f32"] = (x, ops.pack_f32_weight(torch.randn(70, h)), 70, torch.randn(70))
@@ -101,6 +102,19 @@ def _op_inputs(dtype: torch.dtype) -> dict[str, tuple]:
         args["linear_bf16"] = (x, ops.pack_bf16_weight(torch.randn(70, h).bfloat16()), 70,
                                torch.randn(70))
     return args
+
+
+def _extend_args(dtype: torch.dtype, hq: int, hk: int, d: int, softcap: float,
+                 window: int) -> tuple:
+    """Three sequences: on a cached prefix, fresh and longer than a key block, and empty."""
+    prefix, extend = torch.tensor([5, 0, 3]), torch.tensor([7, 70, 0])
+    slots = 256
+    table = torch.randperm(slots)[:3 * 80].view(3, 80).contiguous()
+    starts = torch.cumsum(extend, 0) - extend
+    tokens = int(extend.sum())
+    return (torch.randn(tokens, hq * d).to(dtype), torch.randn(slots, hk, d).to(dtype),
+            torch.randn(slots, hk, d).to(dtype), table, torch.tensor([2, 0, 1]),
+            starts.contiguous(), prefix, extend, hq, hk, d, d ** -0.5, softcap, window)
 
 
 def _clone(value):
@@ -137,6 +151,25 @@ def test_every_operator_matches_its_reference(dtype: torch.dtype) -> None:
     assert tested == set(args)
     assert set(ops.SCHEMAS) == {n for d in (torch.float32, torch.bfloat16)
                                 for n in _op_inputs(d)}  # every operator is tested
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,d", [((9, 3), 64), ((4, 4), 32), ((8, 1), 128), ((32, 2), 16)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (5, 0.0), (0, 3.0), (70, 2.0)])
+@pytest.mark.usefixtures("kernel_isa", "restore_kernel_threads")
+def test_extend_attention_matches_its_reference(dtype: torch.dtype, heads: tuple[int, int],
+                                                d: int, window: int, softcap: float) -> None:
+    """Prefill attention on cached prefixes: grouped heads, windows (inside one key block and
+    across two), soft-capping, on one kernel thread and on two."""
+    torch.manual_seed(heads[0] + d + window)
+    args = _extend_args(dtype, heads[0], heads[1], d, softcap, window)
+    expected = ops.extend_attention(*args)
+    tol = {"rtol": 0.02, "atol": 0.02} if dtype == torch.bfloat16 else {"rtol": 1e-5,
+                                                                        "atol": 1e-5}
+    for threads in (1, 2):
+        cpu.set_threads(threads)
+        got = torch.ops.sgl.extend_attention(*args)
+        torch.testing.assert_close(got.float(), expected.float(), **tol)
 
 
 @pytest.mark.usefixtures("kernel_isa")

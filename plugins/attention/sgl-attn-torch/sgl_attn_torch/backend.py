@@ -1,6 +1,9 @@
-"""``TorchAttentionBackend``: attention over the paged KV pool with plain PyTorch.
+"""``TorchAttentionBackend``: attention over the paged KV pool with plain PyTorch, and with sgl's
+CPU kernels (``sgl::decode_attention``, ``sgl::extend_attention``) where they run.
 
-Extend runs one SDPA call per sequence over its cached prefix plus its new tokens, so there is
+On CPU with the kernels, decode and extend are one kernel call per layer that reads the keys
+and values straight from the pool through ``req_to_token`` and shares the batch out over the
+kernels' threads. Otherwise, extend runs one SDPA call per sequence over its cached prefix plus its new tokens, so there is
 no padding to the longest sequence. When a sequence has no cached prefix its new keys are used
 directly and SDPA's causal mode does the masking.
 
@@ -74,6 +77,7 @@ class TorchAttentionMetadata:
     extend: list[_ExtendSeq] = field(default_factory=list)
     decode: list[_DecodeChunk] = field(default_factory=list)
     native: _NativeDecode | None = None  # sgl's CPU decode kernel, when it can run
+    native_extend: _NativeExtend | None = None  # sgl's CPU extend kernel, when it can run
     batch: ForwardBatch | None = None  # for planning ``decode`` late, if a layer needs it
 
 
@@ -85,6 +89,18 @@ class _NativeDecode:
     rows: torch.Tensor  # [batch] int64, contiguous
     lens: torch.Tensor
     loc: torch.Tensor
+    table: torch.Tensor
+
+
+@dataclass
+class _NativeExtend:
+    """The per-batch arguments of ``sgl::extend_attention`` (see :mod:`sgl.kernels.ops`)."""
+
+    kernels: cpu.CpuKernels
+    rows: torch.Tensor  # [batch] int64, contiguous
+    q_starts: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
     table: torch.Tensor
 
 
@@ -115,6 +131,14 @@ class TorchAttentionBackend(BaseAttentionBackend):
             indices = table[row, :total] if prefix > 0 else None
             plan.extend.append(_ExtendSeq(start, end, prefix, indices))
             start = end
+        kernels = cpu.load() if self.device.type == "cpu" else None
+        if kernels is not None and table.dtype == torch.int64 and table.stride(1) == 1:
+            extend = [seq.q_end - seq.q_start for seq in plan.extend]
+            plan.native_extend = _NativeExtend(
+                kernels, torch.tensor(rows, dtype=torch.int64),
+                torch.tensor([seq.q_start for seq in plan.extend], dtype=torch.int64),
+                torch.tensor(prefix_lens, dtype=torch.int64),
+                torch.tensor(extend, dtype=torch.int64), table)
         return plan
 
     def _plan_decode(self, batch: ForwardBatch, seq_lens: list[int]) -> TorchAttentionMetadata:
@@ -172,8 +196,31 @@ class TorchAttentionBackend(BaseAttentionBackend):
             for chunk in plan.decode:
                 out[chunk.start:chunk.end] = self._decode_chunk(q, layer, chunk)
         else:
+            native = self._extend_native(q, layer, plan.native_extend)
+            if native is not None:
+                return native
             self._extend(q, k, v, out, layer, plan)
         return out.view(tokens, -1)
+
+    def _extend_native(self, q: torch.Tensor, layer: AttentionLayerSpec,
+                       native: _NativeExtend | None) -> torch.Tensor | None:
+        """All sequences' extend attention in one call of sgl's CPU kernel, from the pool (the
+        new K/V are in it already); None when this layer's tensors do not fit it."""
+        if native is None:
+            return None
+        k_pool = self.kv_pool.k_buffer[layer.layer_id]
+        v_pool = self.kv_pool.v_buffer[layer.layer_id]
+        q2 = q.view(q.shape[0], -1)
+        if (q2.dtype not in cpu.DTYPES or k_pool.dtype != q2.dtype or v_pool.dtype != q2.dtype
+                or q2.stride(1) != 1 or not (k_pool.is_contiguous() and v_pool.is_contiguous())
+                or layer.num_heads // layer.num_kv_heads > 64
+                or not native.kernels.decode_attention_fits(layer.num_heads, layer.num_kv_heads,
+                                                            layer.head_dim, v_pool.shape[-1])):
+            return None
+        return torch.ops.sgl.extend_attention(
+            q2, k_pool, v_pool, native.table, native.rows, native.q_starts, native.prefix_lens,
+            native.extend_lens, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+            layer.scaling, layer.logit_softcap or 0.0, layer.sliding_window or 0)
 
     def _decode_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: AttentionLayerSpec, native: _NativeDecode) -> torch.Tensor | None:

@@ -22,7 +22,7 @@
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define AVX512_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
-int sgl_kernels_version(void) { return 2; }
+int sgl_kernels_version(void) { return 3; }
 
 /* Linux keeps AMX tile data off until the process asks for it (arch_prctl): sgl/kernels/cpu.py
  * asks before it picks the AMX level. */
@@ -744,6 +744,242 @@ AVX512_TARGET int sgl_decode_attention(
     return atomic_load(&job.failed) ? -2 : 0;
 }
 
+/* -- paged extend (prefill) attention ---------------------------------------------------------
+ * Sequence b has prefix_lens[b] cached tokens and extend_lens[b] new ones, whose queries are the
+ * rows q_starts[b] .. + extend_lens[b] of q; the keys and values of all of them (the new ones
+ * already written) are the pool rows table[rows[b]][0 .. prefix + extend). New token i sits at
+ * position p = prefix + i and attends positions [start(p), p] (causal; start(p) = p - window + 1
+ * with a window, else 0). Flash-style: a work item is one tile of QT query tokens of one
+ * sequence and one KV head, i.e. R = G * QT query rows (G query heads share the KV head) that
+ * walk the keys in blocks of EXT_KB with an online softmax, in float32: scores from a
+ * transposed float32 copy of the key block (four rows times 64 keys in registers), the weighted
+ * values from a float32 copy of the value block. Items are shared out over the kernel threads. */
+
+#define EXT_KB 64  /* keys per block */
+#define EXT_ROWS 64 /* query rows per item, at most */
+
+typedef struct {
+    const char *q;
+    int64_t q_stride;
+    const char *kp, *vp;
+    int64_t k_row, v_row;
+    const int64_t *table, *rows, *q_starts, *prefix_lens, *extend_lens, *first_item;
+    int64_t table_stride, B;
+    char *out;
+    int64_t out_stride, Hq, Hk, D, Dv, window, QT, es;
+    float scale, softcap;
+    int dtype;
+    atomic_int failed;
+} extend_job;
+
+/* s[r][0..64) = qf[r] . kt[., 0..64) for `rows` (<= 4, constant) rows */
+AVX512_TARGET static inline __attribute__((always_inline)) void ext_scores(
+    const float *qf, int64_t D, const float *kt, float *s, const int rows) {
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const float *kd = kt + d * EXT_KB;
+        const __m512 k0 = _mm512_load_ps(kd), k1 = _mm512_load_ps(kd + 16);
+        const __m512 k2 = _mm512_load_ps(kd + 32), k3 = _mm512_load_ps(kd + 48);
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; r++) {
+            const __m512 qv = _mm512_set1_ps(qf[r * D + d]);
+            acc[r][0] = _mm512_fmadd_ps(qv, k0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(qv, k1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(qv, k2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(qv, k3, acc[r][3]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++) _mm512_store_ps(s + r * EXT_KB + 16 * c, acc[r][c]);
+}
+
+/* o[r][col .. col + 16 * nv) += sum_j p[r][j] vf[j][col ..] for `rows` (<= 4) rows, nv <= 4 */
+AVX512_TARGET static inline __attribute__((always_inline)) void ext_pv(
+    const float *p, int64_t nk, const float *vf, int64_t Dv, float *o, int64_t col,
+    const int rows, const int nv) {
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < nv; c++) acc[r][c] = _mm512_load_ps(o + r * Dv + col + 16 * c);
+    for (int64_t j = 0; j < nk; j++) {
+        __m512 vv[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < nv; c++) vv[c] = _mm512_load_ps(vf + j * Dv + col + 16 * c);
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; r++) {
+            const __m512 pv = _mm512_set1_ps(p[r * EXT_KB + j]);
+#pragma GCC unroll 4
+            for (int c = 0; c < nv; c++) acc[r][c] = _mm512_fmadd_ps(pv, vv[c], acc[r][c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < nv; c++) _mm512_store_ps(o + r * Dv + col + 16 * c, acc[r][c]);
+}
+
+AVX512_TARGET static void ext_pv_rows(const float *p, int64_t nk, const float *vf, int64_t Dv,
+                                      float *o, int64_t rows) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int64_t n = rows - r0 < 4 ? rows - r0 : 4;
+        const float *pr = p + r0 * EXT_KB;
+        float *orow = o + r0 * Dv;
+        for (int64_t col = 0; col < Dv; col += 64) {
+            const int nv = (int)((Dv - col) / 16 < 4 ? (Dv - col) / 16 : 4);
+#define EXT_PV_CASE(R)                                                                          \
+    switch (nv) {                                                                               \
+    case 4: ext_pv(pr, nk, vf, Dv, orow, col, R, 4); break;                                      \
+    case 3: ext_pv(pr, nk, vf, Dv, orow, col, R, 3); break;                                      \
+    case 2: ext_pv(pr, nk, vf, Dv, orow, col, R, 2); break;                                      \
+    default: ext_pv(pr, nk, vf, Dv, orow, col, R, 1);                                            \
+    }
+            switch (n) {
+            case 4: EXT_PV_CASE(4) break;
+            case 3: EXT_PV_CASE(3) break;
+            case 2: EXT_PV_CASE(2) break;
+            default: EXT_PV_CASE(1)
+            }
+#undef EXT_PV_CASE
+        }
+    }
+}
+
+AVX512_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t i1) {
+    extend_job *j = ctx;
+    const int64_t D = j->D, Dv = j->Dv, G = j->Hq / j->Hk, QT = j->QT, es = j->es;
+    const int64_t R = G * QT;
+    /* per thread: qf [R][D], kt [D][KB], vf [KB][Dv], s [R][KB], o [R][Dv], m [R], l [R], row */
+    const int64_t D16 = (D + 15) & ~(int64_t)15;
+    float *buf = scratch_f32(R * D + D * EXT_KB + EXT_KB * Dv + R * EXT_KB + R * Dv + 2 * R
+                             + D16 + 64);
+    if (!buf) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    float *qf = buf, *kt = qf + R * D, *vf = kt + D * EXT_KB, *s = vf + EXT_KB * Dv;
+    float *o = s + R * EXT_KB, *m = o + R * Dv, *l = m + R, *tmp = l + R;
+    for (int64_t item = i0; item < i1; item++) {
+        /* the item's sequence: first_item[b] <= item / Hk < first_item[b + 1] */
+        const int64_t tile_item = item / j->Hk, hk = item % j->Hk;
+        int64_t b = 0;
+        while (j->first_item[b + 1] <= tile_item) b++;
+        const int64_t tile = tile_item - j->first_item[b];
+        const int64_t prefix = j->prefix_lens[b], L = j->extend_lens[b];
+        const int64_t t0 = tile * QT, nt = L - t0 < QT ? L - t0 : QT; /* tokens of this tile */
+        const int64_t *slots = j->table + j->rows[b] * j->table_stride;
+        const int64_t rows = G * nt; /* row g * nt + i: head hk * G + g, token t0 + i */
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t i = 0; i < nt; i++) {
+                const char *qr = j->q + ((j->q_starts[b] + t0 + i) * j->q_stride
+                                         + (hk * G + g) * D) * es;
+                float *dst = qf + (g * nt + i) * D;
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(dst + d, _mm512_mul_ps(load16(qr + d * es, j->dtype),
+                                                            _mm512_set1_ps(j->scale)));
+            }
+        for (int64_t r = 0; r < rows; r++) {
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+        }
+        memset(o, 0, (size_t)(rows * Dv) * sizeof(float));
+        const int64_t p_first = prefix + t0, p_last = prefix + t0 + nt - 1;
+        const int64_t k_begin = j->window > 0 && p_first - j->window + 1 > 0
+                                    ? p_first - j->window + 1 : 0;
+        for (int64_t k0 = k_begin; k0 <= p_last; k0 += EXT_KB) {
+            const int64_t nk = p_last + 1 - k0 < EXT_KB ? p_last + 1 - k0 : EXT_KB;
+            for (int64_t x = 0; x < nk; x++) {
+                const char *kr = j->kp + slots[k0 + x] * j->k_row + hk * D * es;
+                const char *vr = j->vp + slots[k0 + x] * j->v_row + hk * Dv * es;
+                for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(tmp + d, load16(kr + d * es, j->dtype));
+                for (int64_t d = 0; d < D; d++) kt[d * EXT_KB + x] = tmp[d];
+                for (int64_t d = 0; d < Dv; d += 16)
+                    _mm512_store_ps(vf + x * Dv + d, load16(vr + d * es, j->dtype));
+            }
+            for (int64_t x = nk; x < EXT_KB; x++) /* keys past the block: zeros, masked below */
+                for (int64_t d = 0; d < D; d++) kt[d * EXT_KB + x] = 0.0f;
+            for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+                switch (rows - r0 < 4 ? rows - r0 : 4) {
+                case 4: ext_scores(qf + r0 * D, D, kt, s + r0 * EXT_KB, 4); break;
+                case 3: ext_scores(qf + r0 * D, D, kt, s + r0 * EXT_KB, 3); break;
+                case 2: ext_scores(qf + r0 * D, D, kt, s + r0 * EXT_KB, 2); break;
+                default: ext_scores(qf + r0 * D, D, kt, s + r0 * EXT_KB, 1);
+                }
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                float *sr = s + r * EXT_KB;
+                const int64_t p = prefix + t0 + r % nt;
+                const int64_t lo = j->window > 0 && p - j->window + 1 > k0 ? p - j->window + 1 - k0 : 0;
+                const int64_t hi = p - k0 + 1 < nk ? p - k0 + 1 : nk; /* keys [lo, hi) of the block */
+                if (hi <= lo) {
+                    memset(sr, 0, EXT_KB * sizeof(float));
+                    continue;
+                }
+                if (j->softcap > 0)
+                    for (int64_t x = lo; x < hi; x++) sr[x] = j->softcap * tanhf(sr[x] / j->softcap);
+                float mx = m[r];
+                for (int64_t x = lo; x < hi; x++) mx = sr[x] > mx ? sr[x] : mx;
+                const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
+                m[r] = mx;
+                __m512 sum = _mm512_setzero_ps();
+                const __m512 mv = _mm512_set1_ps(mx);
+                for (int64_t x = 0; x < EXT_KB; x += 16) {
+                    const __mmask16 valid = (__mmask16)(((x + 16 <= lo || x >= hi) ? 0u :
+                        (0xFFFFu << (lo > x ? lo - x : 0)) & (0xFFFFu >> (x + 16 > hi ? x + 16 - hi : 0))));
+                    const __m512 e = _mm512_maskz_mov_ps(
+                        valid, exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(sr + x), mv)));
+                    _mm512_store_ps(sr + x, e);
+                    sum = _mm512_add_ps(sum, e);
+                }
+                l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+                if (alpha != 1.0f) {
+                    const __m512 av = _mm512_set1_ps(alpha);
+                    for (int64_t c = 0; c < Dv; c += 16)
+                        _mm512_store_ps(o + r * Dv + c, _mm512_mul_ps(_mm512_load_ps(o + r * Dv + c), av));
+                }
+            }
+            ext_pv_rows(s, nk, vf, Dv, o, rows);
+        }
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t i = 0; i < nt; i++) {
+                const int64_t r = g * nt + i;
+                const __m512 inv = _mm512_set1_ps(l[r] > 0 ? 1.0f / l[r] : 0.0f);
+                char *dst = j->out + ((j->q_starts[b] + t0 + i) * j->out_stride
+                                      + (hk * G + g) * Dv) * es;
+                for (int64_t c = 0; c < Dv; c += 16)
+                    store16(dst + c * es, _mm512_mul_ps(_mm512_load_ps(o + r * Dv + c), inv),
+                            j->dtype);
+            }
+    }
+}
+
+AVX512_TARGET int sgl_extend_attention(
+    const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
+    const int64_t *table, int64_t table_stride, const int64_t *rows, const int64_t *q_starts,
+    const int64_t *prefix_lens, const int64_t *extend_lens, int64_t B, void *out,
+    int64_t out_stride, int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, float scale,
+    float softcap, int64_t window, int dtype) {
+    if (D % 16 || Dv % 16 || D < 16 || Dv < 16 || D > 256 || Dv > 256 || Hk < 1 || Hq % Hk
+        || Hq / Hk > EXT_ROWS || B < 0) return -1;
+    const int64_t G = Hq / Hk, es = dtype ? 2 : 4;
+    int64_t QT = EXT_ROWS / G;
+    if (QT > 32) QT = 32;
+    int64_t *first_item = malloc((size_t)(B + 1) * sizeof(int64_t));
+    if (!first_item) return -2;
+    first_item[0] = 0;
+    for (int64_t b = 0; b < B; b++) first_item[b + 1] = first_item[b] + (extend_lens[b] + QT - 1) / QT;
+    extend_job job = {q, q_stride, k_pool, v_pool, Hk * D * es, Hk * Dv * es, table, rows,
+                      q_starts, prefix_lens, extend_lens, first_item, table_stride, B, out,
+                      out_stride, Hq, Hk, D, Dv, window, QT, es, scale, softcap, dtype, 0};
+    parallel_for(extend_attention_items, &job, first_item[B] * Hk, 1);
+    free(first_item);
+    return atomic_load(&job.failed) ? -2 : 0;
+}
+
 /* -- elementwise ---------------------------------------------------------------------------
  * Each rounds to bfloat16 after every step where torch (and transformers' reference code) does,
  * so bfloat16 results match the torch code they replace bit for bit up to summation order. */
@@ -1255,6 +1491,10 @@ int sgl_run_op(const sgl_op *op) {
                                     a[23], (int)a[24], (int)a[25]);
     case SGL_OP_ARGMAX_F32:
         return sgl_argmax_f32(P(0), a[1], a[2], a[3], P(4));
+    case SGL_OP_EXTEND_ATTENTION:
+        return sgl_extend_attention(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), P(8), P(9),
+                                    a[10], P(11), a[12], a[13], a[14], a[15], a[16],
+                                    f32_bits(a[17]), f32_bits(a[18]), a[19], (int)a[20]);
     case SGL_OP_LINEAR_BF16_AVX512:
         return sgl_linear_bf16_avx512(P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8),
                                       (int)a[9]);

@@ -23,6 +23,7 @@ enum {
     SGL_OP_DECODE_ATTENTION = 7,
     SGL_OP_ARGMAX_F32 = 8,
     SGL_OP_LINEAR_BF16_AVX512 = 9,
+    SGL_OP_EXTEND_ATTENTION = 10,
 };
 
 #define SGL_OP_ARGS 26
@@ -32,7 +33,7 @@ typedef struct {
     int64_t a[SGL_OP_ARGS];
 } sgl_op;
 
-/* 2 where the kernels were compiled for x86-64, 0 elsewhere (every call then fails). */
+/* 3 where the kernels were compiled for x86-64, 0 elsewhere (every call then fails). */
 int sgl_kernels_version(void);
 /* Use `threads` threads (the caller included) from now on; returns the number in use. */
 int sgl_set_threads(int threads);

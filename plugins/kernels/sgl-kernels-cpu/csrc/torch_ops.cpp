@@ -349,6 +349,57 @@ Tensor decode_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tenso
   return out;
 }
 
+Tensor extend_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
+                        const Tensor& table, const Tensor& rows, const Tensor& q_starts,
+                        const Tensor& prefix_lens, const Tensor& extend_lens, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, double scale, double softcap,
+                        int64_t window) {
+  const char* op = "sgl::extend_attention";
+  check_rows(op, "q", q);
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK_VALUE(k_pool.device().is_cpu() && k_pool.scalar_type() == dtype &&
+                        k_pool.is_contiguous() && v_pool.device().is_cpu() &&
+                        v_pool.scalar_type() == dtype && v_pool.is_contiguous(),
+                    op, ": the pools must be contiguous CPU tensors of q's dtype");
+  TORCH_CHECK_VALUE(q.size(1) >= num_heads * head_dim, op, ": q rows of ", q.size(1),
+                    " values hold no ", num_heads, " heads of ", head_dim);
+  TORCH_CHECK_VALUE(table.device().is_cpu() && table.scalar_type() == at::kLong &&
+                        table.dim() == 2 && table.stride(1) == 1,
+                    op, ": table must be a 2-D int64 CPU tensor with unit stride in its rows");
+  for (const auto* t : {&rows, &q_starts, &prefix_lens, &extend_lens})
+    check_contiguous(op, "rows, q_starts, prefix_lens and extend_lens", *t, at::kLong);
+  const int64_t batch = rows.numel();
+  TORCH_CHECK_VALUE(q_starts.numel() == batch && prefix_lens.numel() == batch &&
+                        extend_lens.numel() == batch,
+                    op, ": rows, q_starts, prefix_lens and extend_lens must have one value per "
+                    "sequence");
+  const int64_t* starts = q_starts.data_ptr<int64_t>();
+  const int64_t* prefix = prefix_lens.data_ptr<int64_t>();
+  const int64_t* lens = extend_lens.data_ptr<int64_t>();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; b++) {
+    TORCH_CHECK_INDEX(starts[b] >= 0 && lens[b] >= 0 && starts[b] + lens[b] <= q.size(0), op,
+                      ": sequence ", b, "'s tokens lie outside q's ", q.size(0), " rows");
+    TORCH_CHECK_INDEX(prefix[b] >= 0 && prefix[b] + lens[b] <= table.size(1) && row[b] >= 0 &&
+                          row[b] < table.size(0),
+                      op, ": sequence ", b, " lies outside the table");
+  }
+  const int64_t v_dim = v_pool.size(-1);
+  Tensor out = at::zeros({q.size(0), num_heads * v_dim}, q.options());
+  Call call(SGL_OP_EXTEND_ATTENTION);
+  call << ptr(q) << q.stride(0) << ptr(k_pool) << ptr(v_pool) << ptr(table) << table.stride(0)
+       << ptr(rows) << ptr(q_starts) << ptr(prefix_lens) << ptr(extend_lens) << batch << ptr(out)
+       << out.stride(0) << num_heads << num_kv_heads << head_dim << v_dim
+       << bits(static_cast<float>(scale)) << bits(static_cast<float>(softcap)) << window
+       << dtype_code(q);
+  const int rc = run(call, {q, k_pool, v_pool, table, rows, q_starts, prefix_lens, extend_lens},
+                     {out});
+  TORCH_CHECK(rc != -2, op, ": no memory for its buffers");
+  TORCH_CHECK_VALUE(rc == 0, op, ": ", num_heads, " heads and ", num_kv_heads, " KV heads of ",
+                    head_dim, " (values ", v_dim, ") are not a shape the kernel takes");
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sgl_cpu, m) {
@@ -372,4 +423,5 @@ TORCH_LIBRARY_IMPL(sgl, CPU, m) {
   m.impl("embedding", &embedding);
   m.impl("argmax", &argmax);
   m.impl("decode_attention", &decode_attention);
+  m.impl("extend_attention", &extend_attention);
 }

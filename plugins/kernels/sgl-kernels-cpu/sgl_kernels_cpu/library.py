@@ -25,9 +25,10 @@ __all__ = ["KERNEL_NAMES", "CpuKernelLibrary", "compiled_path"]
 #: the kernel of each op kind in a recorded row (``SGL_OP_*`` in csrc/cpu_kernels.h)
 KERNEL_NAMES = {1: "sgl_linear_bf16_amx", 2: "sgl_linear_f32", 3: "sgl_rmsnorm",
                 4: "sgl_silu_mul", 5: "sgl_rotary", 6: "sgl_embedding",
-                7: "sgl_decode_attention", 8: "sgl_argmax_f32", 9: "sgl_linear_bf16_avx512"}
+                7: "sgl_decode_attention", 8: "sgl_argmax_f32", 9: "sgl_linear_bf16_avx512",
+                10: "sgl_extend_attention"}
 #: what ``sgl_kernels_version`` of a build of this source returns
-VERSION = 2
+VERSION = 3
 
 _lock = threading.Lock()
 _loaded_path: Path | None = None
