@@ -40,6 +40,7 @@ def test_without_the_plugin_the_layers_run_torch_and_say_why() -> None:
     line, and the layers' results those of torch."""
     from sgl.layers.packed_linear import linear, pack_weight
 
+    had_kernels = cpu.load() is not None  # not with SGL_DISABLE_PLUGINS=kernels-cpu, say
     pm = create_plugin_manager(PluginSelection(disable=("kernels-cpu",)))
     cpu.use_plugins(pm)
     assert cpu.load() is None and cpu.cpu_isa() == "none"
@@ -54,8 +55,7 @@ def test_without_the_plugin_the_layers_run_torch_and_say_why() -> None:
         pass
     assert len(tape) == 0 and tape.names == []
     cpu.use_plugins(None)
-    if cpu.detected_isa() in cpu.KERNEL_LEVELS and cpu.requested_isa() == "auto":
-        assert cpu.load() is not None
+    assert (cpu.load() is not None) == had_kernels
 
 
 def test_cli_reports_the_disabled_plugin() -> None:
@@ -214,6 +214,7 @@ def test_installed_without_a_compiler_runs_torch_and_says_why(tmp_path) -> None:
     import os
     import shutil
 
+    had_kernels = cpu.load() is not None
     source = tmp_path / "src"
     shutil.copytree(ROOT / "plugins/kernels/sgl-kernels-cpu", source,
                     ignore=shutil.ignore_patterns("build", "_C*.so", "*.egg-info"))
@@ -235,6 +236,7 @@ def test_installed_without_a_compiler_runs_torch_and_says_why(tmp_path) -> None:
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     line = out.stdout.strip().splitlines()[-1]
-    if cpu.detected_isa() in cpu.KERNEL_LEVELS and cpu.requested_isa() == "auto":
+    assert line.startswith("CPU kernels: ")
+    if had_kernels:  # else they are off for another reason, which the line gives instead
         assert line.startswith("CPU kernels: none (")
         assert "installed without its compiled kernels" in line and "reinstall" in line

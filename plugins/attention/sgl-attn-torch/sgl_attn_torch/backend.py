@@ -206,7 +206,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
                        native: _NativeExtend | None) -> torch.Tensor | None:
         """All sequences' extend attention in one call of sgl's CPU kernel, from the pool (the
         new K/V are in it already); None when this layer's tensors do not fit it."""
-        if native is None:
+        if native is None or not native.kernels.extend_attention_faster(q.dtype):
             return None
         k_pool = self.kv_pool.k_buffer[layer.layer_id]
         v_pool = self.kv_pool.v_buffer[layer.layer_id]

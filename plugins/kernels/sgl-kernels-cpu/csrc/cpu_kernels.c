@@ -744,242 +744,6 @@ AVX512_TARGET int sgl_decode_attention(
     return atomic_load(&job.failed) ? -2 : 0;
 }
 
-/* -- paged extend (prefill) attention ---------------------------------------------------------
- * Sequence b has prefix_lens[b] cached tokens and extend_lens[b] new ones, whose queries are the
- * rows q_starts[b] .. + extend_lens[b] of q; the keys and values of all of them (the new ones
- * already written) are the pool rows table[rows[b]][0 .. prefix + extend). New token i sits at
- * position p = prefix + i and attends positions [start(p), p] (causal; start(p) = p - window + 1
- * with a window, else 0). Flash-style: a work item is one tile of QT query tokens of one
- * sequence and one KV head, i.e. R = G * QT query rows (G query heads share the KV head) that
- * walk the keys in blocks of EXT_KB with an online softmax, in float32: scores from a
- * transposed float32 copy of the key block (four rows times 64 keys in registers), the weighted
- * values from a float32 copy of the value block. Items are shared out over the kernel threads. */
-
-#define EXT_KB 64  /* keys per block */
-#define EXT_ROWS 64 /* query rows per item, at most */
-
-typedef struct {
-    const char *q;
-    int64_t q_stride;
-    const char *kp, *vp;
-    int64_t k_row, v_row;
-    const int64_t *table, *rows, *q_starts, *prefix_lens, *extend_lens, *first_item;
-    int64_t table_stride, B;
-    char *out;
-    int64_t out_stride, Hq, Hk, D, Dv, window, QT, es;
-    float scale, softcap;
-    int dtype;
-    atomic_int failed;
-} extend_job;
-
-/* s[r][0..64) = qf[r] . kt[., 0..64) for `rows` (<= 4, constant) rows */
-AVX512_TARGET static inline __attribute__((always_inline)) void ext_scores(
-    const float *qf, int64_t D, const float *kt, float *s, const int rows) {
-    __m512 acc[4][4];
-#pragma GCC unroll 4
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d++) {
-        const float *kd = kt + d * EXT_KB;
-        const __m512 k0 = _mm512_load_ps(kd), k1 = _mm512_load_ps(kd + 16);
-        const __m512 k2 = _mm512_load_ps(kd + 32), k3 = _mm512_load_ps(kd + 48);
-#pragma GCC unroll 4
-        for (int r = 0; r < rows; r++) {
-            const __m512 qv = _mm512_set1_ps(qf[r * D + d]);
-            acc[r][0] = _mm512_fmadd_ps(qv, k0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(qv, k1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(qv, k2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(qv, k3, acc[r][3]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < 4; c++) _mm512_store_ps(s + r * EXT_KB + 16 * c, acc[r][c]);
-}
-
-/* o[r][col .. col + 16 * nv) += sum_j p[r][j] vf[j][col ..] for `rows` (<= 4) rows, nv <= 4 */
-AVX512_TARGET static inline __attribute__((always_inline)) void ext_pv(
-    const float *p, int64_t nk, const float *vf, int64_t Dv, float *o, int64_t col,
-    const int rows, const int nv) {
-    __m512 acc[4][4];
-#pragma GCC unroll 4
-    for (int r = 0; r < rows; r++)
-#pragma GCC unroll 4
-        for (int c = 0; c < nv; c++) acc[r][c] = _mm512_load_ps(o + r * Dv + col + 16 * c);
-    for (int64_t j = 0; j < nk; j++) {
-        __m512 vv[4];
-#pragma GCC unroll 4
-        for (int c = 0; c < nv; c++) vv[c] = _mm512_load_ps(vf + j * Dv + col + 16 * c);
-#pragma GCC unroll 4
-        for (int r = 0; r < rows; r++) {
-            const __m512 pv = _mm512_set1_ps(p[r * EXT_KB + j]);
-#pragma GCC unroll 4
-            for (int c = 0; c < nv; c++) acc[r][c] = _mm512_fmadd_ps(pv, vv[c], acc[r][c]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < rows; r++)
-#pragma GCC unroll 4
-        for (int c = 0; c < nv; c++) _mm512_store_ps(o + r * Dv + col + 16 * c, acc[r][c]);
-}
-
-AVX512_TARGET static void ext_pv_rows(const float *p, int64_t nk, const float *vf, int64_t Dv,
-                                      float *o, int64_t rows) {
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const int64_t n = rows - r0 < 4 ? rows - r0 : 4;
-        const float *pr = p + r0 * EXT_KB;
-        float *orow = o + r0 * Dv;
-        for (int64_t col = 0; col < Dv; col += 64) {
-            const int nv = (int)((Dv - col) / 16 < 4 ? (Dv - col) / 16 : 4);
-#define EXT_PV_CASE(R)                                                                          \
-    switch (nv) {                                                                               \
-    case 4: ext_pv(pr, nk, vf, Dv, orow, col, R, 4); break;                                      \
-    case 3: ext_pv(pr, nk, vf, Dv, orow, col, R, 3); break;                                      \
-    case 2: ext_pv(pr, nk, vf, Dv, orow, col, R, 2); break;                                      \
-    default: ext_pv(pr, nk, vf, Dv, orow, col, R, 1);                                            \
-    }
-            switch (n) {
-            case 4: EXT_PV_CASE(4) break;
-            case 3: EXT_PV_CASE(3) break;
-            case 2: EXT_PV_CASE(2) break;
-            default: EXT_PV_CASE(1)
-            }
-#undef EXT_PV_CASE
-        }
-    }
-}
-
-AVX512_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t i1) {
-    extend_job *j = ctx;
-    const int64_t D = j->D, Dv = j->Dv, G = j->Hq / j->Hk, QT = j->QT, es = j->es;
-    const int64_t R = G * QT;
-    /* per thread: qf [R][D], kt [D][KB], vf [KB][Dv], s [R][KB], o [R][Dv], m [R], l [R], row */
-    const int64_t D16 = (D + 15) & ~(int64_t)15;
-    float *buf = scratch_f32(R * D + D * EXT_KB + EXT_KB * Dv + R * EXT_KB + R * Dv + 2 * R
-                             + D16 + 64);
-    if (!buf) {
-        atomic_store(&j->failed, 1);
-        return;
-    }
-    float *qf = buf, *kt = qf + R * D, *vf = kt + D * EXT_KB, *s = vf + EXT_KB * Dv;
-    float *o = s + R * EXT_KB, *m = o + R * Dv, *l = m + R, *tmp = l + R;
-    for (int64_t item = i0; item < i1; item++) {
-        /* the item's sequence: first_item[b] <= item / Hk < first_item[b + 1] */
-        const int64_t tile_item = item / j->Hk, hk = item % j->Hk;
-        int64_t b = 0;
-        while (j->first_item[b + 1] <= tile_item) b++;
-        const int64_t tile = tile_item - j->first_item[b];
-        const int64_t prefix = j->prefix_lens[b], L = j->extend_lens[b];
-        const int64_t t0 = tile * QT, nt = L - t0 < QT ? L - t0 : QT; /* tokens of this tile */
-        const int64_t *slots = j->table + j->rows[b] * j->table_stride;
-        const int64_t rows = G * nt; /* row g * nt + i: head hk * G + g, token t0 + i */
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t i = 0; i < nt; i++) {
-                const char *qr = j->q + ((j->q_starts[b] + t0 + i) * j->q_stride
-                                         + (hk * G + g) * D) * es;
-                float *dst = qf + (g * nt + i) * D;
-                for (int64_t d = 0; d < D; d += 16)
-                    _mm512_storeu_ps(dst + d, _mm512_mul_ps(load16(qr + d * es, j->dtype),
-                                                            _mm512_set1_ps(j->scale)));
-            }
-        for (int64_t r = 0; r < rows; r++) {
-            m[r] = -INFINITY;
-            l[r] = 0.0f;
-        }
-        memset(o, 0, (size_t)(rows * Dv) * sizeof(float));
-        const int64_t p_first = prefix + t0, p_last = prefix + t0 + nt - 1;
-        const int64_t k_begin = j->window > 0 && p_first - j->window + 1 > 0
-                                    ? p_first - j->window + 1 : 0;
-        for (int64_t k0 = k_begin; k0 <= p_last; k0 += EXT_KB) {
-            const int64_t nk = p_last + 1 - k0 < EXT_KB ? p_last + 1 - k0 : EXT_KB;
-            for (int64_t x = 0; x < nk; x++) {
-                const char *kr = j->kp + slots[k0 + x] * j->k_row + hk * D * es;
-                const char *vr = j->vp + slots[k0 + x] * j->v_row + hk * Dv * es;
-                for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(tmp + d, load16(kr + d * es, j->dtype));
-                for (int64_t d = 0; d < D; d++) kt[d * EXT_KB + x] = tmp[d];
-                for (int64_t d = 0; d < Dv; d += 16)
-                    _mm512_store_ps(vf + x * Dv + d, load16(vr + d * es, j->dtype));
-            }
-            for (int64_t x = nk; x < EXT_KB; x++) /* keys past the block: zeros, masked below */
-                for (int64_t d = 0; d < D; d++) kt[d * EXT_KB + x] = 0.0f;
-            for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-                switch (rows - r0 < 4 ? rows - r0 : 4) {
-                case 4: ext_scores(qf + r0 * D, D, kt, s + r0 * EXT_KB, 4); break;
-                case 3: ext_scores(qf + r0 * D, D, kt, s + r0 * EXT_KB, 3); break;
-                case 2: ext_scores(qf + r0 * D, D, kt, s + r0 * EXT_KB, 2); break;
-                default: ext_scores(qf + r0 * D, D, kt, s + r0 * EXT_KB, 1);
-                }
-            }
-            for (int64_t r = 0; r < rows; r++) {
-                float *sr = s + r * EXT_KB;
-                const int64_t p = prefix + t0 + r % nt;
-                const int64_t lo = j->window > 0 && p - j->window + 1 > k0 ? p - j->window + 1 - k0 : 0;
-                const int64_t hi = p - k0 + 1 < nk ? p - k0 + 1 : nk; /* keys [lo, hi) of the block */
-                if (hi <= lo) {
-                    memset(sr, 0, EXT_KB * sizeof(float));
-                    continue;
-                }
-                if (j->softcap > 0)
-                    for (int64_t x = lo; x < hi; x++) sr[x] = j->softcap * tanhf(sr[x] / j->softcap);
-                float mx = m[r];
-                for (int64_t x = lo; x < hi; x++) mx = sr[x] > mx ? sr[x] : mx;
-                const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
-                m[r] = mx;
-                __m512 sum = _mm512_setzero_ps();
-                const __m512 mv = _mm512_set1_ps(mx);
-                for (int64_t x = 0; x < EXT_KB; x += 16) {
-                    const __mmask16 valid = (__mmask16)(((x + 16 <= lo || x >= hi) ? 0u :
-                        (0xFFFFu << (lo > x ? lo - x : 0)) & (0xFFFFu >> (x + 16 > hi ? x + 16 - hi : 0))));
-                    const __m512 e = _mm512_maskz_mov_ps(
-                        valid, exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(sr + x), mv)));
-                    _mm512_store_ps(sr + x, e);
-                    sum = _mm512_add_ps(sum, e);
-                }
-                l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
-                if (alpha != 1.0f) {
-                    const __m512 av = _mm512_set1_ps(alpha);
-                    for (int64_t c = 0; c < Dv; c += 16)
-                        _mm512_store_ps(o + r * Dv + c, _mm512_mul_ps(_mm512_load_ps(o + r * Dv + c), av));
-                }
-            }
-            ext_pv_rows(s, nk, vf, Dv, o, rows);
-        }
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t i = 0; i < nt; i++) {
-                const int64_t r = g * nt + i;
-                const __m512 inv = _mm512_set1_ps(l[r] > 0 ? 1.0f / l[r] : 0.0f);
-                char *dst = j->out + ((j->q_starts[b] + t0 + i) * j->out_stride
-                                      + (hk * G + g) * Dv) * es;
-                for (int64_t c = 0; c < Dv; c += 16)
-                    store16(dst + c * es, _mm512_mul_ps(_mm512_load_ps(o + r * Dv + c), inv),
-                            j->dtype);
-            }
-    }
-}
-
-AVX512_TARGET int sgl_extend_attention(
-    const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
-    const int64_t *table, int64_t table_stride, const int64_t *rows, const int64_t *q_starts,
-    const int64_t *prefix_lens, const int64_t *extend_lens, int64_t B, void *out,
-    int64_t out_stride, int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, float scale,
-    float softcap, int64_t window, int dtype) {
-    if (D % 16 || Dv % 16 || D < 16 || Dv < 16 || D > 256 || Dv > 256 || Hk < 1 || Hq % Hk
-        || Hq / Hk > EXT_ROWS || B < 0) return -1;
-    const int64_t G = Hq / Hk, es = dtype ? 2 : 4;
-    int64_t QT = EXT_ROWS / G;
-    if (QT > 32) QT = 32;
-    int64_t *first_item = malloc((size_t)(B + 1) * sizeof(int64_t));
-    if (!first_item) return -2;
-    first_item[0] = 0;
-    for (int64_t b = 0; b < B; b++) first_item[b + 1] = first_item[b] + (extend_lens[b] + QT - 1) / QT;
-    extend_job job = {q, q_stride, k_pool, v_pool, Hk * D * es, Hk * Dv * es, table, rows,
-                      q_starts, prefix_lens, extend_lens, first_item, table_stride, B, out,
-                      out_stride, Hq, Hk, D, Dv, window, QT, es, scale, softcap, dtype, 0};
-    parallel_for(extend_attention_items, &job, first_item[B] * Hk, 1);
-    free(first_item);
-    return atomic_load(&job.failed) ? -2 : 0;
-}
-
 /* -- elementwise ---------------------------------------------------------------------------
  * Each rounds to bfloat16 after every step where torch (and transformers' reference code) does,
  * so bfloat16 results match the torch code they replace bit for bit up to summation order. */
@@ -1451,6 +1215,267 @@ AVX512_TARGET int sgl_linear_bf16_avx512(const uint16_t *x, int64_t ldx, const u
         parallel_for(linear_bf16_widen_range, &job, NP, chunk);
     }
     return 0;
+}
+
+/* -- paged extend (prefill) attention ---------------------------------------------------------
+ * Sequence b has prefix_lens[b] cached tokens and extend_lens[b] new ones, whose queries are the
+ * rows q_starts[b] .. + extend_lens[b] of q; the keys and values of all of them (the new ones
+ * already written) are the pool rows table[rows[b]][0 .. prefix + extend). New token i sits at
+ * position p = prefix + i and attends positions [start(p), p] (causal; start(p) = p - window + 1
+ * with a window, else 0).
+ *
+ * Flash-style, in float32: a work item is one tile of QT query tokens of one sequence and one KV
+ * head, i.e. R = G * QT <= 64 query rows (the G query heads that share the KV head), which walk
+ * the keys in blocks of EXT_KB with an online softmax. The rows lie in the lanes: the item keeps
+ * its queries transposed (qt [D][64]), the scores of a block as st [key][64], the output as
+ * ot [Dv][64], so the score, softmax and output steps are all vertical vector operations (no
+ * horizontal sums, no scalar loops per key) and each key or value element is one broadcast
+ * operand of 1-4 FMAs over 16-64 rows. Items are shared out over the kernel threads. */
+
+#define EXT_KB 64   /* keys per block */
+#define EXT_ROWS 64 /* query rows per item, at most (four vectors of 16) */
+
+typedef struct {
+    const char *q;
+    int64_t q_stride;
+    const char *kp, *vp;
+    int64_t k_row, v_row;
+    const int64_t *table, *rows, *q_starts, *prefix_lens, *extend_lens, *first_item;
+    int64_t table_stride, B;
+    char *out;
+    int64_t out_stride, Hq, Hk, D, Dv, window, QT, es;
+    float scale, softcap;
+    int dtype;
+    atomic_int failed;
+} extend_job;
+
+/* st[x][16 rb ..] = sum_d k_x[d] qt[d][16 rb ..] for keys x0 .. x0 + nx (nx <= 4) and rb < nb
+ * (<= 4) row vectors: nx * nb accumulators, one broadcast key element per nb FMAs */
+AVX512_TARGET static inline __attribute__((always_inline)) void ext_qk(
+    const float *const *k, int64_t D, const float *qt, float *st, const int nx, const int nb) {
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int x = 0; x < nx; x++)
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) acc[x][b] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        __m512 qv[4];
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) qv[b] = _mm512_load_ps(qt + d * EXT_ROWS + 16 * b);
+#pragma GCC unroll 4
+        for (int x = 0; x < nx; x++) {
+            const __m512 kv = _mm512_set1_ps(k[x][d]);
+#pragma GCC unroll 4
+            for (int b = 0; b < nb; b++) acc[x][b] = _mm512_fmadd_ps(kv, qv[b], acc[x][b]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int x = 0; x < nx; x++)
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) _mm512_store_ps(st + x * EXT_ROWS + 16 * b, acc[x][b]);
+}
+
+/* ot[c][16 rb ..] += sum_x v_x[c] pt[x][16 rb ..] for columns c0 .. c0 + nc (nc <= 4) */
+AVX512_TARGET static inline __attribute__((always_inline)) void ext_pv(
+    const float *const *v, int64_t nk, const float *pt, float *ot, int64_t c0, const int nc,
+    const int nb) {
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int c = 0; c < nc; c++)
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) acc[c][b] = _mm512_load_ps(ot + (c0 + c) * EXT_ROWS + 16 * b);
+    for (int64_t x = 0; x < nk; x++) {
+        __m512 pv[4];
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) pv[b] = _mm512_load_ps(pt + x * EXT_ROWS + 16 * b);
+#pragma GCC unroll 4
+        for (int c = 0; c < nc; c++) {
+            const __m512 vv = _mm512_set1_ps(v[x][c0 + c]);
+#pragma GCC unroll 4
+            for (int b = 0; b < nb; b++) acc[c][b] = _mm512_fmadd_ps(vv, pv[b], acc[c][b]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < nc; c++)
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) _mm512_store_ps(ot + (c0 + c) * EXT_ROWS + 16 * b, acc[c][b]);
+}
+
+#define EXT_NB_SWITCH(CALL, NB)                                                                 \
+    switch (NB) {                                                                               \
+    case 4: CALL(4); break;                                                                     \
+    case 3: CALL(3); break;                                                                     \
+    case 2: CALL(2); break;                                                                     \
+    default: CALL(1);                                                                           \
+    }
+
+AVX512_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t i1) {
+    extend_job *j = ctx;
+    const int64_t D = j->D, Dv = j->Dv, G = j->Hq / j->Hk, QT = j->QT, es = j->es;
+    /* per thread: qt [D][64], st [KB][64], ot [Dv][64], kf [KB][D], vf [KB][Dv] (bfloat16
+     * keys/values widened), m, l, pos [64] */
+    float *buf = scratch_f32((D + EXT_KB + Dv) * EXT_ROWS + EXT_KB * (D + Dv) + 3 * EXT_ROWS);
+    if (!buf) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    float *qt = buf, *st = qt + D * EXT_ROWS, *ot = st + EXT_KB * EXT_ROWS;
+    float *kf = ot + Dv * EXT_ROWS, *vf = kf + EXT_KB * D, *mrow = vf + EXT_KB * Dv;
+    float *lrow = mrow + EXT_ROWS;
+    int32_t *pos = (int32_t *)(lrow + EXT_ROWS);
+    const float *kx[EXT_KB], *vx[EXT_KB];
+    for (int64_t item = i0; item < i1; item++) {
+        /* the item's sequence: first_item[b] <= item / Hk < first_item[b + 1] */
+        const int64_t tile_item = item / j->Hk, hk = item % j->Hk;
+        int64_t b = 0;
+        while (j->first_item[b + 1] <= tile_item) b++;
+        const int64_t prefix = j->prefix_lens[b], L = j->extend_lens[b];
+        const int64_t t0 = (tile_item - j->first_item[b]) * QT;
+        const int64_t nt = L - t0 < QT ? L - t0 : QT; /* tokens of this tile */
+        const int64_t *slots = j->table + j->rows[b] * j->table_stride;
+        const int64_t rows = G * nt; /* row g * nt + i: query head hk * G + g, token t0 + i */
+        const int nb = (int)((rows + 15) / 16);
+        memset(qt, 0, (size_t)(D * EXT_ROWS) * sizeof(float));
+        for (int64_t r = 0; r < EXT_ROWS; r++) {
+            pos[r] = r < rows ? (int32_t)(prefix + t0 + r % nt) : -1; /* -1: a padding row */
+            mrow[r] = -INFINITY;
+            lrow[r] = 0.0f;
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            const char *qr = j->q + ((j->q_starts[b] + t0 + r % nt) * j->q_stride
+                                     + (hk * G + r / nt) * D) * es;
+            float tmp[16];
+            for (int64_t d = 0; d < D; d += 16) {
+                _mm512_storeu_ps(tmp, _mm512_mul_ps(load16(qr + d * es, j->dtype),
+                                                    _mm512_set1_ps(j->scale)));
+                for (int e = 0; e < 16; e++) qt[(d + e) * EXT_ROWS + r] = tmp[e];
+            }
+        }
+        memset(ot, 0, (size_t)(Dv * EXT_ROWS) * sizeof(float));
+        const int64_t p_first = prefix + t0, p_last = prefix + t0 + nt - 1;
+        const int64_t k_begin = j->window > 0 && p_first - j->window + 1 > 0
+                                    ? p_first - j->window + 1 : 0;
+        for (int64_t k0 = k_begin; k0 <= p_last; k0 += EXT_KB) {
+            const int64_t nk = p_last + 1 - k0 < EXT_KB ? p_last + 1 - k0 : EXT_KB;
+            for (int64_t x = 0; x < nk; x++) {
+                const char *kr = j->kp + slots[k0 + x] * j->k_row + hk * D * es;
+                const char *vr = j->vp + slots[k0 + x] * j->v_row + hk * Dv * es;
+                if (j->dtype) { /* widen the block once; float32 is read in place */
+                    for (int64_t d = 0; d < D; d += 16)
+                        _mm512_store_ps(kf + x * D + d, load16(kr + d * es, 1));
+                    for (int64_t d = 0; d < Dv; d += 16)
+                        _mm512_store_ps(vf + x * Dv + d, load16(vr + d * es, 1));
+                    kx[x] = kf + x * D;
+                    vx[x] = vf + x * Dv;
+                } else {
+                    kx[x] = (const float *)kr;
+                    vx[x] = (const float *)vr;
+                }
+            }
+            for (int64_t x = 0; x < nk; x += 4) {
+                const int64_t nx = nk - x < 4 ? nk - x : 4;
+#define EXT_QK(NB)                                                                              \
+    switch (nx) {                                                                               \
+    case 4: ext_qk(kx + x, D, qt, st + x * EXT_ROWS, 4, NB); break;                             \
+    case 3: ext_qk(kx + x, D, qt, st + x * EXT_ROWS, 3, NB); break;                             \
+    case 2: ext_qk(kx + x, D, qt, st + x * EXT_ROWS, 2, NB); break;                             \
+    default: ext_qk(kx + x, D, qt, st + x * EXT_ROWS, 1, NB);                                   \
+    }
+                EXT_NB_SWITCH(EXT_QK, nb)
+#undef EXT_QK
+            }
+            /* the online softmax, 16 rows at a time: mask, new maximum, rescale, exponentials */
+            for (int rb = 0; rb < nb; rb++) {
+                const __m512i p = _mm512_loadu_si512(pos + 16 * rb);
+                const __m512i lo = j->window > 0 ? _mm512_sub_epi32(p, _mm512_set1_epi32(
+                                                       (int)j->window - 1))
+                                                 : _mm512_setzero_si512();
+                __m512 mx = _mm512_load_ps(mrow + 16 * rb);
+                const __m512 m_old = mx;
+                __mmask16 any = 0;
+                for (int64_t x = 0; x < nk; x++) {
+                    const __m512i key = _mm512_set1_epi32((int)(k0 + x));
+                    const __mmask16 ok = _mm512_cmp_epi32_mask(key, p, _MM_CMPINT_LE)
+                                         & _mm512_cmp_epi32_mask(key, lo, _MM_CMPINT_NLT);
+                    __m512 s = _mm512_load_ps(st + x * EXT_ROWS + 16 * rb);
+                    if (j->softcap > 0) { /* cap * tanh(s / cap), tanh(y) = 1 - 2 / (e^2y + 1) */
+                        const __m512 e2 = exp_any(_mm512_mul_ps(s, _mm512_set1_ps(2.0f / j->softcap)));
+                        s = _mm512_mul_ps(_mm512_set1_ps(j->softcap), _mm512_sub_ps(
+                            _mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f),
+                                                                _mm512_add_ps(e2, _mm512_set1_ps(1.0f)))));
+                    }
+                    s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), ok, s);
+                    _mm512_store_ps(st + x * EXT_ROWS + 16 * rb, s);
+                    mx = _mm512_max_ps(mx, s);
+                    any |= ok;
+                }
+                if (!any) { /* no row of these 16 sees a key of this block */
+                    for (int64_t x = 0; x < nk; x++)
+                        _mm512_store_ps(st + x * EXT_ROWS + 16 * rb, _mm512_setzero_ps());
+                    continue;
+                }
+                const __mmask16 live = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                const __m512 m_safe = _mm512_maskz_mov_ps(live, mx); /* -inf rows: 0, all e = 0 */
+                const __m512 alpha = _mm512_maskz_mov_ps(
+                    _mm512_cmp_ps_mask(m_old, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                    exp_nonpositive(_mm512_sub_ps(m_old, m_safe)));
+                __m512 sum = _mm512_mul_ps(_mm512_load_ps(lrow + 16 * rb), alpha);
+                for (int64_t x = 0; x < nk; x++) {
+                    const __m512 s = _mm512_load_ps(st + x * EXT_ROWS + 16 * rb);
+                    const __mmask16 ok = _mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                    const __m512 e = _mm512_maskz_mov_ps(ok, exp_nonpositive(_mm512_sub_ps(s, m_safe)));
+                    _mm512_store_ps(st + x * EXT_ROWS + 16 * rb, e);
+                    sum = _mm512_add_ps(sum, e);
+                }
+                _mm512_store_ps(lrow + 16 * rb, sum);
+                _mm512_store_ps(mrow + 16 * rb, mx);
+                for (int64_t c = 0; c < Dv; c++)
+                    _mm512_store_ps(ot + c * EXT_ROWS + 16 * rb,
+                                    _mm512_mul_ps(_mm512_load_ps(ot + c * EXT_ROWS + 16 * rb), alpha));
+            }
+            for (int64_t c = 0; c < Dv; c += 4) {
+#define EXT_PV(NB) ext_pv(vx, nk, st, ot, c, 4, NB)
+                EXT_NB_SWITCH(EXT_PV, nb)
+#undef EXT_PV
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            const float inv = lrow[r] > 0 ? 1.0f / lrow[r] : 0.0f;
+            char *dst = j->out + ((j->q_starts[b] + t0 + r % nt) * j->out_stride
+                                  + (hk * G + r / nt) * Dv) * es;
+            float tmp[16];
+            for (int64_t c = 0; c < Dv; c += 16) {
+                for (int e = 0; e < 16; e++) tmp[e] = ot[(c + e) * EXT_ROWS + r];
+                store16(dst + c * es, _mm512_mul_ps(_mm512_loadu_ps(tmp), _mm512_set1_ps(inv)),
+                        j->dtype);
+            }
+        }
+    }
+}
+
+#undef EXT_NB_SWITCH
+
+AVX512_TARGET int sgl_extend_attention(
+    const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
+    const int64_t *table, int64_t table_stride, const int64_t *rows, const int64_t *q_starts,
+    const int64_t *prefix_lens, const int64_t *extend_lens, int64_t B, void *out,
+    int64_t out_stride, int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, float scale,
+    float softcap, int64_t window, int dtype) {
+    if (D % 16 || Dv % 16 || D < 16 || Dv < 16 || D > 256 || Dv > 256 || Hk < 1 || Hq % Hk
+        || Hq / Hk > EXT_ROWS || B < 0) return -1;
+    const int64_t G = Hq / Hk, es = dtype ? 2 : 4;
+    int64_t *first_item = malloc((size_t)(B + 1) * sizeof(int64_t));
+    if (!first_item) return -2;
+    const int64_t QT = EXT_ROWS / G;
+    first_item[0] = 0;
+    for (int64_t b = 0; b < B; b++)
+        first_item[b + 1] = first_item[b] + (extend_lens[b] + QT - 1) / QT;
+    extend_job job = {q, q_stride, k_pool, v_pool, Hk * D * es, Hk * Dv * es, table, rows,
+                      q_starts, prefix_lens, extend_lens, first_item, table_stride, B, out,
+                      out_stride, Hq, Hk, D, Dv, window, QT, es, scale, softcap, dtype, 0};
+    parallel_for(extend_attention_items, &job, first_item[B] * Hk, 1);
+    free(first_item);
+    return atomic_load(&job.failed) ? -2 : 0;
 }
 
 /* -- one call, and a recorded sequence of calls -------------------------------------------------
