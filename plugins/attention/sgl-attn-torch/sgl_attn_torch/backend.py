@@ -32,7 +32,7 @@ whole batch at once, which falls out of cache at batch 32. Gathering with ``inde
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
