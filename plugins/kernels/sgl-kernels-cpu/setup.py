@@ -2,14 +2,15 @@
 
 ``csrc/cpu_kernels.c`` (the kernels, C11 with per-function target attributes, so one build runs
 on any x86-64 CPU) is compiled with C flags, ``csrc/torch_ops.cpp`` (the torch operators)
-against torch's headers, and the two are linked into one library. The extension is optional: where it
-cannot be built (no C/C++ compiler, not x86-64) the package installs without it, and sgl runs
-its torch code (``sgl plugins`` says why).
+against torch's headers, and the two are linked into one library. Without a working C and C++
+compiler, or not on x86-64, the package installs without it and sgl runs its torch code
+(``sgl plugins`` says why); a compile error with a working compiler fails the install.
 """
 
 from __future__ import annotations
 
 import platform
+import subprocess
 import sys
 
 from setuptools import setup
@@ -20,22 +21,34 @@ SOURCES_C = ["csrc/cpu_kernels.c"]
 C_FLAGS = ["-O2", "-fPIC", "-std=gnu11", "-fno-math-errno", "-ffp-contract=off", "-fno-wrapv"]
 
 
+def _runs(compiler: str) -> bool:
+    """Whether ``compiler --version`` runs."""
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
 def _extensions() -> tuple[list, dict]:
     if platform.machine() not in ("x86_64", "AMD64"):
         print("sgl-kernels-cpu: not x86-64, installing without the compiled kernels")
         return [], {}
-    from torch.utils.cpp_extension import BuildExtension, CppExtension
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, get_cxx_compiler
 
     class Build(BuildExtension):
-        """Compiles the C kernels with C flags first (inside the extension's build, so that a
-        failure leaves the optional extension out instead of failing the install)."""
+        """Compiles the C kernels with C flags first, then the operators. Without a working C
+        and C++ compiler the package installs without them; with one, a compile error fails
+        the install (a broken kernel must not pass as a machine without a compiler)."""
 
         def build_extensions(self) -> None:
-            try:  # torch checks the C++ compiler first: no compiler ends here
-                super().build_extensions()
-            except Exception as exc:  # noqa: BLE001 - any failure: install without them
-                print(f"sgl-kernels-cpu: the kernels could not be compiled ({exc}); installing "
-                      "without them, sgl runs its torch code", file=sys.stderr)
+            missing = [cc for cc in (self.compiler.compiler_so[0], get_cxx_compiler())
+                       if not _runs(cc)]
+            if missing:
+                print(f"sgl-kernels-cpu: no working compiler ({', '.join(missing)}); installing "
+                      "without the compiled kernels, sgl runs its torch code", file=sys.stderr)
+                self.extensions = []
+                return
+            super().build_extensions()
 
         def build_extension(self, ext) -> None:
             ext.extra_objects = self.compiler.compile(
@@ -45,7 +58,7 @@ def _extensions() -> tuple[list, dict]:
 
     extension = CppExtension(
         "sgl_kernels_cpu._C", ["csrc/torch_ops.cpp"], include_dirs=["csrc"],
-        extra_compile_args=["-O2"], depends=[*SOURCES_C, "csrc/cpu_kernels.h"], optional=True)
+        extra_compile_args=["-O2"], depends=[*SOURCES_C, "csrc/cpu_kernels.h"])
     return [extension], {"build_ext": Build.with_options(use_ninja=False)}
 
 

@@ -123,7 +123,11 @@ def test_decode_head_dim_64(dtype: torch.dtype, heads: tuple[int, int], window: 
     spec = AttentionLayerSpec(layer_id=0, num_heads=heads[0], num_kv_heads=heads[1], head_dim=64,
                               scaling=0.125, sliding_window=window, logit_softcap=softcap)
     harness = Harness(spec, lengths=[40, 9, 23], dtype=dtype)
-    harness.step(ForwardMode.EXTEND, [30, 1, 20])
+    with cpu.recording() as tape:
+        harness.step(ForwardMode.EXTEND, [30, 1, 20])
+    kernels = cpu.load()  # the prefill kernel where it beats SDPA, else SDPA (see cpu.py)
+    assert ("sgl_extend_attention" in tape.names) == (
+        kernels is not None and kernels.extend_attention_faster(dtype))
     for _ in range(3):
         harness.step(ForwardMode.DECODE, [1, 1, 1])
 

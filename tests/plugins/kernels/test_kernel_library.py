@@ -185,6 +185,14 @@ def test_operators_refuse_bad_arguments_with_clear_errors() -> None:
         torch.ops.sgl.silu_mul(torch.randn(2, 8).half())
     with pytest.raises(IndexError, match="outside the embedding table of 50 rows"):
         torch.ops.sgl.embedding(torch.randn(50, 8), torch.tensor([50]))
+    args = list(_extend_args(torch.float32, 6, 2, 32, 0.0, 0))
+    args[5] = torch.tensor([0, 7, 78])  # the third sequence starts past q's 77 rows
+    with pytest.raises(IndexError, match="sequence 2's tokens lie outside q's 77 rows"):
+        torch.ops.sgl.extend_attention(*args)
+    args = list(_extend_args(torch.float32, 6, 2, 32, 0.0, 0))
+    args[8] = 5  # 5 query heads over 2 KV heads
+    with pytest.raises(ValueError, match="not a shape the kernel takes"):
+        torch.ops.sgl.extend_attention(*args)
 
 
 @pytest.mark.usefixtures("kernel_isa")

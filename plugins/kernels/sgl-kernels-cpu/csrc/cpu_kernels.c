@@ -184,17 +184,23 @@ static inline __mmask16 tail_mask(int64_t left) {
 
 #define PREFETCH_BLOCKS 4 /* K blocks (2 KiB of weight each) prefetched ahead */
 
-static __thread uint16_t *sgl_scratch;
-static __thread int64_t sgl_scratch_elems;
+/* Per-thread buffers that grow to the largest request and are kept: slot 0 holds bfloat16
+ * copies, slot 1 float32 work (a kernel may use both at once). 64-byte aligned; NULL when out of
+ * memory. */
+static __thread void *sgl_scratch[2];
+static __thread size_t sgl_scratch_bytes[2];
 
-static uint16_t *scratch_bf16(int64_t elems) {
-    if (sgl_scratch_elems < elems) {
-        free(sgl_scratch);
-        sgl_scratch = aligned_alloc(64, (size_t)((elems * 2 + 63) / 64 * 64));
-        sgl_scratch_elems = sgl_scratch ? elems : 0;
+static void *scratch(int slot, size_t bytes) {
+    if (sgl_scratch_bytes[slot] < bytes) {
+        free(sgl_scratch[slot]);
+        sgl_scratch[slot] = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        sgl_scratch_bytes[slot] = sgl_scratch[slot] ? bytes : 0;
     }
-    return sgl_scratch;
+    return sgl_scratch[slot];
 }
+
+static uint16_t *scratch_bf16(int64_t elems) { return scratch(0, (size_t)elems * 2); }
+static float *scratch_f32(int64_t elems) { return scratch(1, (size_t)elems * 4); }
 
 AMX_TARGET static void store_tile_rows(uint16_t *y, int64_t ldy, const float *c, const float *bias,
                                        int rows, int cols) {
@@ -435,18 +441,6 @@ AVX512_TARGET static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-
-static __thread float *sgl_fscratch;
-static __thread int64_t sgl_fscratch_elems;
-
-static float *scratch_f32(int64_t elems) {
-    if (sgl_fscratch_elems < elems) {
-        free(sgl_fscratch);
-        sgl_fscratch = aligned_alloc(64, (size_t)((elems * 4 + 63) / 64 * 64));
-        sgl_fscratch_elems = sgl_fscratch ? elems : 0;
-    }
-    return sgl_fscratch;
-}
 
 /* lane i of the result = the sum of the 16 lanes of v[i] */
 AVX512_TARGET static inline __attribute__((always_inline)) __m512 sum16x16(const __m512 *v) {

@@ -147,6 +147,22 @@ void check_contiguous(const char* op, const char* name, const Tensor& t, at::Sca
                     ": ", name, " must be a contiguous CPU ", dtype, " tensor");
 }
 
+// The paged KV pools of an attention operator: contiguous CPU tensors of the queries' dtype.
+void check_pools(const char* op, const Tensor& k_pool, const Tensor& v_pool,
+                 at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(k_pool.device().is_cpu() && k_pool.scalar_type() == dtype &&
+                        k_pool.is_contiguous() && v_pool.device().is_cpu() &&
+                        v_pool.scalar_type() == dtype && v_pool.is_contiguous(),
+                    op, ": the pools must be contiguous CPU tensors of q's dtype");
+}
+
+// req_to_token: a 2-D int64 CPU tensor with unit stride in its rows.
+void check_table(const char* op, const Tensor& table) {
+  TORCH_CHECK_VALUE(table.device().is_cpu() && table.scalar_type() == at::kLong &&
+                        table.dim() == 2 && table.stride(1) == 1,
+                    op, ": table must be a 2-D int64 CPU tensor with unit stride in its rows");
+}
+
 // --- the operators ---------------------------------------------------------------------------
 
 Tensor linear(const char* op, const Tensor& x, const Tensor& packed, int64_t n,
@@ -316,10 +332,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tenso
   const auto dtype = q.scalar_type();
   check_rows(op, "k", k, dtype);
   check_rows(op, "v", v, dtype);
-  TORCH_CHECK_VALUE(k_pool.device().is_cpu() && k_pool.scalar_type() == dtype &&
-                        k_pool.is_contiguous() && v_pool.device().is_cpu() &&
-                        v_pool.scalar_type() == dtype && v_pool.is_contiguous(),
-                    op, ": the pools must be contiguous CPU tensors of q's dtype");
+  check_pools(op, k_pool, v_pool, dtype);
   const int64_t tokens = q.size(0);
   const int64_t v_dim = v_pool.size(-1);
   TORCH_CHECK_VALUE(q.size(1) >= num_heads * head_dim && k.size(1) == num_kv_heads * head_dim &&
@@ -327,9 +340,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tenso
                         v.size(0) == tokens,
                     op, ": q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " for ",
                     num_heads, " heads and ", num_kv_heads, " KV heads of ", head_dim);
-  TORCH_CHECK_VALUE(table.device().is_cpu() && table.scalar_type() == at::kLong &&
-                        table.dim() == 2 && table.stride(1) == 1,
-                    op, ": table must be a 2-D int64 CPU tensor with unit stride in its rows");
+  check_table(op, table);
   check_contiguous(op, "rows", rows, at::kLong);
   check_contiguous(op, "lens", lens, at::kLong);
   check_contiguous(op, "loc", loc, at::kLong);
@@ -357,15 +368,10 @@ Tensor extend_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_p
   const char* op = "sgl::extend_attention";
   check_rows(op, "q", q);
   const auto dtype = q.scalar_type();
-  TORCH_CHECK_VALUE(k_pool.device().is_cpu() && k_pool.scalar_type() == dtype &&
-                        k_pool.is_contiguous() && v_pool.device().is_cpu() &&
-                        v_pool.scalar_type() == dtype && v_pool.is_contiguous(),
-                    op, ": the pools must be contiguous CPU tensors of q's dtype");
+  check_pools(op, k_pool, v_pool, dtype);
   TORCH_CHECK_VALUE(q.size(1) >= num_heads * head_dim, op, ": q rows of ", q.size(1),
                     " values hold no ", num_heads, " heads of ", head_dim);
-  TORCH_CHECK_VALUE(table.device().is_cpu() && table.scalar_type() == at::kLong &&
-                        table.dim() == 2 && table.stride(1) == 1,
-                    op, ": table must be a 2-D int64 CPU tensor with unit stride in its rows");
+  check_table(op, table);
   for (const auto* t : {&rows, &q_starts, &prefix_lens, &extend_lens})
     check_contiguous(op, "rows, q_starts, prefix_lens and extend_lens", *t, at::kLong);
   const int64_t batch = rows.numel();
