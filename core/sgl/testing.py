@@ -13,7 +13,8 @@ Fixtures:
 * ``cpu_isa`` -- the test runs once at each instruction-set level of
   :data:`sgl.kernels.cpu.ISA_LEVELS` this CPU has (capped by ``SGL_CPU_ISA``), kernels included
   or not; the fixture's value is the level. ``kernel_isa`` -- likewise, only at the levels where
-  sgl's kernels run. ``model_isa`` -- ``cpu_isa`` at module scope, for a model loaded once per
+  sgl's kernels run; ``avx512_isa`` -- only at those with the AVX-512 kernels (not ``avx2``).
+  ``model_isa`` -- ``cpu_isa`` at module scope, for a model loaded once per
   level. The report header names the levels tested and those this CPU lacks, and the
   summary counts the tests passed at each.
 
@@ -162,25 +163,33 @@ def restore_kernel_threads() -> Iterator[None]:
     cpu.set_threads(before)
 
 
-def isa_levels_to_test(kernels_only: bool = False) -> list[str]:
+#: the levels with the AVX-512 kernels (``avx512_isa``); at ``avx2`` their AVX2 versions run
+AVX512_LEVELS = ("amx", "avx512_bf16", "avx512")
+#: the fixtures that run a test once per level: which levels (None: all), and their scope
+LEVEL_FIXTURES = {"cpu_isa": (None, "function"), "kernel_isa": ("kernels", "function"),
+                  "avx512_isa": ("avx512", "function"), "model_isa": (None, "module")}
+
+
+def isa_levels_to_test(kernels_only: bool = False, avx512_only: bool = False) -> list[str]:
     """The levels of :data:`sgl.kernels.cpu.ISA_LEVELS` this process can run (the CPU's best,
     capped by ``SGL_CPU_ISA``, and all below it); with ``kernels_only`` only those where sgl's
-    kernels run, and none of those where the library cannot be built."""
+    kernels run, and none of those where the library cannot be built; with ``avx512_only`` only
+    those of :data:`AVX512_LEVELS`."""
     from sgl.kernels import cpu
 
     top = cpu.effective_isa(cpu.requested_isa())
     levels = list(cpu.ISA_LEVELS[cpu.ISA_LEVELS.index(top):])
     if top in cpu.KERNEL_LEVELS and cpu.cpu_isa() == "none":  # the library cannot be built
         levels = [lv for lv in levels if lv not in cpu.KERNEL_LEVELS]
+    if avx512_only:
+        return [lv for lv in levels if lv in AVX512_LEVELS]
     return [lv for lv in levels if lv in cpu.KERNEL_LEVELS] if kernels_only else levels
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    for name, kernels_only, scope in (("cpu_isa", False, "function"),
-                                      ("kernel_isa", True, "function"),
-                                      ("model_isa", False, "module")):
+    for name, (which, scope) in LEVEL_FIXTURES.items():
         if name in metafunc.fixturenames:
-            levels: list[Any] = list(isa_levels_to_test(kernels_only))
+            levels: list[Any] = list(isa_levels_to_test(which == "kernels", which == "avx512"))
             if not levels:  # reported as a level not run, never counted as passing
                 from sgl.kernels import cpu
 
@@ -215,6 +224,12 @@ def kernel_isa(request: pytest.FixtureRequest) -> Iterator[str]:
     yield from _at_isa(request)
 
 
+@pytest.fixture
+def avx512_isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The AVX-512 kernel level (:data:`AVX512_LEVELS`) this run of the test is at."""
+    yield from _at_isa(request)
+
+
 @pytest.fixture(scope="module")
 def model_isa(request: pytest.FixtureRequest) -> Iterator[str]:
     """``cpu_isa`` for a module-scoped fixture (a model loaded once per level): the tests that
@@ -235,8 +250,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         callspec = getattr(item, "callspec", None)
         if callspec is not None:
-            level = next((callspec.params[k] for k in ("cpu_isa", "kernel_isa", "model_isa")
-                          if k in callspec.params), None)
+            level = next((callspec.params[k] for k in LEVEL_FIXTURES if k in callspec.params),
+                         None)
             if level is not None:
                 item.user_properties.append(("sgl_isa", level))
 

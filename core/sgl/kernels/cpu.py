@@ -12,14 +12,14 @@ instruction-set levels (:data:`ISA_LEVELS`, best first):
   AMX is missing or hidden), and the bfloat16 matmul too on AMD (on Intel the widened one below
   is faster: :attr:`CpuKernels.bf16_dot_matmul`);
 * ``avx512``: every kernel, the bfloat16 matmul's products widened to float32 FMAs;
-* ``avx2``: no kernels of sgl's yet: torch's operators (MKL, oneDNN) run everything;
+* ``avx2``: every kernel on AVX2 + FMA (8-lane vectors; Intel before AVX-512, AMD Zen 1-3);
 * ``none``: torch's operators.
 
 The level is the best this CPU has, capped by ``SGL_CPU_ISA`` (one of the levels; ``sgl serve
 --cpu-isa`` sets it for the server) and by ``SGL_CPU_KERNELS=0`` (``none``); :func:`set_isa`
 changes it in a running process (tests run every level the CPU has this way). Without the plugin
-(not installed, built without its compiled part, ``--disable-plugin kernels-cpu``), or below
-``avx512``, :func:`load` returns None and the layers run their torch code.
+(not installed, built without its compiled part, ``--disable-plugin kernels-cpu``), or at
+``none``, :func:`load` returns None and the layers run their torch code.
 
 The matmuls are used only when torch runs on one thread (with more, torch's OpenMP threads and
 the kernel's would fight over the cores). They split their output columns over
@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 #: the instruction-set levels of the kernels, best first; a CPU runs its own and all below it
 ISA_LEVELS = ("amx", "avx512_bf16", "avx512", "avx2", "none")
 #: the levels at which sgl's kernels run (below them, torch's operators do everything)
-KERNEL_LEVELS = ("amx", "avx512_bf16", "avx512")
+KERNEL_LEVELS = ("amx", "avx512_bf16", "avx512", "avx2")
 #: tensor dtypes the kernels take
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -97,10 +97,10 @@ class CpuKernels:
         """bfloat16 dot products (``vdpbf16ps``) in the matmul and the decode attention."""
         return self.isa in ("amx", "avx512_bf16")
 
-    @property
+    @functools.cached_property
     def avx512(self) -> bool:
-        """The AVX-512 kernels (all of them run at every level of :data:`KERNEL_LEVELS`)."""
-        return True
+        """The AVX-512 kernels; at ``avx2`` their AVX2 versions run instead."""
+        return self.isa != "avx2"
 
     @functools.cached_property
     def bf16_dot_matmul(self) -> bool:
@@ -373,7 +373,7 @@ def _find_library() -> KernelLibrary | None:
 
 def load() -> CpuKernels | None:
     """The kernels at this process's level (see :func:`cpu_isa`); None where they cannot be used
-    (a level below ``avx512``, no kernel library, another architecture)."""
+    (the level ``none``, no kernel library, another architecture)."""
     global _loaded, _tried
     if _tried:
         return _loaded

@@ -1,7 +1,7 @@
 """Builds sgl's CPU kernels at install time into ``sgl_kernels_cpu/_C*.so``.
 
-``csrc/cpu_kernels.c`` (the kernels, C11 with per-function target attributes, so one build runs
-on any x86-64 CPU) is compiled with C flags, ``csrc/torch_ops.cpp`` (the torch operators)
+The kernels (``csrc/*.c``: C11 with per-function target attributes, so one build runs on any
+x86-64 CPU) are compiled with C flags, ``csrc/torch_ops.cpp`` (the torch operators)
 against torch's headers, and the two are linked into one library. Without a working C and C++
 compiler, or not on x86-64, the package installs without it and sgl runs its torch code
 (``sgl plugins`` says why); a compile error with a working compiler fails the install.
@@ -15,7 +15,7 @@ import sys
 
 from setuptools import setup
 
-SOURCES_C = ["csrc/cpu_kernels.c"]
+SOURCES_C = ["csrc/pool.c", "csrc/run_op.c", "csrc/kernels_avx512.c", "csrc/kernels_avx2.c"]
 # -ffp-contract=off: a * b + c stays two roundings, as in torch; -fno-wrapv undoes the -fwrapv of
 # Python's own CFLAGS (defined signed overflow slows the loops down)
 C_FLAGS = ["-O2", "-fPIC", "-std=gnu11", "-fno-math-errno", "-ffp-contract=off", "-fno-wrapv"]
@@ -58,7 +58,7 @@ def _extensions() -> tuple[list, dict]:
 
     extension = CppExtension(
         "sgl_kernels_cpu._C", ["csrc/torch_ops.cpp"], include_dirs=["csrc"],
-        extra_compile_args=["-O2"], depends=[*SOURCES_C, "csrc/cpu_kernels.h"])
+        extra_compile_args=["-O2"], depends=[*SOURCES_C, "csrc/cpu_kernels.h", "csrc/kernels.h"])
     return [extension], {"build_ext": Build.with_options(use_ninja=False)}
 
 

@@ -126,7 +126,7 @@ def test_decode_head_dim_64(dtype: torch.dtype, heads: tuple[int, int], window: 
     with cpu.recording() as tape:
         harness.step(ForwardMode.EXTEND, [30, 1, 20])
     kernels = cpu.load()  # the prefill kernel where it beats SDPA, else SDPA (see cpu.py)
-    assert ("sgl_extend_attention" in tape.names) == (
+    assert any(name.startswith("sgl_extend_attention") for name in tape.names) == (
         kernels is not None and kernels.extend_attention_faster(dtype))
     for _ in range(3):
         harness.step(ForwardMode.DECODE, [1, 1, 1])

@@ -27,7 +27,13 @@ def kernels(kernel_isa: str) -> cpu.CpuKernels:
 
 
 def bf16_kernel_name(level: str) -> str:
-    return "sgl_linear_bf16_amx" if level == "amx" else "sgl_linear_bf16_avx512"
+    return {"amx": "sgl_linear_bf16_amx", "avx2": "sgl_linear_bf16_avx2"}.get(
+        level, "sgl_linear_bf16_avx512")
+
+
+def kernel_name(kernel: str, level: str) -> str:
+    """The name of ``kernel`` (``sgl_rmsnorm``, ...) in a tape recorded at ``level``."""
+    return f"{kernel}_avx2" if level == "avx2" else kernel
 
 
 def reference_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,10 +64,11 @@ def test_bf16_linear(kernels: cpu.CpuKernels, n: int, k: int, rows: int) -> None
 
 @pytest.mark.parametrize("n,k", [(960, 576), (100, 40)])
 @pytest.mark.parametrize("rows", [1, 9, 33])
-def test_bf16_dot_and_widened_matmuls_agree(kernels: cpu.CpuKernels, n: int, k: int,
-                                            rows: int) -> None:
+def test_bf16_dot_and_widened_matmuls_agree(avx512_isa: str, n: int, k: int, rows: int) -> None:
     """Both AVX-512 bfloat16 matmuls, whichever the CPU's vendor picks: the widened one at
-    every kernel level, the vdpbf16ps one where the level has AVX512-BF16."""
+    every AVX-512 level, the vdpbf16ps one where the level has AVX512-BF16."""
+    kernels = cpu.load()
+    assert kernels is not None and kernels.isa == avx512_isa
     torch.manual_seed(rows + n)
     weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).float()
     packed = cpu.pack_bf16_weight(weight)
@@ -344,8 +351,7 @@ def test_each_level_runs_its_own_kernels_or_torch(cpu_isa: str) -> None:
         picked = cpu.argmax_rows(torch.randn(4, 100))
     if cpu_isa in cpu.KERNEL_LEVELS:
         assert cpu.load() is not None and packed is not None and packed.kind == "bf16"
-        assert tape.names == [bf16_kernel_name(cpu_isa),
-                                                         "sgl_argmax_f32"]
+        assert tape.names == [bf16_kernel_name(cpu_isa), kernel_name("sgl_argmax_f32", cpu_isa)]
         assert pack_weight(torch.randn(64, 32)).kind == "f32"
     else:
         assert cpu.load() is None and not len(tape) and picked.shape == (4,)

@@ -1,4 +1,4 @@
-/* The interface of cpu_kernels.c that the torch operators (torch_ops.cpp) call.
+/* The kernels' interface (run_op.c, pool.c) that the torch operators (torch_ops.cpp) call.
  *
  * Every kernel call is one sgl_op: the function (`kind`) and its arguments in the function's
  * order as 64-bit integers (a pointer as its address, a float as its 32-bit pattern). The
@@ -24,6 +24,15 @@ enum {
     SGL_OP_ARGMAX_F32 = 8,
     SGL_OP_LINEAR_BF16_AVX512 = 9,
     SGL_OP_EXTEND_ATTENTION = 10,
+    /* the same kernels for AVX2 + FMA (kernels_avx2.c), with the same arguments */
+    SGL_OP_LINEAR_BF16_AVX2 = 11,
+    SGL_OP_LINEAR_F32_AVX2 = 12,
+    SGL_OP_RMSNORM_AVX2 = 13,
+    SGL_OP_SILU_MUL_AVX2 = 14,
+    SGL_OP_ROTARY_AVX2 = 15,
+    SGL_OP_DECODE_ATTENTION_AVX2 = 16,
+    SGL_OP_ARGMAX_F32_AVX2 = 17,
+    SGL_OP_EXTEND_ATTENTION_AVX2 = 18,
 };
 
 #define SGL_OP_ARGS 26
@@ -33,7 +42,7 @@ typedef struct {
     int64_t a[SGL_OP_ARGS];
 } sgl_op;
 
-/* 3 where the kernels were compiled for x86-64, 0 elsewhere (every call then fails). */
+/* 4 where the kernels were compiled for x86-64, 0 elsewhere (every call then fails). */
 int sgl_kernels_version(void);
 /* Use `threads` threads (the caller included) from now on; returns the number in use. */
 int sgl_set_threads(int threads);

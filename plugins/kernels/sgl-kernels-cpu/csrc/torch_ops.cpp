@@ -2,9 +2,9 @@
 // sgl/kernels/ops.py with pure-torch reference implementations), and this library's own
 // controls (namespace `sgl_cpu`: level, threads, recording, replay).
 //
-// Each operator checks its tensors, allocates its output, and hands the call to cpu_kernels.c as
-// one sgl_op. While this thread records (sgl_cpu::record_begin .. record_end), every op is also
-// kept with the tensors it reads and writes, so that sgl_cpu::replay can run the same calls again
+// Each operator checks its tensors, allocates its output, and hands the call to the kernel of
+// the level as one sgl_op (run_op.c). While this thread records (sgl_cpu::record_begin ..
+// record_end), every op is also kept with the tensors it reads and writes, so that sgl_cpu::replay can run the same calls again
 // on whatever those tensors hold then (sgl.engine.cpu_graph), without Python or the dispatcher.
 
 #include <ATen/ATen.h>
@@ -25,7 +25,7 @@ using OptTensor = std::optional<Tensor>;
 
 // --- the level (set once at start-up by sgl.kernels.cpu) -------------------------------------
 
-enum Level { AMX = 0, AVX512_BF16 = 1, AVX512 = 2 };
+enum Level { AMX = 0, AVX512_BF16 = 1, AVX512 = 2, AVX2 = 3 };
 Level g_level = AVX512;
 bool g_bf16_dot_matmul = false;  // the bfloat16 matmul without AMX on vdpbf16ps (AMD)
 
@@ -36,15 +36,31 @@ void set_level(std::string level, bool bf16_dot_matmul) {
     g_level = AVX512_BF16;
   } else if (level == "avx512") {
     g_level = AVX512;
+  } else if (level == "avx2") {
+    g_level = AVX2;
   } else {
     TORCH_CHECK_VALUE(false, "sgl_cpu::set_level: no kernels at level '", level,
-                      "' (expected amx, avx512_bf16 or avx512)");
+                      "' (expected amx, avx512_bf16, avx512 or avx2)");
   }
   g_bf16_dot_matmul = bf16_dot_matmul && g_level == AVX512_BF16;
 }
 
 std::string level() {
-  return g_level == AMX ? "amx" : g_level == AVX512_BF16 ? "avx512_bf16" : "avx512";
+  switch (g_level) {
+    case AMX:
+      return "amx";
+    case AVX512_BF16:
+      return "avx512_bf16";
+    case AVX512:
+      return "avx512";
+    default:
+      return "avx2";
+  }
+}
+
+// The kernel of an op at the level: its AVX-512 kind, or the AVX2 one with the same arguments.
+int64_t at_level(int64_t avx512_kind, int64_t avx2_kind) {
+  return g_level == AVX2 ? avx2_kind : avx512_kind;
 }
 
 int64_t set_threads(int64_t threads) {
@@ -179,9 +195,10 @@ Tensor linear(const char* op, const Tensor& x, const Tensor& packed, int64_t n,
     TORCH_CHECK_VALUE(bias->numel() == n, op, ": bias has ", bias->numel(), " values, not ", n);
   }
   Tensor y = at::empty({m, n}, x.options());
-  Call call(dtype == at::kFloat            ? SGL_OP_LINEAR_F32
-            : g_level == AMX               ? SGL_OP_LINEAR_BF16_AMX
-                                           : SGL_OP_LINEAR_BF16_AVX512);
+  Call call(dtype == at::kFloat ? at_level(SGL_OP_LINEAR_F32, SGL_OP_LINEAR_F32_AVX2)
+            : g_level == AMX    ? SGL_OP_LINEAR_BF16_AMX
+            : g_level == AVX2   ? SGL_OP_LINEAR_BF16_AVX2
+                                : SGL_OP_LINEAR_BF16_AVX512);
   call << ptr(x) << x.stride(0) << ptr(packed) << ptr(y) << n << m << n << k << ptr(bias);
   if (call.op.kind == SGL_OP_LINEAR_BF16_AVX512) call << (g_bf16_dot_matmul ? 1 : 0);
   TORCH_CHECK(run(call, {x, packed, bias}, {y}) == 0, op, ": no memory for the input's copy");
@@ -213,7 +230,7 @@ Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps) {
   check_norm_weight(op, x, weight, x.size(1));
   const int64_t t = x.size(0), h = x.size(1);
   Tensor out = at::empty({t, h}, x.options());
-  Call call(SGL_OP_RMSNORM);
+  Call call(at_level(SGL_OP_RMSNORM, SGL_OP_RMSNORM_AVX2));
   call << ptr(x) << x.stride(0) << 0 << 0 << 0 << h << ptr(weight) << ptr(out) << h << t << h
        << 1 << bits(static_cast<float>(eps)) << dtype_code(x);
   check_rmsnorm(op, run(call, {x, weight}, {out}));
@@ -231,7 +248,7 @@ std::tuple<Tensor, Tensor> add_rmsnorm(const Tensor& x, const Tensor& residual,
   const int64_t t = x.size(0), h = x.size(1);
   Tensor out = at::empty({t, h}, x.options());
   Tensor summed = at::empty({t, h}, x.options());
-  Call call(SGL_OP_RMSNORM);
+  Call call(at_level(SGL_OP_RMSNORM, SGL_OP_RMSNORM_AVX2));
   call << ptr(x) << x.stride(0) << ptr(residual) << residual.stride(0) << ptr(summed) << h
        << ptr(weight) << ptr(out) << h << t << h << 1 << bits(static_cast<float>(eps))
        << dtype_code(x);
@@ -247,7 +264,7 @@ Tensor rmsnorm_heads(const Tensor& x, const Tensor& weight, double eps, int64_t 
   check_norm_weight(op, x, weight, head_dim);
   const int64_t t = x.size(0), heads = x.size(1) / head_dim;
   Tensor out = at::empty({t, x.size(1)}, x.options());
-  Call call(SGL_OP_RMSNORM);
+  Call call(at_level(SGL_OP_RMSNORM, SGL_OP_RMSNORM_AVX2));
   call << ptr(x) << x.stride(0) << 0 << 0 << 0 << 0 << ptr(weight) << ptr(out) << head_dim
        << t * heads << head_dim << heads << bits(static_cast<float>(eps)) << dtype_code(x);
   check_rmsnorm(op, run(call, {x, weight}, {out}));
@@ -260,7 +277,7 @@ Tensor silu_mul(const Tensor& x) {
   TORCH_CHECK_VALUE(x.size(1) % 2 == 0, op, ": x must have an even width, got ", x.size(1));
   const int64_t t = x.size(0), d = x.size(1) / 2;
   Tensor out = at::empty({t, d}, x.options());
-  Call call(SGL_OP_SILU_MUL);
+  Call call(at_level(SGL_OP_SILU_MUL, SGL_OP_SILU_MUL_AVX2));
   call << ptr(x) << x.stride(0) << ptr(out) << d << t << d << dtype_code(x);
   run(call, {x}, {out});
   return out;
@@ -285,7 +302,7 @@ Tensor rotary(const Tensor& x, int64_t heads, int64_t head_dim, int64_t rotary_d
                       " rows in the rotary table");
   }
   Tensor out = at::empty({t, heads * head_dim}, x.options());
-  Call call(SGL_OP_ROTARY);
+  Call call(at_level(SGL_OP_ROTARY, SGL_OP_ROTARY_AVX2));
   call << ptr(x) << x.stride(0) << ptr(cos_sin) << cos_sin.stride(0) << ptr(positions)
        << cos_sin.size(0) << ptr(out) << t << heads << head_dim << rotary_dim << dtype_code(x);
   const int rc = run(call, {x, cos_sin, positions}, {out});
@@ -316,7 +333,7 @@ Tensor argmax(const Tensor& logits) {
   TORCH_CHECK_VALUE(logits.size(1) > 0, op, ": empty rows");
   const int64_t b = logits.size(0), v = logits.size(1);
   Tensor out = at::empty({b}, logits.options().dtype(at::kLong));
-  Call call(SGL_OP_ARGMAX_F32);
+  Call call(at_level(SGL_OP_ARGMAX_F32, SGL_OP_ARGMAX_F32_AVX2));
   call << ptr(logits) << logits.stride(0) << b << v << ptr(out);
   run(call, {logits}, {out});
   return out;
@@ -347,12 +364,12 @@ Tensor decode_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tenso
   TORCH_CHECK_VALUE(rows.numel() == tokens && lens.numel() == tokens && loc.numel() == tokens, op,
                     ": rows, lens and loc must hold one value per token");
   Tensor out = at::empty({tokens, num_heads * v_dim}, q.options());
-  Call call(SGL_OP_DECODE_ATTENTION);
+  Call call(at_level(SGL_OP_DECODE_ATTENTION, SGL_OP_DECODE_ATTENTION_AVX2));
   call << ptr(q) << q.stride(0) << head_dim << ptr(k) << k.stride(0) << ptr(v) << v.stride(0)
        << ptr(k_pool) << ptr(v_pool) << ptr(table) << table.stride(0) << ptr(rows) << ptr(lens)
        << ptr(loc) << ptr(out) << out.stride(0) << tokens << num_heads << num_kv_heads << head_dim
        << v_dim << bits(static_cast<float>(scale)) << bits(static_cast<float>(softcap)) << window
-       << dtype_code(q) << (g_level == AVX512 ? 0 : 1);
+       << dtype_code(q) << (g_level == AMX || g_level == AVX512_BF16 ? 1 : 0);
   const int rc = run(call, {q, k, v, k_pool, v_pool, table, rows, lens, loc}, {out});
   TORCH_CHECK(rc != -2, op, ": no memory for the scores");
   TORCH_CHECK_VALUE(rc == 0, op, ": ", num_heads, " heads and ", num_kv_heads, " KV heads of ",
@@ -392,7 +409,7 @@ Tensor extend_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_p
   }
   const int64_t v_dim = v_pool.size(-1);
   Tensor out = at::zeros({q.size(0), num_heads * v_dim}, q.options());
-  Call call(SGL_OP_EXTEND_ATTENTION);
+  Call call(at_level(SGL_OP_EXTEND_ATTENTION, SGL_OP_EXTEND_ATTENTION_AVX2));
   call << ptr(q) << q.stride(0) << ptr(k_pool) << ptr(v_pool) << ptr(table) << table.stride(0)
        << ptr(rows) << ptr(q_starts) << ptr(prefix_lens) << ptr(extend_lens) << batch << ptr(out)
        << out.stride(0) << num_heads << num_kv_heads << head_dim << v_dim

@@ -26,9 +26,12 @@ __all__ = ["KERNEL_NAMES", "CpuKernelLibrary", "compiled_path"]
 KERNEL_NAMES = {1: "sgl_linear_bf16_amx", 2: "sgl_linear_f32", 3: "sgl_rmsnorm",
                 4: "sgl_silu_mul", 5: "sgl_rotary", 6: "sgl_embedding",
                 7: "sgl_decode_attention", 8: "sgl_argmax_f32", 9: "sgl_linear_bf16_avx512",
-                10: "sgl_extend_attention"}
+                10: "sgl_extend_attention", 11: "sgl_linear_bf16_avx2", 12: "sgl_linear_f32_avx2",
+                13: "sgl_rmsnorm_avx2", 14: "sgl_silu_mul_avx2", 15: "sgl_rotary_avx2",
+                16: "sgl_decode_attention_avx2", 17: "sgl_argmax_f32_avx2",
+                18: "sgl_extend_attention_avx2"}
 #: what ``sgl_kernels_version`` of a build of this source returns
-VERSION = 3
+VERSION = 4
 
 _lock = threading.Lock()
 _loaded_path: Path | None = None
@@ -67,9 +70,9 @@ def _load() -> Path:
 
 
 class CpuKernelLibrary(KernelLibrary):
-    """sgl's CPU kernels (AMX, AVX512-BF16, AVX-512), implementing the ``sgl`` operators."""
+    """sgl's CPU kernels (AMX, AVX512-BF16, AVX-512, AVX2), implementing the ``sgl`` operators."""
 
-    levels = ("amx", "avx512_bf16", "avx512")
+    levels = ("amx", "avx512_bf16", "avx512", "avx2")
 
     def __init__(self) -> None:
         self.path = _load()

@@ -1,16 +1,18 @@
-/* sgl's CPU kernels for decode: bfloat16 and float32 matmuls, paged decode attention, norms.
+/* sgl's CPU kernels at the AMX, AVX512-BF16 and AVX-512 levels: bfloat16 and float32 matmuls,
+ * paged decode and extend attention, RMSNorm, SiLU x up, rotary, argmax.
  *
- * Compiled when sgl-kernels-cpu is installed (setup.py) and called by the torch operators of
- * torch_ops.cpp, which hand each call over as one sgl_op (cpu_kernels.h) to sgl_run_op. The
- * matmuls split their columns over a small pool of helper threads (sgl_set_threads), the decode
- * attention its sequences and the row-wise kernels (norm, SiLU x up, rotary) their rows;
- * embedding and argmax are single-threaded. Instruction sets are picked per function (target
- * attributes), so the file compiles with any x86-64 gcc >= 11 or clang, and the operators only
- * call what the CPU supports (the level set by sgl_cpu::set_level).
+ * Compiled when sgl-kernels-cpu is installed (setup.py) and called through run_op.c by the
+ * torch operators of torch_ops.cpp. The matmuls split their columns over the pool's threads
+ * (pool.c), the attentions their sequences or query tiles, the row-wise kernels (norm, SiLU x
+ * up, rotary) their rows; argmax is single-threaded. Instruction sets are picked per function
+ * (target attributes), so the file compiles with any x86-64 gcc >= 11 or clang, and the
+ * operators only call what the CPU supports (the level set by sgl_cpu::set_level).
+ * kernels_avx2.c holds the same kernels for CPUs with AVX2 and FMA only.
  */
-#include "cpu_kernels.h"
+#include "kernels.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,146 +24,9 @@
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define AVX512_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
-int sgl_kernels_version(void) { return 3; }
-
 /* Linux keeps AMX tile data off until the process asks for it (arch_prctl): sgl/kernels/cpu.py
  * asks before it picks the AMX level. */
 
-/* -- a pool of helper threads for the kernels ------------------------------------------------
- * parallel_for(fn, ctx, n, chunk) runs fn(ctx, begin, end) over [0, n) in chunks that the caller
- * and the helpers claim from one atomic ticket, so a helper the OS has not scheduled yet just
- * claims nothing: the caller never waits for a helper to start, only for chunks already claimed.
- * The ticket holds the job number, its chunk count and the next chunk, so a claim knows from the
- * one atomic read whether it is a chunk of a live job. Helpers spin for
- * SPIN_US after a job (the next matmul of a layer follows within microseconds), then sleep on a
- * condition variable, so an idle server leaves the cores to other processes. With one thread
- * (the default until sgl_set_threads) everything runs on the caller. */
-
-#include <pthread.h>
-#include <stdatomic.h>
-#include <time.h>
-
-#define SPIN_US 200.0
-#define MAX_THREADS 64
-#define FIELD_BITS 20 /* the chunk count and the next chunk; the job number above them */
-#define FIELD_MASK ((1ull << FIELD_BITS) - 1)
-#define MAX_CHUNKS (1ll << (FIELD_BITS - 1))
-
-typedef void (*range_fn)(void *ctx, int64_t begin, int64_t end);
-
-static struct {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    pthread_mutex_t busy;        /* held by the thread whose job the pool runs */
-    int threads;                 /* threads in use: the caller plus threads - 1 helpers */
-    int started;                 /* helpers started (they are never stopped) */
-    atomic_ullong ticket;        /* job << 40 | chunks << 20 | next chunk */
-    atomic_llong done;           /* chunks finished of the current job */
-    atomic_int sleeping;         /* helpers waiting on cv */
-    range_fn fn;                 /* the current job; written before its ticket */
-    void *ctx;
-    int64_t n, chunk;
-} pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER,
-            .busy = PTHREAD_MUTEX_INITIALIZER, .threads = 1};
-
-static int pool_threads(void) { return pool.threads; }
-
-static double now_us(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec * 1e6 + (double)t.tv_nsec / 1e3;
-}
-
-static inline uint64_t ticket_job(unsigned long long t) { return t >> (2 * FIELD_BITS); }
-
-/* Claim and run chunks of the job the ticket holds; returns that job's number. A claim past the
- * last chunk (a late helper) runs nothing: the job's descriptor may already be the next one's. */
-static uint64_t run_chunks(void) {
-    for (;;) {
-        const unsigned long long t = atomic_fetch_add(&pool.ticket, 1);
-        const int64_t i = (int64_t)(t & FIELD_MASK);
-        if (i >= (int64_t)((t >> FIELD_BITS) & FIELD_MASK)) return ticket_job(t);
-        const int64_t begin = i * pool.chunk;
-        const int64_t end = begin + pool.chunk < pool.n ? begin + pool.chunk : pool.n;
-        pool.fn(pool.ctx, begin, end);
-        atomic_fetch_add(&pool.done, 1);
-    }
-}
-
-static void *helper_main(void *arg) {
-    const int index = (int)(intptr_t)arg; /* 1, 2, ... */
-    uint64_t seen = ticket_job(atomic_load(&pool.ticket));
-    for (;;) {
-        if (index >= pool.threads) { /* not in use: sleep until a job after a resize */
-            pthread_mutex_lock(&pool.mu);
-            atomic_fetch_add(&pool.sleeping, 1);
-            while (index >= pool.threads || ticket_job(atomic_load(&pool.ticket)) == seen)
-                pthread_cond_wait(&pool.cv, &pool.mu);
-            atomic_fetch_sub(&pool.sleeping, 1);
-            pthread_mutex_unlock(&pool.mu);
-        }
-        const double start = now_us();
-        unsigned spins = 0;
-        while (ticket_job(atomic_load(&pool.ticket)) == seen) {
-            _mm_pause();
-            if ((++spins & 255) == 0 && now_us() - start > SPIN_US) {
-                pthread_mutex_lock(&pool.mu);
-                atomic_fetch_add(&pool.sleeping, 1);
-                while (ticket_job(atomic_load(&pool.ticket)) == seen)
-                    pthread_cond_wait(&pool.cv, &pool.mu);
-                atomic_fetch_sub(&pool.sleeping, 1);
-                pthread_mutex_unlock(&pool.mu);
-                break;
-            }
-        }
-        seen = run_chunks();
-    }
-    return NULL;
-}
-
-/* Use `threads` threads (the caller included) from now on; helpers are started, never stopped.
- * Returns the number in use. Call it from one thread, between kernel calls. */
-int sgl_set_threads(int threads) {
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    pthread_mutex_lock(&pool.mu);
-    while (pool.started < threads - 1) {
-        pthread_t t;
-        if (pthread_create(&t, NULL, helper_main, (void *)(intptr_t)(pool.started + 1)) != 0)
-            break;
-        pthread_detach(t);
-        pool.started++;
-    }
-    pool.threads = pool.started + 1 < threads ? pool.started + 1 : threads;
-    pthread_mutex_unlock(&pool.mu);
-    return pool.threads;
-}
-
-static void parallel_for(range_fn fn, void *ctx, int64_t n, int64_t chunk) {
-    const int64_t chunks = (n + chunk - 1) / chunk;
-    /* a second caller thread while a job runs (the kernels are called from one thread in sgl,
-     * but ctypes lets any thread in) runs its loop alone instead of sharing the one job slot */
-    if (pool.threads == 1 || chunks <= 1 || chunks > MAX_CHUNKS
-        || pthread_mutex_trylock(&pool.busy) != 0) {
-        fn(ctx, 0, n);
-        return;
-    }
-    pool.fn = fn;
-    pool.ctx = ctx;
-    pool.n = n;
-    pool.chunk = chunk;
-    atomic_store(&pool.done, 0);
-    const unsigned long long job = ticket_job(atomic_load(&pool.ticket)) + 1;
-    atomic_store(&pool.ticket, (job << (2 * FIELD_BITS)) | ((unsigned long long)chunks << FIELD_BITS));
-    if (atomic_load(&pool.sleeping)) {
-        pthread_mutex_lock(&pool.mu);
-        pthread_cond_broadcast(&pool.cv);
-        pthread_mutex_unlock(&pool.mu);
-    }
-    run_chunks();
-    while (atomic_load(&pool.done) < chunks) _mm_pause();
-    pthread_mutex_unlock(&pool.busy);
-}
 
 /* -- bfloat16 linear on AMX ------------------------------------------------------------------
  * y[M, N] = x[M, K] . W^T (+ bias), x and y bfloat16 with row strides ldx / ldy, fp32 accumulation.
@@ -184,23 +49,6 @@ static inline __mmask16 tail_mask(int64_t left) {
 
 #define PREFETCH_BLOCKS 4 /* K blocks (2 KiB of weight each) prefetched ahead */
 
-/* Per-thread buffers that grow to the largest request and are kept: slot 0 holds bfloat16
- * copies, slot 1 float32 work (a kernel may use both at once). 64-byte aligned; NULL when out of
- * memory. */
-static __thread void *sgl_scratch[2];
-static __thread size_t sgl_scratch_bytes[2];
-
-static void *scratch(int slot, size_t bytes) {
-    if (sgl_scratch_bytes[slot] < bytes) {
-        free(sgl_scratch[slot]);
-        sgl_scratch[slot] = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        sgl_scratch_bytes[slot] = sgl_scratch[slot] ? bytes : 0;
-    }
-    return sgl_scratch[slot];
-}
-
-static uint16_t *scratch_bf16(int64_t elems) { return scratch(0, (size_t)elems * 2); }
-static float *scratch_f32(int64_t elems) { return scratch(1, (size_t)elems * 4); }
 
 AMX_TARGET static void store_tile_rows(uint16_t *y, int64_t ldy, const float *c, const float *bias,
                                        int rows, int cols) {
@@ -315,8 +163,8 @@ AMX_TARGET int sgl_linear_bf16_amx(const uint16_t *x, int64_t ldx, const uint16_
     }
     linear_job job = {a, wp, y, lda, ldy, M, N, K, bias, NULL};
     /* a few claims per thread, so that a thread the OS delays costs little */
-    int64_t chunk = NP / (4 * (int64_t)pool_threads());
-    parallel_for(linear_bf16_amx_range, &job, NP, chunk < 1 ? 1 : chunk);
+    int64_t chunk = NP / (4 * (int64_t)sgl_pool_threads());
+    sgl_parallel_for(linear_bf16_amx_range, &job, NP, chunk < 1 ? 1 : chunk);
     return 0;
 }
 
@@ -389,8 +237,8 @@ AVX512_TARGET int sgl_linear_f32(const float *x, int64_t ldx, const float *wp, f
                                  int64_t ldy, int64_t M, int64_t N, int64_t K, const float *bias) {
     const int64_t NP = (N + 31) / 32;
     linear_f32_job job = {x, wp, bias, y, ldx, ldy, M, N, K};
-    const int64_t chunk = NP / (4 * (int64_t)pool_threads());
-    parallel_for(linear_f32_panels, &job, NP, chunk < 1 ? 1 : chunk);
+    const int64_t chunk = NP / (4 * (int64_t)sgl_pool_threads());
+    sgl_parallel_for(linear_f32_panels, &job, NP, chunk < 1 ? 1 : chunk);
     return 0;
 }
 
@@ -733,8 +581,8 @@ AVX512_TARGET int sgl_decode_attention(
     attention_job job = {q, q_stride_t, q_stride_h, kp, vp, k_row, v_row, table, rows, lens,
                          table_stride, out, out_stride_t, B, Hq, Hk, D, Dv, window, max_len, es,
                          scale, softcap, dtype, bf16_dot, 0};
-    const int64_t chunk = B / (4 * (int64_t)pool_threads());
-    parallel_for(decode_attention_range, &job, B, chunk < 1 ? 1 : chunk);
+    const int64_t chunk = B / (4 * (int64_t)sgl_pool_threads());
+    sgl_parallel_for(decode_attention_range, &job, B, chunk < 1 ? 1 : chunk);
     return atomic_load(&job.failed) ? -2 : 0;
 }
 
@@ -823,13 +671,6 @@ AVX512_TARGET static void rmsnorm_rows(void *ctx, int64_t t0, int64_t t1) {
     }
 }
 
-/* rows per chunk of the elementwise kernels on the kernel threads (fewer rows run inline) */
-#define ROWS_PER_CHUNK 8
-
-static int64_t row_chunk(int64_t T) {
-    const int64_t c = T / (2 * (int64_t)pool_threads());
-    return c < ROWS_PER_CHUNK ? ROWS_PER_CHUNK : c;
-}
 
 AVX512_TARGET int sgl_rmsnorm(const void *x, int64_t x_stride, const void *residual,
                               int64_t r_stride, void *res_out, int64_t ro_stride,
@@ -838,7 +679,7 @@ AVX512_TARGET int sgl_rmsnorm(const void *x, int64_t x_stride, const void *resid
     if (heads < 1 || (heads > 1 && residual)) return -1;
     rmsnorm_job job = {x, residual, weight, res_out, out, x_stride, r_stride, ro_stride, o_stride,
                        H, heads, eps, dtype, 0};
-    parallel_for(rmsnorm_rows, &job, T, row_chunk(T));
+    sgl_parallel_for(rmsnorm_rows, &job, T, sgl_row_chunk(T));
     return atomic_load(&job.failed) ? -2 : 0;
 }
 
@@ -883,7 +724,7 @@ AVX512_TARGET static void silu_mul_rows(void *ctx, int64_t t0, int64_t t1) {
 AVX512_TARGET int sgl_silu_mul(const void *x, int64_t x_stride, void *out, int64_t o_stride,
                                int64_t T, int64_t d, int dtype) {
     silu_mul_job job = {x, out, x_stride, o_stride, d, dtype};
-    parallel_for(silu_mul_rows, &job, T, row_chunk(T));
+    sgl_parallel_for(silu_mul_rows, &job, T, sgl_row_chunk(T));
     return 0;
 }
 
@@ -946,20 +787,7 @@ AVX512_TARGET int sgl_rotary(const void *x, int64_t x_stride, const void *cs, in
         for (int64_t t = 0; t < T; t++)
             if (pos[t] < 0 || pos[t] >= cs_rows) return -2;
     rotary_job job = {x, cs, pos, out, x_stride, cs_stride, H, D, rot, dtype};
-    parallel_for(rotary_rows, &job, T, row_chunk(T));
-    return 0;
-}
-
-/* Embedding lookup: row t of out (row stride o_stride elements) = row ids[t] of w [vocab, H]
-   (row stride w_stride), `es`-byte elements. -1 (nothing written) when an id is outside
-   [0, vocab). */
-int sgl_embedding(const void *w, int64_t w_stride, int64_t vocab, const int64_t *ids, int64_t T,
-                  void *out, int64_t o_stride, int64_t H, int64_t es) {
-    for (int64_t t = 0; t < T; t++)
-        if (ids[t] < 0 || ids[t] >= vocab) return -1;
-    for (int64_t t = 0; t < T; t++)
-        memcpy((char *)out + t * o_stride * es, (const char *)w + ids[t] * w_stride * es,
-               (size_t)(H * es));
+    sgl_parallel_for(rotary_rows, &job, T, sgl_row_chunk(T));
     return 0;
 }
 
@@ -1194,19 +1022,19 @@ AVX512_TARGET int sgl_linear_bf16_avx512(const uint16_t *x, int64_t ldx, const u
                                          uint16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                                          const float *bias, int dp) {
     const int64_t NP = (N + 31) / 32;
-    int64_t chunk = NP / (4 * (int64_t)pool_threads());
+    int64_t chunk = NP / (4 * (int64_t)sgl_pool_threads());
     chunk = chunk < 1 ? 1 : chunk;
     if (dp) {
         int64_t lda;
         const uint16_t *a = padded_k(x, ldx, M, K, &lda);
         if (!a) return -1;
         linear_job job = {a, wp, y, lda, ldy, M, N, K, bias, NULL};
-        parallel_for(linear_bf16_dp_range, &job, NP, chunk);
+        sgl_parallel_for(linear_bf16_dp_range, &job, NP, chunk);
     } else {
         const float *xf = widened_x(x, ldx, M, K);
         if (!xf) return -1;
         linear_job job = {NULL, wp, y, (K + 31) & ~(int64_t)31, ldy, M, N, K, bias, xf};
-        parallel_for(linear_bf16_widen_range, &job, NP, chunk);
+        sgl_parallel_for(linear_bf16_widen_range, &job, NP, chunk);
     }
     return 0;
 }
@@ -1467,72 +1295,10 @@ AVX512_TARGET int sgl_extend_attention(
     extend_job job = {q, q_stride, k_pool, v_pool, Hk * D * es, Hk * Dv * es, table, rows,
                       q_starts, prefix_lens, extend_lens, first_item, table_stride, B, out,
                       out_stride, Hq, Hk, D, Dv, window, QT, es, scale, softcap, dtype, 0};
-    parallel_for(extend_attention_items, &job, first_item[B] * Hk, 1);
+    sgl_parallel_for(extend_attention_items, &job, first_item[B] * Hk, 1);
     free(first_item);
     return atomic_load(&job.failed) ? -2 : 0;
 }
 
-/* -- one call, and a recorded sequence of calls -------------------------------------------------
- * sgl_run_op runs one of the functions above from an sgl_op (cpu_kernels.h): `kind` names the
- * function, `a` holds its arguments in order as 64-bit integers (pointers, integers; a float
- * argument as its 32-bit pattern). The torch operators call it, and sgl_replay runs a recorded
- * sequence of them (sgl.engine.cpu_graph) in one call. */
 
-static inline float f32_bits(int64_t v) {
-    union { uint32_t i; float f; } u;
-    u.i = (uint32_t)v;
-    return u.f;
-}
-
-#define P(i) ((void *)(intptr_t)a[i])
-
-int sgl_run_op(const sgl_op *op) {
-    const int64_t *a = op->a;
-    switch (op->kind) {
-    case SGL_OP_LINEAR_BF16_AMX:
-        return sgl_linear_bf16_amx(P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8));
-    case SGL_OP_LINEAR_F32:
-        return sgl_linear_f32(P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8));
-    case SGL_OP_RMSNORM:
-        return sgl_rmsnorm(P(0), a[1], P(2), a[3], P(4), a[5], P(6), P(7), a[8], a[9], a[10],
-                           a[11], f32_bits(a[12]), (int)a[13]);
-    case SGL_OP_SILU_MUL:
-        return sgl_silu_mul(P(0), a[1], P(2), a[3], a[4], a[5], (int)a[6]);
-    case SGL_OP_ROTARY:
-        return sgl_rotary(P(0), a[1], P(2), a[3], P(4), a[5], P(6), a[7], a[8], a[9], a[10],
-                          (int)a[11]);
-    case SGL_OP_EMBEDDING:
-        return sgl_embedding(P(0), a[1], a[2], P(3), a[4], P(5), a[6], a[7], a[8]);
-    case SGL_OP_DECODE_ATTENTION:
-        return sgl_decode_attention(P(0), a[1], a[2], P(3), a[4], P(5), a[6], P(7), P(8), P(9),
-                                    a[10], P(11), P(12), P(13), P(14), a[15], a[16], a[17],
-                                    a[18], a[19], a[20], f32_bits(a[21]), f32_bits(a[22]),
-                                    a[23], (int)a[24], (int)a[25]);
-    case SGL_OP_ARGMAX_F32:
-        return sgl_argmax_f32(P(0), a[1], a[2], a[3], P(4));
-    case SGL_OP_EXTEND_ATTENTION:
-        return sgl_extend_attention(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), P(8), P(9),
-                                    a[10], P(11), a[12], a[13], a[14], a[15], a[16],
-                                    f32_bits(a[17]), f32_bits(a[18]), a[19], (int)a[20]);
-    case SGL_OP_LINEAR_BF16_AVX512:
-        return sgl_linear_bf16_avx512(P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8),
-                                      (int)a[9]);
-    default:
-        return -100;
-    }
-}
-
-int64_t sgl_replay(const sgl_op *ops, int64_t n) {
-    for (int64_t i = 0; i < n; i++)
-        if (sgl_run_op(&ops[i])) return i + 1;
-    return 0;
-}
-
-#undef P
-
-#else
-int sgl_kernels_version(void) { return 0; }
-int sgl_set_threads(int threads) { (void)threads; return 1; }
-int sgl_run_op(const sgl_op *op) { (void)op; return -100; }
-int64_t sgl_replay(const sgl_op *ops, int64_t n) { (void)ops; return n > 0 ? 1 : 0; }
 #endif

@@ -1,0 +1,897 @@
+/* sgl's CPU kernels at the AVX2 level (AVX2 + FMA, no AVX-512: Intel Haswell to Comet Lake and
+ * Alder Lake's cores, AMD Zen 1-3).
+ *
+ * The kernels of kernels_avx512.c on 8-lane vectors, with the same arguments, return codes,
+ * packed weights and rounding (bfloat16 results rounded to nearest even wherever torch rounds),
+ * and the same split over the pool's threads. AVX2 has no masked loads for 16-bit values, so a
+ * row's last partial vector goes through a small zero-padded buffer (load8n / store8n). Its exp
+ * flushes results below FLT_MIN (x < -87.34) to zero, where the AVX-512 one keeps denormals.
+ * bfloat16 has no arithmetic here: it is widened to fp32 on load (a 16-bit shift) and rounded
+ * back on store.
+ */
+#include "kernels.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
+#define INLINE static inline __attribute__((always_inline))
+#define PREFETCH_BLOCKS 4 /* K blocks of a bfloat16 panel (2 KiB each) prefetched ahead */
+
+/* -- vectors of 8 values ------------------------------------------------------------------- */
+
+/* 8 values at p as fp32 (dtype 1: bfloat16, 0: float32) */
+AVX2_TARGET INLINE __m256 load8(const void *p, int dtype) {
+    if (dtype)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return _mm256_loadu_ps((const float *)p);
+}
+
+/* the first n values at p (all 8 when n >= 8), zero in the lanes past them */
+AVX2_TARGET INLINE __m256 load8n(const void *p, int64_t n, int dtype) {
+    if (n >= 8) return load8(p, dtype);
+    uint32_t buf[8] = {0};
+    if (n > 0) memcpy(buf, p, (size_t)(n * (dtype ? 2 : 4)));
+    return load8(buf, dtype);
+}
+
+/* v rounded to the nearest bfloat16 (ties to even) as fp32 bit patterns; NaN stays a NaN */
+AVX2_TARGET INLINE __m256i bf16_bits(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+    return _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+}
+
+/* fp32 -> nearest bfloat16 -> fp32 */
+AVX2_TARGET INLINE __m256 round_bf16(__m256 v) { return _mm256_castsi256_ps(bf16_bits(v)); }
+
+AVX2_TARGET INLINE void store8(void *p, __m256 v, int dtype) {
+    if (dtype) {
+        const __m256i r = _mm256_srli_epi32(bf16_bits(v), 16);
+        _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r),
+                                                        _mm256_extracti128_si256(r, 1)));
+    } else {
+        _mm256_storeu_ps((float *)p, v);
+    }
+}
+
+/* the first n lanes of v to p (all 8 when n >= 8) */
+AVX2_TARGET INLINE void store8n(void *p, __m256 v, int64_t n, int dtype) {
+    if (n >= 8) {
+        store8(p, v, dtype);
+        return;
+    }
+    uint32_t buf[8];
+    store8(buf, v, dtype);
+    if (n > 0) memcpy(p, buf, (size_t)(n * (dtype ? 2 : 4)));
+}
+
+AVX2_TARGET INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+AVX2_TARGET INLINE float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* lane i of the result = the sum of the 8 lanes of v[i] */
+AVX2_TARGET INLINE __m256 sum8x8(const __m256 *v) {
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    /* u0: the low-half sums of v[0..3], then their high-half sums; u1 likewise for v[4..7] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* e^x: the reduction and polynomial of kernels_avx512.c's exp, 2^n built from its bits (in two
+   factors, so that n = 128 does not overflow the exponent); 0 below FLT_MIN, inf above FLT_MAX,
+   NaN for NaN */
+AVX2_TARGET INLINE __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3365448f), hi = _mm256_set1_ps(88.7228391f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+    const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i ni = _mm256_cvtps_epi32(n), bias = _mm256_set1_epi32(127);
+    const __m256i n1 = _mm256_min_epi32(ni, bias);
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const __m256 s2 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, n1), bias), 23));
+    __m256 e = _mm256_andnot_ps(under, _mm256_mul_ps(_mm256_mul_ps(p, s1), s2));
+    e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), over);
+    return _mm256_blendv_ps(e, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+/* -- float32 linear -------------------------------------------------------------------------
+ * y[M, N] = x[M, K] . W^T (+ bias) on the packed panels of sgl_linear_f32 ([Np/32][K][32]): two
+ * rows of x against the four 8-column vectors of a panel row (8 sums, 4 weights and the
+ * broadcast x in 13 of the 16 registers); more rows read the panel again from cache. */
+
+AVX2_TARGET INLINE void f32_rows(const float *x, int64_t ldx, const float *w, float *y,
+                                 int64_t ldy, int64_t K, const float *bias, int64_t cols,
+                                 const int rows) {
+    __m256 acc[2][4];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const float *wk = w + k * 32;
+        const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+        const __m256 w2 = _mm256_loadu_ps(wk + 16), w3 = _mm256_loadu_ps(wk + 24);
+        for (int r = 0; r < rows; r++) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+            acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+            acc[r][2] = _mm256_fmadd_ps(xv, w2, acc[r][2]);
+            acc[r][3] = _mm256_fmadd_ps(xv, w3, acc[r][3]);
+        }
+    }
+    for (int c = 0; c < 4 && 8 * c < cols; c++) {
+        const __m256 b = bias ? load8n(bias + 8 * c, cols - 8 * c, 0) : _mm256_setzero_ps();
+        for (int r = 0; r < rows; r++)
+            store8n(y + r * ldy + 8 * c, _mm256_add_ps(acc[r][c], b), cols - 8 * c, 0);
+    }
+}
+
+typedef struct {
+    const float *x, *wp, *bias;
+    float *y;
+    int64_t ldx, ldy, M, N, K;
+} linear_f32_job;
+
+AVX2_TARGET static void linear_f32_panels(void *ctx, int64_t np_begin, int64_t np_end) {
+    const linear_f32_job *j = ctx;
+    for (int64_t np = np_begin; np < np_end; np++) {
+        const float *w = j->wp + np * j->K * 32;
+        const int64_t n0 = np * 32, cols = j->N - n0 < 32 ? j->N - n0 : 32;
+        const float *b = j->bias ? j->bias + n0 : NULL;
+        for (int64_t r0 = 0; r0 < j->M; r0 += 2) {
+            const float *xr = j->x + r0 * j->ldx;
+            float *yr = j->y + r0 * j->ldy + n0;
+            if (j->M - r0 >= 2) f32_rows(xr, j->ldx, w, yr, j->ldy, j->K, b, cols, 2);
+            else f32_rows(xr, j->ldx, w, yr, j->ldy, j->K, b, cols, 1);
+        }
+    }
+}
+
+AVX2_TARGET int sgl_linear_f32_avx2(const float *x, int64_t ldx, const float *wp, float *y,
+                                    int64_t ldy, int64_t M, int64_t N, int64_t K,
+                                    const float *bias) {
+    const int64_t NP = (N + 31) / 32;
+    linear_f32_job job = {x, wp, bias, y, ldx, ldy, M, N, K};
+    const int64_t chunk = NP / (4 * (int64_t)sgl_pool_threads());
+    sgl_parallel_for(linear_f32_panels, &job, NP, chunk < 1 ? 1 : chunk);
+    return 0;
+}
+
+/* -- bfloat16 linear --------------------------------------------------------------------------
+ * The product of sgl_linear_bf16_amx on its packed weight, as kernels_avx512.c's widened kernel
+ * computes it: x is widened to fp32 once per call (Kp columns, zero past K); in a 32-wide K block
+ * of the weight, half h (columns 16h .. 16h + 15) holds at row p the 16 columns' values at K pair
+ * p, (even, odd) in each 32-bit lane, so one 32-byte load gives 8 columns' even values (<< 16)
+ * and odd ones (& 0xffff0000) as fp32, which two FMAs multiply by x's pair. Two rows of x at a
+ * time: 8 sums, 2 x 2 broadcasts, and the two widened weights. */
+
+typedef struct {
+    const float *xf;
+    const uint16_t *wp;
+    uint16_t *y;
+    int64_t ldx, ldy, M, N, K;
+    const float *bias;
+} linear_bf16_job;
+
+AVX2_TARGET INLINE void bf16_rows(const float *xf, int64_t ldx, const uint16_t *w, uint16_t *y,
+                                  int64_t ldy, int64_t KB, const float *bias, int64_t cols,
+                                  const int rows) {
+    __m256 acc[2][4];
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    for (int r = 0; r < rows; r++)
+        for (int g = 0; g < 4; g++) acc[r][g] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < KB; kb++) {
+        const uint16_t *wb = w + kb * 1024;
+        for (int p = 0; p < 16; p++) {
+            if ((p & 3) == 0) {
+                _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + p * 64, _MM_HINT_T0);
+                _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + 1024 + p * 64,
+                             _MM_HINT_T0);
+            }
+            __m256 xe[2], xo[2];
+            for (int r = 0; r < rows; r++) {
+                xe[r] = _mm256_broadcast_ss(xf + r * ldx + kb * 32 + 2 * p);
+                xo[r] = _mm256_broadcast_ss(xf + r * ldx + kb * 32 + 2 * p + 1);
+            }
+            for (int g = 0; g < 4; g++) { /* columns 8g .. 8g + 7 */
+                const __m256i v = _mm256_loadu_si256(
+                    (const __m256i *)(wb + (g >> 1) * 512 + p * 32 + (g & 1) * 16));
+                const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+                for (int r = 0; r < rows; r++)
+                    acc[r][g] = _mm256_fmadd_ps(xo[r], wo, _mm256_fmadd_ps(xe[r], we, acc[r][g]));
+            }
+        }
+    }
+    for (int g = 0; g < 4 && 8 * g < cols; g++) {
+        const __m256 b = bias ? load8n(bias + 8 * g, cols - 8 * g, 0) : _mm256_setzero_ps();
+        for (int r = 0; r < rows; r++)
+            store8n(y + r * ldy + 8 * g, _mm256_add_ps(acc[r][g], b), cols - 8 * g, 1);
+    }
+}
+
+AVX2_TARGET static void linear_bf16_panels(void *ctx, int64_t np_begin, int64_t np_end) {
+    const linear_bf16_job *j = ctx;
+    const int64_t KB = ((j->K + 31) & ~(int64_t)31) / 32;
+    for (int64_t np = np_begin; np < np_end; np++) {
+        const uint16_t *w = j->wp + np * KB * 1024;
+        const int64_t n0 = np * 32, cols = j->N - n0 < 32 ? j->N - n0 : 32;
+        const float *b = j->bias ? j->bias + n0 : NULL;
+        for (int64_t r0 = 0; r0 < j->M; r0 += 2) {
+            const float *xr = j->xf + r0 * j->ldx;
+            uint16_t *yr = j->y + r0 * j->ldy + n0;
+            if (j->M - r0 >= 2) bf16_rows(xr, j->ldx, w, yr, j->ldy, KB, b, cols, 2);
+            else bf16_rows(xr, j->ldx, w, yr, j->ldy, KB, b, cols, 1);
+        }
+    }
+}
+
+/* -1: no memory for x's fp32 copy */
+AVX2_TARGET int sgl_linear_bf16_avx2(const uint16_t *x, int64_t ldx, const uint16_t *wp,
+                                     uint16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                                     const float *bias) {
+    const int64_t Kp = (K + 31) & ~(int64_t)31, NP = (N + 31) / 32;
+    float *xf = scratch_f32(M * Kp);
+    if (!xf) return -1;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t k = 0; k < Kp; k += 8)
+            _mm256_storeu_ps(xf + r * Kp + k, load8n(x + r * ldx + k, K - k, 1));
+    linear_bf16_job job = {xf, wp, y, Kp, ldy, M, N, K, bias};
+    const int64_t chunk = NP / (4 * (int64_t)sgl_pool_threads());
+    sgl_parallel_for(linear_bf16_panels, &job, NP, chunk < 1 ? 1 : chunk);
+    return 0;
+}
+
+/* -- RMSNorm, SiLU x up, rotary ----------------------------------------------------------------
+ * The arguments and rounding of kernels_avx512.c's sgl_rmsnorm, sgl_silu_mul and sgl_rotary. */
+
+typedef struct {
+    const void *x, *residual, *weight;
+    void *res_out, *out;
+    int64_t x_stride, r_stride, ro_stride, o_stride, H, heads;
+    float eps;
+    int dtype;
+    atomic_int failed;
+} rmsnorm_job;
+
+AVX2_TARGET static void rmsnorm_rows(void *ctx, int64_t t0, int64_t t1) {
+    rmsnorm_job *j = ctx;
+    const int dtype = j->dtype;
+    const int64_t es = dtype ? 2 : 4, H = j->H, heads = j->heads;
+    float *h = scratch_f32(H + 8); /* per thread */
+    if (!h) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    for (int64_t t = t0; t < t1; t++) {
+        const char *xr = (const char *)j->x + ((t / heads) * j->x_stride + (t % heads) * H) * es;
+        const char *rr = j->residual ? (const char *)j->residual + t * j->r_stride * es : NULL;
+        char *ror = j->res_out ? (char *)j->res_out + t * j->ro_stride * es : NULL;
+        __m256 ss = _mm256_setzero_ps();
+        for (int64_t i = 0; i < H; i += 8) {
+            __m256 v = load8n(xr + i * es, H - i, dtype);
+            if (rr) {
+                v = _mm256_add_ps(v, load8n(rr + i * es, H - i, dtype));
+                if (dtype) v = round_bf16(v);
+                if (ror) store8n(ror + i * es, v, H - i, dtype);
+            }
+            _mm256_storeu_ps(h + i, v);
+            ss = _mm256_fmadd_ps(v, v, ss);
+        }
+        const __m256 f = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)H + j->eps));
+        char *orow = (char *)j->out + t * j->o_stride * es;
+        for (int64_t i = 0; i < H; i += 8) {
+            __m256 v = _mm256_mul_ps(_mm256_loadu_ps(h + i), f);
+            if (dtype) v = round_bf16(v);
+            const __m256 w = load8n((const char *)j->weight + i * es, H - i, dtype);
+            store8n(orow + i * es, _mm256_mul_ps(v, w), H - i, dtype);
+        }
+    }
+}
+
+AVX2_TARGET int sgl_rmsnorm_avx2(const void *x, int64_t x_stride, const void *residual,
+                                 int64_t r_stride, void *res_out, int64_t ro_stride,
+                                 const void *weight, void *out, int64_t o_stride, int64_t T,
+                                 int64_t H, int64_t heads, float eps, int dtype) {
+    if (heads < 1 || (heads > 1 && residual)) return -1;
+    rmsnorm_job job = {x, residual, weight, res_out, out, x_stride, r_stride, ro_stride, o_stride,
+                       H, heads, eps, dtype, 0};
+    sgl_parallel_for(rmsnorm_rows, &job, T, sgl_row_chunk(T));
+    return atomic_load(&job.failed) ? -2 : 0;
+}
+
+typedef struct {
+    const void *x;
+    void *out;
+    int64_t x_stride, o_stride, d;
+    int dtype;
+} silu_mul_job;
+
+AVX2_TARGET static void silu_mul_rows(void *ctx, int64_t t0, int64_t t1) {
+    const silu_mul_job *j = ctx;
+    const int dtype = j->dtype;
+    const int64_t es = dtype ? 2 : 4, d = j->d;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t t = t0; t < t1; t++) {
+        const char *xr = (const char *)j->x + t * j->x_stride * es;
+        char *orow = (char *)j->out + t * j->o_stride * es;
+        for (int64_t i = 0; i < d; i += 8) {
+            const __m256 g = load8n(xr + i * es, d - i, dtype);
+            const __m256 u = load8n(xr + (d + i) * es, d - i, dtype);
+            __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+            if (dtype) s = round_bf16(s);
+            store8n(orow + i * es, _mm256_mul_ps(s, u), d - i, dtype);
+        }
+    }
+}
+
+AVX2_TARGET int sgl_silu_mul_avx2(const void *x, int64_t x_stride, void *out, int64_t o_stride,
+                                  int64_t T, int64_t d, int dtype) {
+    silu_mul_job job = {x, out, x_stride, o_stride, d, dtype};
+    sgl_parallel_for(silu_mul_rows, &job, T, sgl_row_chunk(T));
+    return 0;
+}
+
+typedef struct {
+    const void *x, *cs;
+    const int64_t *pos;
+    void *out;
+    int64_t x_stride, cs_stride, H, D, rot;
+    int dtype;
+} rotary_job;
+
+static inline float value_at(const char *p, int64_t i, int dtype) {
+    if (!dtype) return ((const float *)p)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+AVX2_TARGET static void rotary_rows(void *ctx, int64_t t0, int64_t t1) {
+    const rotary_job *j = ctx;
+    const int dtype = j->dtype;
+    const int64_t es = dtype ? 2 : 4, H = j->H, D = j->D, rot = j->rot, half = rot / 2;
+    for (int64_t t = t0; t < t1; t++) {
+        const char *c = (const char *)j->cs + (j->pos ? j->pos[t] : t) * j->cs_stride * es;
+        const char *sn = c + rot * es;
+        for (int64_t h = 0; h < H; h++) {
+            const char *xr = (const char *)j->x + (t * j->x_stride + h * D) * es;
+            char *orow = (char *)j->out + (t * H + h) * D * es;
+            for (int64_t i = 0; i < rot; i += 8) {
+                const int64_t n = rot - i < 8 ? rot - i : 8;
+                /* rotate_half(x)[i] = x[i + half] for i < half, x[i - half] after */
+                __m256 r;
+                if (i + n <= half) {
+                    r = load8n(xr + (i + half) * es, n, dtype);
+                } else if (i >= half) {
+                    r = load8n(xr + (i - half) * es, n, dtype);
+                } else { /* the vector straddles the halves */
+                    float tmp[8] = {0};
+                    for (int64_t e = 0; e < n; e++)
+                        tmp[e] = value_at(xr, i + e < half ? i + e + half : i + e - half, dtype);
+                    r = _mm256_loadu_ps(tmp);
+                }
+                const __m256 v = load8n(xr + i * es, n, dtype);
+                __m256 a = _mm256_mul_ps(v, load8n(c + i * es, n, dtype));
+                __m256 b = _mm256_mul_ps(r, load8n(sn + i * es, n, dtype));
+                if (dtype) {
+                    a = round_bf16(a);
+                    b = round_bf16(b);
+                }
+                store8n(orow + i * es, _mm256_add_ps(a, b), n, dtype);
+            }
+            if (rot < D) memcpy(orow + rot * es, xr + rot * es, (size_t)((D - rot) * es));
+        }
+    }
+}
+
+AVX2_TARGET int sgl_rotary_avx2(const void *x, int64_t x_stride, const void *cs,
+                                int64_t cs_stride, const int64_t *pos, int64_t cs_rows, void *out,
+                                int64_t T, int64_t H, int64_t D, int64_t rot, int dtype) {
+    if (rot % 2 || rot > D) return -1;
+    if (pos)
+        for (int64_t t = 0; t < T; t++)
+            if (pos[t] < 0 || pos[t] >= cs_rows) return -2;
+    rotary_job job = {x, cs, pos, out, x_stride, cs_stride, H, D, rot, dtype};
+    sgl_parallel_for(rotary_rows, &job, T, sgl_row_chunk(T));
+    return 0;
+}
+
+/* -- argmax ------------------------------------------------------------------------------------
+ * out[b] = the first index of the maximum of row b (a NaN counts as the maximum, as in torch). */
+
+AVX2_TARGET int sgl_argmax_f32_avx2(const float *x, int64_t stride, int64_t B, int64_t V,
+                                    int64_t *out) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *r = x + b * stride;
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        int nan = 0;
+        int64_t i = 0;
+        for (; i + 8 <= V && !nan; i += 8) {
+            const __m256 v = _mm256_loadu_ps(r + i);
+            nan = _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            mx = _mm256_max_ps(mx, v);
+        }
+        if (nan) { /* the first NaN */
+            int64_t k = i - 8;
+            while (r[k] == r[k]) k++;
+            out[b] = k;
+            continue;
+        }
+        float m = hmax8(mx);
+        int64_t best = -1;
+        for (; i < V; i++) {
+            if (r[i] != r[i]) {
+                best = i;
+                break;
+            }
+            if (r[i] > m) m = r[i];
+        }
+        if (best >= 0) { /* a NaN in the tail; an earlier one was ruled out above */
+            out[b] = best;
+            continue;
+        }
+        const __m256 mv = _mm256_set1_ps(m);
+        for (i = 0; i + 8 <= V; i += 8) {
+            const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(r + i), mv, _CMP_EQ_OQ));
+            if (eq) {
+                best = i + __builtin_ctz((unsigned)eq);
+                break;
+            }
+        }
+        if (best < 0)
+            for (; i < V; i++)
+                if (r[i] == m) {
+                    best = i;
+                    break;
+                }
+        out[b] = best < 0 ? 0 : best;
+    }
+    return 0;
+}
+
+/* -- paged decode attention ------------------------------------------------------------------
+ * The arguments of kernels_avx512.c's sgl_decode_attention (bf16_dot is ignored). Per sequence:
+ * q scaled to fp32 once, the scores of 8 tokens at a time for each query head (8 dot products
+ * summed across in one transpose), a softmax per head, then the weighted sum of V for two query
+ * heads of a KV head at a time over up to 32 columns (8 sums, 4 V vectors in registers). The
+ * sequences are shared out over the pool's threads. */
+
+#define MAX_HEADS 256
+
+typedef struct {
+    const void *q;
+    int64_t q_stride_t, q_stride_h;
+    char *kp, *vp;
+    int64_t k_row, v_row;
+    const int64_t *table, *rows, *lens;
+    int64_t table_stride;
+    void *out;
+    int64_t out_stride_t, B, Hq, Hk, D, Dv, window, max_len, es;
+    float scale, softcap;
+    int dtype;
+    atomic_int failed;
+} attention_job;
+
+/* scores[h * ld + t] for t < n: q_h . k[slots[t]] (q already scaled, fp32 [Hq][D]) */
+AVX2_TARGET INLINE void decode_qk(const float *qs, const char *kp, int64_t k_row,
+                                  const int64_t *slots, int64_t n, float *scores, int64_t ld,
+                                  int64_t Hq, int64_t G, int64_t D, const char *vp,
+                                  int64_t v_row, const int dtype) {
+    const int64_t es = dtype ? 2 : 4;
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+        const int64_t cnt = n - t0 < 8 ? n - t0 : 8;
+        const char *rows[8];
+        for (int j = 0; j < 8; j++) rows[j] = kp + slots[t0 + (j < cnt ? j : 0)] * k_row;
+        for (int64_t t = t0 + 8; t < t0 + 16 && t < n; t++) { /* the next block's rows */
+            _mm_prefetch(kp + slots[t] * k_row, _MM_HINT_T0);
+            _mm_prefetch(vp + slots[t] * v_row, _MM_HINT_T0);
+        }
+        for (int64_t h = 0; h < Hq; h++) {
+            const float *qh = qs + h * D;
+            const int64_t off = (h / G) * D * es;
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) { /* a short last block repeats its first row */
+                const char *kr = rows[j] + off;
+                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(kr, dtype));
+                for (int64_t d = 8; d < D; d += 8)
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(kr + d * es, dtype), a);
+                acc[j] = a;
+            }
+            store8n(scores + h * ld + t0, sum8x8(acc), cnt, 0);
+        }
+    }
+}
+
+/* out_h += sum_t p_h[t] v[slots[t]] over columns [col, col + 8 nv) for gn (<= 2) heads */
+AVX2_TARGET INLINE void decode_pv(const float *p, int64_t ld, int64_t n, const char *vp,
+                                  int64_t v_row, int64_t off, const int64_t *slots, char *out,
+                                  int64_t out_head, const float *inv_sum, const int dtype,
+                                  const int gn, const int nv) {
+    const int64_t es = dtype ? 2 : 4;
+    __m256 acc[2][4];
+    for (int g = 0; g < gn; g++)
+        for (int i = 0; i < nv; i++) acc[g][i] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; t++) {
+        const char *vr = vp + slots[t] * v_row + off;
+        __m256 vv[4];
+        for (int i = 0; i < nv; i++) vv[i] = load8(vr + i * 8 * es, dtype);
+        for (int g = 0; g < gn; g++) {
+            const __m256 w = _mm256_broadcast_ss(p + g * ld + t);
+            for (int i = 0; i < nv; i++) acc[g][i] = _mm256_fmadd_ps(w, vv[i], acc[g][i]);
+        }
+    }
+    for (int g = 0; g < gn; g++) {
+        const __m256 f = _mm256_set1_ps(inv_sum[g]);
+        for (int i = 0; i < nv; i++)
+            store8(out + (g * out_head + i * 8) * es, _mm256_mul_ps(acc[g][i], f), dtype);
+    }
+}
+
+#define DECODE_PV(GN, NV)                                                                      \
+    decode_pv(scores + h * ld, ld, n, j->vp, j->v_row, (hk * Dv + col) * es, slots,            \
+              ob + (h * Dv + col) * es, Dv, inv_sum + h, dtype, GN, NV)
+
+AVX2_TARGET INLINE void decode_seq(attention_job *j, int64_t b, float *qs, float *scores,
+                                   const int dtype) {
+    const int64_t Hq = j->Hq, Hk = j->Hk, G = Hq / Hk, D = j->D, Dv = j->Dv, es = dtype ? 2 : 4;
+    const int64_t len = j->lens[b];
+    const int64_t start = j->window > 0 && len > j->window ? len - j->window : 0;
+    const int64_t *slots = j->table + j->rows[b] * j->table_stride + start;
+    const int64_t n = len - start, ld = (n + 7) & ~(int64_t)7;
+    float inv_sum[MAX_HEADS];
+    const char *qb = (const char *)j->q + b * j->q_stride_t * es;
+    char *ob = (char *)j->out + b * j->out_stride_t * es;
+    const __m256 sv = _mm256_set1_ps(j->scale);
+    for (int64_t h = 0; h < Hq; h++)
+        for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_ps(qs + h * D + d,
+                             _mm256_mul_ps(load8(qb + (h * j->q_stride_h + d) * es, dtype), sv));
+    decode_qk(qs, j->kp, j->k_row, slots, n, scores, ld, Hq, G, D, j->vp, j->v_row, dtype);
+    for (int64_t h = 0; h < Hq; h++) { /* softmax; the padding past n is -inf, so e = 0 there */
+        float *s = scores + h * ld;
+        if (j->softcap > 0)
+            for (int64_t t = 0; t < n; t++) s[t] = j->softcap * tanhf(s[t] / j->softcap);
+        for (int64_t t = n; t < ld; t++) s[t] = -INFINITY;
+        __m256 mx = _mm256_set1_ps(-INFINITY), sum = _mm256_setzero_ps();
+        for (int64_t t = 0; t < ld; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t));
+        const __m256 mv = _mm256_set1_ps(hmax8(mx));
+        for (int64_t t = 0; t < ld; t += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+            _mm256_storeu_ps(s + t, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        inv_sum[h] = 1.0f / hsum8(sum);
+    }
+    for (int64_t hk = 0; hk < Hk; hk++)
+        for (int64_t col = 0; col < Dv; col += 32) {
+            const int64_t nv = Dv - col >= 32 ? 4 : (Dv - col) / 8;
+            for (int64_t g0 = 0; g0 < G; g0 += 2) {
+                const int64_t h = hk * G + g0;
+                const int two = G - g0 >= 2;
+                switch (nv) { /* constant counts keep the sums in registers */
+                case 4: if (two) DECODE_PV(2, 4); else DECODE_PV(1, 4); break;
+                case 3: if (two) DECODE_PV(2, 3); else DECODE_PV(1, 3); break;
+                case 2: if (two) DECODE_PV(2, 2); else DECODE_PV(1, 2); break;
+                default: if (two) DECODE_PV(2, 1); else DECODE_PV(1, 1);
+                }
+            }
+        }
+}
+
+#undef DECODE_PV
+
+AVX2_TARGET static void decode_attention_range(void *ctx, int64_t b0, int64_t b1) {
+    attention_job *j = ctx;
+    /* per thread: q scaled [Hq][D], scores [Hq][max_len rounded up to 8] */
+    float *qs = scratch_f32(j->Hq * j->D + j->Hq * (j->max_len + 8));
+    if (!qs) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    float *scores = qs + j->Hq * j->D;
+    for (int64_t b = b0; b < b1; b++) {
+        if (j->dtype) decode_seq(j, b, qs, scores, 1); /* constant dtypes: no branch per load */
+        else decode_seq(j, b, qs, scores, 0);
+    }
+}
+
+AVX2_TARGET int sgl_decode_attention_avx2(
+    const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_new, int64_t k_new_stride,
+    const void *v_new, int64_t v_new_stride, void *k_pool, void *v_pool, const int64_t *table,
+    int64_t table_stride, const int64_t *rows, const int64_t *lens, const int64_t *loc, void *out,
+    int64_t out_stride_t, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, float scale,
+    float softcap, int64_t window, int dtype, int bf16_dot) {
+    (void)bf16_dot;
+    const int64_t G = Hk >= 1 ? Hq / Hk : 0, es = dtype ? 2 : 4;
+    if (D % 16 || Dv % 16 || D < 16 || Dv < 16 || D > 256 || Dv > 256 || Hk < 1 || Hq > MAX_HEADS
+        || G * Hk != Hq) return -1;
+    char *kp = (char *)k_pool, *vp = (char *)v_pool;
+    const int64_t k_row = Hk * D * es, v_row = Hk * Dv * es;
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+    if (k_new)
+        for (int64_t b = 0; b < B; b++) {
+            memcpy(kp + loc[b] * k_row, (const char *)k_new + b * k_new_stride * es, (size_t)k_row);
+            memcpy(vp + loc[b] * v_row, (const char *)v_new + b * v_new_stride * es, (size_t)v_row);
+        }
+    attention_job job = {q, q_stride_t, q_stride_h, kp, vp, k_row, v_row, table, rows, lens,
+                         table_stride, out, out_stride_t, B, Hq, Hk, D, Dv, window, max_len, es,
+                         scale, softcap, dtype, 0};
+    const int64_t chunk = B / (4 * (int64_t)sgl_pool_threads());
+    sgl_parallel_for(decode_attention_range, &job, B, chunk < 1 ? 1 : chunk);
+    return atomic_load(&job.failed) ? -2 : 0;
+}
+
+/* -- paged extend (prefill) attention ---------------------------------------------------------
+ * The arguments and method of kernels_avx512.c's sgl_extend_attention: a work item is a tile of
+ * query tokens of one sequence times one KV head, up to 64 query rows that lie in the lanes
+ * (queries transposed, qt [D][64]; scores st [key][64]; output ot [Dv][64]), walking the keys in
+ * blocks of 64 with an online softmax. Here a row vector is 8 rows, and the score and output
+ * steps take up to 4 of them at a time against 2 keys or 2 output columns (8 sums, 4 row vectors
+ * and one broadcast: 13 registers). */
+
+#define EXT_KB 64   /* keys per block */
+#define EXT_ROWS 64 /* query rows per item, at most (eight vectors of 8) */
+
+typedef struct {
+    const char *q;
+    int64_t q_stride;
+    const char *kp, *vp;
+    int64_t k_row, v_row;
+    const int64_t *table, *rows, *q_starts, *prefix_lens, *extend_lens, *first_item;
+    int64_t table_stride, B;
+    char *out;
+    int64_t out_stride, Hq, Hk, D, Dv, window, QT, es;
+    float scale, softcap;
+    int dtype;
+    atomic_int failed;
+} extend_job;
+
+/* st[x][8 (b0 + b) ..] = sum_d k_x[d] qt[d][8 (b0 + b) ..] for keys x < nx (<= 2), b < nb (<= 4) */
+AVX2_TARGET INLINE void ext_qk(const float *const *k, int64_t D, const float *qt, float *st,
+                               int b0, const int nx, const int nb) {
+    __m256 acc[2][4];
+    for (int x = 0; x < nx; x++)
+        for (int b = 0; b < nb; b++) acc[x][b] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        __m256 qv[4];
+        for (int b = 0; b < nb; b++) qv[b] = _mm256_load_ps(qt + d * EXT_ROWS + 8 * (b0 + b));
+        for (int x = 0; x < nx; x++) {
+            const __m256 kv = _mm256_broadcast_ss(k[x] + d);
+            for (int b = 0; b < nb; b++) acc[x][b] = _mm256_fmadd_ps(kv, qv[b], acc[x][b]);
+        }
+    }
+    for (int x = 0; x < nx; x++)
+        for (int b = 0; b < nb; b++) _mm256_store_ps(st + x * EXT_ROWS + 8 * (b0 + b), acc[x][b]);
+}
+
+/* ot[c0 + c][8 (b0 + b) ..] += sum_x v_x[c0 + c] pt[x][8 (b0 + b) ..] for c < nc (<= 2) */
+AVX2_TARGET INLINE void ext_pv(const float *const *v, int64_t nk, const float *pt, float *ot,
+                               int64_t c0, int b0, const int nc, const int nb) {
+    __m256 acc[2][4];
+    for (int c = 0; c < nc; c++)
+        for (int b = 0; b < nb; b++)
+            acc[c][b] = _mm256_load_ps(ot + (c0 + c) * EXT_ROWS + 8 * (b0 + b));
+    for (int64_t x = 0; x < nk; x++) {
+        __m256 pv[4];
+        for (int b = 0; b < nb; b++) pv[b] = _mm256_load_ps(pt + x * EXT_ROWS + 8 * (b0 + b));
+        for (int c = 0; c < nc; c++) {
+            const __m256 vv = _mm256_broadcast_ss(v[x] + c0 + c);
+            for (int b = 0; b < nb; b++) acc[c][b] = _mm256_fmadd_ps(vv, pv[b], acc[c][b]);
+        }
+    }
+    for (int c = 0; c < nc; c++)
+        for (int b = 0; b < nb; b++)
+            _mm256_store_ps(ot + (c0 + c) * EXT_ROWS + 8 * (b0 + b), acc[c][b]);
+}
+
+#define EXT_NB_SWITCH(CALL, NB)                                                                 \
+    switch (NB) {                                                                               \
+    case 4: CALL(4); break;                                                                     \
+    case 3: CALL(3); break;                                                                     \
+    case 2: CALL(2); break;                                                                     \
+    default: CALL(1);                                                                           \
+    }
+
+/* the online-softmax step of one row vector (8 rows) over keys k0 .. k0 + nk of a block */
+AVX2_TARGET INLINE void ext_softmax(const extend_job *j, float *st, float *ot, float *mrow,
+                                    float *lrow, const int32_t *pos, int64_t k0, int64_t nk,
+                                    int rb) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i p = _mm256_loadu_si256((const __m256i *)(pos + 8 * rb));
+    const __m256i lo = j->window > 0 ? _mm256_sub_epi32(p, _mm256_set1_epi32((int)j->window - 1))
+                                     : _mm256_setzero_si256();
+    __m256 mx = _mm256_load_ps(mrow + 8 * rb);
+    const __m256 m_old = mx;
+    int any = 0;
+    for (int64_t x = 0; x < nk; x++) {
+        const __m256i key = _mm256_set1_epi32((int)(k0 + x));
+        /* lo <= key <= p */
+        const __m256 ok = _mm256_castsi256_ps(_mm256_andnot_si256(
+            _mm256_or_si256(_mm256_cmpgt_epi32(key, p), _mm256_cmpgt_epi32(lo, key)),
+            _mm256_set1_epi32(-1)));
+        __m256 s = _mm256_load_ps(st + x * EXT_ROWS + 8 * rb);
+        if (j->softcap > 0) { /* cap * tanh(s / cap), tanh(y) = 1 - 2 / (e^2y + 1) */
+            const __m256 e2 = exp8(_mm256_mul_ps(s, _mm256_set1_ps(2.0f / j->softcap)));
+            s = _mm256_mul_ps(_mm256_set1_ps(j->softcap),
+                              _mm256_sub_ps(_mm256_set1_ps(1.0f),
+                                            _mm256_div_ps(_mm256_set1_ps(2.0f),
+                                                          _mm256_add_ps(e2, _mm256_set1_ps(1.0f)))));
+        }
+        s = _mm256_blendv_ps(ninf, s, ok);
+        _mm256_store_ps(st + x * EXT_ROWS + 8 * rb, s);
+        mx = _mm256_max_ps(mx, s);
+        any |= _mm256_movemask_ps(ok);
+    }
+    if (!any) { /* no row of these 8 sees a key of this block */
+        for (int64_t x = 0; x < nk; x++) _mm256_store_ps(st + x * EXT_ROWS + 8 * rb, _mm256_setzero_ps());
+        return;
+    }
+    const __m256 m_safe = _mm256_and_ps(_mm256_cmp_ps(mx, ninf, _CMP_NEQ_OQ), mx); /* -inf: 0 */
+    const __m256 alpha = _mm256_and_ps(_mm256_cmp_ps(m_old, ninf, _CMP_NEQ_OQ),
+                                       exp8(_mm256_sub_ps(m_old, m_safe)));
+    __m256 sum = _mm256_mul_ps(_mm256_load_ps(lrow + 8 * rb), alpha);
+    for (int64_t x = 0; x < nk; x++) {
+        const __m256 s = _mm256_load_ps(st + x * EXT_ROWS + 8 * rb);
+        const __m256 e = _mm256_and_ps(_mm256_cmp_ps(s, ninf, _CMP_NEQ_OQ),
+                                       exp8(_mm256_sub_ps(s, m_safe)));
+        _mm256_store_ps(st + x * EXT_ROWS + 8 * rb, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    _mm256_store_ps(lrow + 8 * rb, sum);
+    _mm256_store_ps(mrow + 8 * rb, mx);
+    for (int64_t c = 0; c < j->Dv; c++)
+        _mm256_store_ps(ot + c * EXT_ROWS + 8 * rb,
+                        _mm256_mul_ps(_mm256_load_ps(ot + c * EXT_ROWS + 8 * rb), alpha));
+}
+
+AVX2_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t i1) {
+    extend_job *j = ctx;
+    const int64_t D = j->D, Dv = j->Dv, G = j->Hq / j->Hk, QT = j->QT, es = j->es;
+    /* per thread: qt [D][64], st [KB][64], ot [Dv][64], kf [KB][D], vf [KB][Dv] (bfloat16
+     * keys/values widened), m, l, pos [64] */
+    float *buf = scratch_f32((D + EXT_KB + Dv) * EXT_ROWS + EXT_KB * (D + Dv) + 3 * EXT_ROWS);
+    if (!buf) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    float *qt = buf, *st = qt + D * EXT_ROWS, *ot = st + EXT_KB * EXT_ROWS;
+    float *kf = ot + Dv * EXT_ROWS, *vf = kf + EXT_KB * D, *mrow = vf + EXT_KB * Dv;
+    float *lrow = mrow + EXT_ROWS;
+    int32_t *pos = (int32_t *)(lrow + EXT_ROWS);
+    const float *kx[EXT_KB], *vx[EXT_KB];
+    for (int64_t item = i0; item < i1; item++) {
+        /* the item's sequence: first_item[b] <= item / Hk < first_item[b + 1] */
+        const int64_t tile_item = item / j->Hk, hk = item % j->Hk;
+        int64_t b = 0;
+        while (j->first_item[b + 1] <= tile_item) b++;
+        const int64_t prefix = j->prefix_lens[b], L = j->extend_lens[b];
+        const int64_t t0 = (tile_item - j->first_item[b]) * QT;
+        const int64_t nt = L - t0 < QT ? L - t0 : QT; /* tokens of this tile */
+        const int64_t *slots = j->table + j->rows[b] * j->table_stride;
+        const int64_t rows = G * nt; /* row g * nt + i: query head hk * G + g, token t0 + i */
+        const int nbv = (int)((rows + 7) / 8);
+        memset(qt, 0, (size_t)(D * EXT_ROWS) * sizeof(float));
+        for (int64_t r = 0; r < EXT_ROWS; r++) {
+            pos[r] = r < rows ? (int32_t)(prefix + t0 + r % nt) : -1; /* -1: a padding row */
+            mrow[r] = -INFINITY;
+            lrow[r] = 0.0f;
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            const char *qr = j->q + ((j->q_starts[b] + t0 + r % nt) * j->q_stride
+                                     + (hk * G + r / nt) * D) * es;
+            float tmp[8];
+            for (int64_t d = 0; d < D; d += 8) {
+                _mm256_storeu_ps(tmp, _mm256_mul_ps(load8(qr + d * es, j->dtype),
+                                                    _mm256_set1_ps(j->scale)));
+                for (int e = 0; e < 8; e++) qt[(d + e) * EXT_ROWS + r] = tmp[e];
+            }
+        }
+        memset(ot, 0, (size_t)(Dv * EXT_ROWS) * sizeof(float));
+        const int64_t p_first = prefix + t0, p_last = prefix + t0 + nt - 1;
+        const int64_t k_begin = j->window > 0 && p_first - j->window + 1 > 0
+                                    ? p_first - j->window + 1 : 0;
+        for (int64_t k0 = k_begin; k0 <= p_last; k0 += EXT_KB) {
+            const int64_t nk = p_last + 1 - k0 < EXT_KB ? p_last + 1 - k0 : EXT_KB;
+            for (int64_t x = 0; x < nk; x++) {
+                const char *kr = j->kp + slots[k0 + x] * j->k_row + hk * D * es;
+                const char *vr = j->vp + slots[k0 + x] * j->v_row + hk * Dv * es;
+                if (j->dtype) { /* widen the block once; float32 is read in place */
+                    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(kf + x * D + d, load8(kr + d * es, 1));
+                    for (int64_t d = 0; d < Dv; d += 8) _mm256_storeu_ps(vf + x * Dv + d, load8(vr + d * es, 1));
+                    kx[x] = kf + x * D;
+                    vx[x] = vf + x * Dv;
+                } else {
+                    kx[x] = (const float *)kr;
+                    vx[x] = (const float *)vr;
+                }
+            }
+            for (int b0 = 0; b0 < nbv; b0 += 4) {
+                const int nb = nbv - b0 < 4 ? nbv - b0 : 4;
+                for (int64_t x = 0; x < nk; x += 2) {
+#define EXT_QK(NB)                                                                              \
+    if (nk - x >= 2) ext_qk(kx + x, D, qt, st + x * EXT_ROWS, b0, 2, NB);                       \
+    else ext_qk(kx + x, D, qt, st + x * EXT_ROWS, b0, 1, NB)
+                    EXT_NB_SWITCH(EXT_QK, nb)
+#undef EXT_QK
+                }
+            }
+            for (int rb = 0; rb < nbv; rb++) ext_softmax(j, st, ot, mrow, lrow, pos, k0, nk, rb);
+            for (int b0 = 0; b0 < nbv; b0 += 4) {
+                const int nb = nbv - b0 < 4 ? nbv - b0 : 4;
+                for (int64_t c = 0; c < Dv; c += 2) { /* Dv is even (a multiple of 16) */
+#define EXT_PV(NB) ext_pv(vx, nk, st, ot, c, b0, 2, NB)
+                    EXT_NB_SWITCH(EXT_PV, nb)
+#undef EXT_PV
+                }
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            const float inv = lrow[r] > 0 ? 1.0f / lrow[r] : 0.0f;
+            char *dst = j->out + ((j->q_starts[b] + t0 + r % nt) * j->out_stride
+                                  + (hk * G + r / nt) * Dv) * es;
+            float tmp[8];
+            for (int64_t c = 0; c < Dv; c += 8) {
+                for (int e = 0; e < 8; e++) tmp[e] = ot[(c + e) * EXT_ROWS + r];
+                store8(dst + c * es, _mm256_mul_ps(_mm256_loadu_ps(tmp), _mm256_set1_ps(inv)),
+                       j->dtype);
+            }
+        }
+    }
+}
+
+#undef EXT_NB_SWITCH
+
+AVX2_TARGET int sgl_extend_attention_avx2(
+    const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int64_t *table,
+    int64_t table_stride, const int64_t *rows, const int64_t *q_starts, const int64_t *prefix_lens,
+    const int64_t *extend_lens, int64_t B, void *out, int64_t out_stride, int64_t Hq, int64_t Hk,
+    int64_t D, int64_t Dv, float scale, float softcap, int64_t window, int dtype) {
+    if (D % 16 || Dv % 16 || D < 16 || Dv < 16 || D > 256 || Dv > 256 || Hk < 1 || Hq % Hk
+        || Hq / Hk > EXT_ROWS || B < 0) return -1;
+    const int64_t G = Hq / Hk, es = dtype ? 2 : 4;
+    int64_t *first_item = malloc((size_t)(B + 1) * sizeof(int64_t));
+    if (!first_item) return -2;
+    const int64_t QT = EXT_ROWS / G;
+    first_item[0] = 0;
+    for (int64_t b = 0; b < B; b++)
+        first_item[b + 1] = first_item[b] + (extend_lens[b] + QT - 1) / QT;
+    extend_job job = {q, q_stride, k_pool, v_pool, Hk * D * es, Hk * Dv * es, table, rows,
+                      q_starts, prefix_lens, extend_lens, first_item, table_stride, B, out,
+                      out_stride, Hq, Hk, D, Dv, window, QT, es, scale, softcap, dtype, 0};
+    sgl_parallel_for(extend_attention_items, &job, first_item[B] * Hk, 1);
+    free(first_item);
+    return atomic_load(&job.failed) ? -2 : 0;
+}
+
+#endif

@@ -1,0 +1,101 @@
+/* One call, and a recorded sequence of calls.
+ *
+ * sgl_run_op runs one kernel from an sgl_op (cpu_kernels.h): `kind` names the function, `a` holds
+ * its arguments in order as 64-bit integers (pointers, integers; a float argument as its 32-bit
+ * pattern). The torch operators (torch_ops.cpp) call it, and sgl_replay runs a recorded sequence
+ * of calls (sgl.engine.cpu_graph) in one call. */
+#include "cpu_kernels.h"
+#include "kernels.h"
+
+#include <string.h>
+
+#if defined(__x86_64__)
+
+int sgl_kernels_version(void) { return 4; }
+
+/* Embedding lookup: row t of out (row stride o_stride elements) = row ids[t] of w [vocab, H]
+   (row stride w_stride), `es`-byte elements. -1 (nothing written) when an id is outside
+   [0, vocab). */
+int sgl_embedding(const void *w, int64_t w_stride, int64_t vocab, const int64_t *ids, int64_t T,
+                  void *out, int64_t o_stride, int64_t H, int64_t es) {
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= vocab) return -1;
+    for (int64_t t = 0; t < T; t++)
+        memcpy((char *)out + t * o_stride * es, (const char *)w + ids[t] * w_stride * es,
+               (size_t)(H * es));
+    return 0;
+}
+
+static inline float f32_bits(int64_t v) {
+    union { uint32_t i; float f; } u;
+    u.i = (uint32_t)v;
+    return u.f;
+}
+
+#define P(i) ((void *)(intptr_t)a[i])
+
+int sgl_run_op(const sgl_op *op) {
+    const int64_t *a = op->a;
+    switch (op->kind) {
+    case SGL_OP_LINEAR_BF16_AMX:
+    case SGL_OP_LINEAR_BF16_AVX2:
+        return (op->kind == SGL_OP_LINEAR_BF16_AMX ? sgl_linear_bf16_amx : sgl_linear_bf16_avx2)(
+            P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8));
+    case SGL_OP_LINEAR_BF16_AVX512:
+        return sgl_linear_bf16_avx512(P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8),
+                                      (int)a[9]);
+    case SGL_OP_LINEAR_F32:
+    case SGL_OP_LINEAR_F32_AVX2:
+        return (op->kind == SGL_OP_LINEAR_F32 ? sgl_linear_f32 : sgl_linear_f32_avx2)(
+            P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8));
+    case SGL_OP_RMSNORM:
+    case SGL_OP_RMSNORM_AVX2:
+        return (op->kind == SGL_OP_RMSNORM ? sgl_rmsnorm : sgl_rmsnorm_avx2)(
+            P(0), a[1], P(2), a[3], P(4), a[5], P(6), P(7), a[8], a[9], a[10], a[11],
+            f32_bits(a[12]), (int)a[13]);
+    case SGL_OP_SILU_MUL:
+    case SGL_OP_SILU_MUL_AVX2:
+        return (op->kind == SGL_OP_SILU_MUL ? sgl_silu_mul : sgl_silu_mul_avx2)(
+            P(0), a[1], P(2), a[3], a[4], a[5], (int)a[6]);
+    case SGL_OP_ROTARY:
+    case SGL_OP_ROTARY_AVX2:
+        return (op->kind == SGL_OP_ROTARY ? sgl_rotary : sgl_rotary_avx2)(
+            P(0), a[1], P(2), a[3], P(4), a[5], P(6), a[7], a[8], a[9], a[10], (int)a[11]);
+    case SGL_OP_EMBEDDING:
+        return sgl_embedding(P(0), a[1], a[2], P(3), a[4], P(5), a[6], a[7], a[8]);
+    case SGL_OP_DECODE_ATTENTION:
+    case SGL_OP_DECODE_ATTENTION_AVX2:
+        return (op->kind == SGL_OP_DECODE_ATTENTION ? sgl_decode_attention
+                                                    : sgl_decode_attention_avx2)(
+            P(0), a[1], a[2], P(3), a[4], P(5), a[6], P(7), P(8), P(9), a[10], P(11), P(12),
+            P(13), P(14), a[15], a[16], a[17], a[18], a[19], a[20], f32_bits(a[21]),
+            f32_bits(a[22]), a[23], (int)a[24], (int)a[25]);
+    case SGL_OP_ARGMAX_F32:
+    case SGL_OP_ARGMAX_F32_AVX2:
+        return (op->kind == SGL_OP_ARGMAX_F32 ? sgl_argmax_f32 : sgl_argmax_f32_avx2)(
+            P(0), a[1], a[2], a[3], P(4));
+    case SGL_OP_EXTEND_ATTENTION:
+    case SGL_OP_EXTEND_ATTENTION_AVX2:
+        return (op->kind == SGL_OP_EXTEND_ATTENTION ? sgl_extend_attention
+                                                    : sgl_extend_attention_avx2)(
+            P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), P(8), P(9), a[10], P(11), a[12],
+            a[13], a[14], a[15], a[16], f32_bits(a[17]), f32_bits(a[18]), a[19], (int)a[20]);
+    default:
+        return -100;
+    }
+}
+
+int64_t sgl_replay(const sgl_op *ops, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (sgl_run_op(&ops[i])) return i + 1;
+    return 0;
+}
+
+#undef P
+
+#else
+int sgl_kernels_version(void) { return 0; }
+int sgl_set_threads(int threads) { (void)threads; return 1; }
+int sgl_run_op(const sgl_op *op) { (void)op; return -100; }
+int64_t sgl_replay(const sgl_op *ops, int64_t n) { (void)ops; return n > 0 ? 1 : 0; }
+#endif
