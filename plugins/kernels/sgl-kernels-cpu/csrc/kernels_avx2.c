@@ -125,20 +125,29 @@ AVX2_TARGET INLINE __m256 exp8(__m256 x) {
 }
 
 /* -- float32 linear -------------------------------------------------------------------------
- * y[M, N] = x[M, K] . W^T (+ bias) on the packed panels of sgl_linear_f32 ([Np/32][K][32]): two
- * rows of x against the four 8-column vectors of a panel row (8 sums, 4 weights and the
- * broadcast x in 13 of the 16 registers); more rows read the panel again from cache. */
+ * y[M, N] = x[M, K] . W^T (+ bias) on the packed panels of sgl_linear_f32 ([Np/32][K][32]).
+ * Up to two rows (decode) take a whole 32-column panel row per K step: 8 sums, 4 weights and the
+ * broadcast x in 13 of the 16 registers. More rows go in tiles of 6 rows x 16 columns (12 sums,
+ * 2 weights, one broadcast: the shape of BLIS's AVX2 kernel) over blocks of F32_KC K steps, so
+ * that the block of the panel (16 KiB) stays in L1 while every row tile reads it; the partial
+ * sums are kept in y between blocks. */
+
+#define F32_KC 256 /* K steps per block of a panel: 16 KiB of each 16-column half */
+#define F32_TILE_ROWS 6
 
 AVX2_TARGET INLINE void f32_rows(const float *x, int64_t ldx, const float *w, float *y,
                                  int64_t ldy, int64_t K, const float *bias, int64_t cols,
                                  const int rows) {
     __m256 acc[2][4];
+    #pragma GCC unroll 8
     for (int r = 0; r < rows; r++)
+        #pragma GCC unroll 8
         for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         const float *wk = w + k * 32;
         const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
         const __m256 w2 = _mm256_loadu_ps(wk + 16), w3 = _mm256_loadu_ps(wk + 24);
+        #pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
             const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
             acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
@@ -147,8 +156,41 @@ AVX2_TARGET INLINE void f32_rows(const float *x, int64_t ldx, const float *w, fl
             acc[r][3] = _mm256_fmadd_ps(xv, w3, acc[r][3]);
         }
     }
-    for (int c = 0; c < 4 && 8 * c < cols; c++) {
+    #pragma GCC unroll 8
+    for (int c = 0; c < 4; c++) {
+        if (8 * c >= cols) continue; /* a constant count keeps the sums in registers */
         const __m256 b = bias ? load8n(bias + 8 * c, cols - 8 * c, 0) : _mm256_setzero_ps();
+        #pragma GCC unroll 8
+        for (int r = 0; r < rows; r++)
+            store8n(y + r * ldy + 8 * c, _mm256_add_ps(acc[r][c], b), cols - 8 * c, 0);
+    }
+}
+
+/* y[r, :cols] (cols <= 16) of `rows` rows += x[r, k0 .. k0 + kc] . w over one K block; `first`:
+   y starts from zero, `bias` (or NULL) is added on the last block */
+AVX2_TARGET INLINE void f32_tile(const float *x, int64_t ldx, const float *w, float *y,
+                                 int64_t ldy, int64_t kc, const float *bias, int64_t cols,
+                                 int first, const int rows) {
+    __m256 acc[F32_TILE_ROWS][2];
+    #pragma GCC unroll 8
+    for (int r = 0; r < rows; r++)
+        #pragma GCC unroll 8
+        for (int c = 0; c < 2; c++)
+            acc[r][c] = first ? _mm256_setzero_ps() : load8n(y + r * ldy + 8 * c, cols - 8 * c, 0);
+    for (int64_t k = 0; k < kc; k++) {
+        const __m256 w0 = _mm256_loadu_ps(w + k * 32), w1 = _mm256_loadu_ps(w + k * 32 + 8);
+        #pragma GCC unroll 8
+        for (int r = 0; r < rows; r++) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+            acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+        }
+    }
+    #pragma GCC unroll 8
+    for (int c = 0; c < 2; c++) {
+        if (8 * c >= cols) continue; /* a constant count keeps the sums in registers */
+        const __m256 b = bias ? load8n(bias + 8 * c, cols - 8 * c, 0) : _mm256_setzero_ps();
+        #pragma GCC unroll 8
         for (int r = 0; r < rows; r++)
             store8n(y + r * ldy + 8 * c, _mm256_add_ps(acc[r][c], b), cols - 8 * c, 0);
     }
@@ -162,15 +204,37 @@ typedef struct {
 
 AVX2_TARGET static void linear_f32_panels(void *ctx, int64_t np_begin, int64_t np_end) {
     const linear_f32_job *j = ctx;
+    const int64_t M = j->M, K = j->K, ldx = j->ldx, ldy = j->ldy;
     for (int64_t np = np_begin; np < np_end; np++) {
-        const float *w = j->wp + np * j->K * 32;
+        const float *w = j->wp + np * K * 32;
         const int64_t n0 = np * 32, cols = j->N - n0 < 32 ? j->N - n0 : 32;
         const float *b = j->bias ? j->bias + n0 : NULL;
-        for (int64_t r0 = 0; r0 < j->M; r0 += 2) {
-            const float *xr = j->x + r0 * j->ldx;
-            float *yr = j->y + r0 * j->ldy + n0;
-            if (j->M - r0 >= 2) f32_rows(xr, j->ldx, w, yr, j->ldy, j->K, b, cols, 2);
-            else f32_rows(xr, j->ldx, w, yr, j->ldy, j->K, b, cols, 1);
+        if (M <= 2) {
+            if (M == 2) f32_rows(j->x, ldx, w, j->y + n0, ldy, K, b, cols, 2);
+            else f32_rows(j->x, ldx, w, j->y + n0, ldy, K, b, cols, 1);
+            continue;
+        }
+        for (int64_t k0 = 0; k0 < K; k0 += F32_KC) {
+            const int64_t kc = K - k0 < F32_KC ? K - k0 : F32_KC;
+            const int first = k0 == 0;
+            const float *bk = k0 + kc == K ? b : NULL;
+            for (int64_t r0 = 0; r0 < M; r0 += F32_TILE_ROWS) {
+                const float *xr = j->x + r0 * ldx + k0;
+                for (int64_t h = 0; h < 2 && 16 * h < cols; h++) {
+                    const float *wh = w + k0 * 32 + 16 * h;
+                    float *yr = j->y + r0 * ldy + n0 + 16 * h;
+                    const int64_t ch = cols - 16 * h < 16 ? cols - 16 * h : 16;
+                    const float *bh = bk ? bk + 16 * h : NULL;
+                    switch (M - r0 < F32_TILE_ROWS ? M - r0 : F32_TILE_ROWS) {
+                    case 6: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, 6); break;
+                    case 5: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, 5); break;
+                    case 4: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, 4); break;
+                    case 3: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, 3); break;
+                    case 2: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, 2); break;
+                    default: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, 1);
+                    }
+                }
+            }
         }
     }
 }
@@ -206,7 +270,9 @@ AVX2_TARGET INLINE void bf16_rows(const float *xf, int64_t ldx, const uint16_t *
                                   const int rows) {
     __m256 acc[2][4];
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    #pragma GCC unroll 8
     for (int r = 0; r < rows; r++)
+        #pragma GCC unroll 8
         for (int g = 0; g < 4; g++) acc[r][g] = _mm256_setzero_ps();
     for (int64_t kb = 0; kb < KB; kb++) {
         const uint16_t *wb = w + kb * 1024;
@@ -217,22 +283,28 @@ AVX2_TARGET INLINE void bf16_rows(const float *xf, int64_t ldx, const uint16_t *
                              _MM_HINT_T0);
             }
             __m256 xe[2], xo[2];
+            #pragma GCC unroll 8
             for (int r = 0; r < rows; r++) {
                 xe[r] = _mm256_broadcast_ss(xf + r * ldx + kb * 32 + 2 * p);
                 xo[r] = _mm256_broadcast_ss(xf + r * ldx + kb * 32 + 2 * p + 1);
             }
+            #pragma GCC unroll 8
             for (int g = 0; g < 4; g++) { /* columns 8g .. 8g + 7 */
                 const __m256i v = _mm256_loadu_si256(
                     (const __m256i *)(wb + (g >> 1) * 512 + p * 32 + (g & 1) * 16));
                 const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
                 const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+                #pragma GCC unroll 8
                 for (int r = 0; r < rows; r++)
                     acc[r][g] = _mm256_fmadd_ps(xo[r], wo, _mm256_fmadd_ps(xe[r], we, acc[r][g]));
             }
         }
     }
-    for (int g = 0; g < 4 && 8 * g < cols; g++) {
+    #pragma GCC unroll 8
+    for (int g = 0; g < 4; g++) {
+        if (8 * g >= cols) continue; /* a constant count keeps the sums in registers */
         const __m256 b = bias ? load8n(bias + 8 * g, cols - 8 * g, 0) : _mm256_setzero_ps();
+        #pragma GCC unroll 8
         for (int r = 0; r < rows; r++)
             store8n(y + r * ldy + 8 * g, _mm256_add_ps(acc[r][g], b), cols - 8 * g, 1);
     }
@@ -511,6 +583,7 @@ AVX2_TARGET INLINE void decode_qk(const float *qs, const char *kp, int64_t k_row
     for (int64_t t0 = 0; t0 < n; t0 += 8) {
         const int64_t cnt = n - t0 < 8 ? n - t0 : 8;
         const char *rows[8];
+        #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) rows[j] = kp + slots[t0 + (j < cnt ? j : 0)] * k_row;
         for (int64_t t = t0 + 8; t < t0 + 16 && t < n; t++) { /* the next block's rows */
             _mm_prefetch(kp + slots[t] * k_row, _MM_HINT_T0);
@@ -520,6 +593,7 @@ AVX2_TARGET INLINE void decode_qk(const float *qs, const char *kp, int64_t k_row
             const float *qh = qs + h * D;
             const int64_t off = (h / G) * D * es;
             __m256 acc[8];
+            #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) { /* a short last block repeats its first row */
                 const char *kr = rows[j] + off;
                 __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(kr, dtype));
@@ -539,19 +613,26 @@ AVX2_TARGET INLINE void decode_pv(const float *p, int64_t ld, int64_t n, const c
                                   const int gn, const int nv) {
     const int64_t es = dtype ? 2 : 4;
     __m256 acc[2][4];
+    #pragma GCC unroll 8
     for (int g = 0; g < gn; g++)
+        #pragma GCC unroll 8
         for (int i = 0; i < nv; i++) acc[g][i] = _mm256_setzero_ps();
     for (int64_t t = 0; t < n; t++) {
         const char *vr = vp + slots[t] * v_row + off;
         __m256 vv[4];
+        #pragma GCC unroll 8
         for (int i = 0; i < nv; i++) vv[i] = load8(vr + i * 8 * es, dtype);
+        #pragma GCC unroll 8
         for (int g = 0; g < gn; g++) {
             const __m256 w = _mm256_broadcast_ss(p + g * ld + t);
+            #pragma GCC unroll 8
             for (int i = 0; i < nv; i++) acc[g][i] = _mm256_fmadd_ps(w, vv[i], acc[g][i]);
         }
     }
+    #pragma GCC unroll 8
     for (int g = 0; g < gn; g++) {
         const __m256 f = _mm256_set1_ps(inv_sum[g]);
+        #pragma GCC unroll 8
         for (int i = 0; i < nv; i++)
             store8(out + (g * out_head + i * 8) * es, _mm256_mul_ps(acc[g][i], f), dtype);
     }
@@ -681,17 +762,24 @@ typedef struct {
 AVX2_TARGET INLINE void ext_qk(const float *const *k, int64_t D, const float *qt, float *st,
                                int b0, const int nx, const int nb) {
     __m256 acc[2][4];
+    #pragma GCC unroll 8
     for (int x = 0; x < nx; x++)
+        #pragma GCC unroll 8
         for (int b = 0; b < nb; b++) acc[x][b] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d++) {
         __m256 qv[4];
+        #pragma GCC unroll 8
         for (int b = 0; b < nb; b++) qv[b] = _mm256_load_ps(qt + d * EXT_ROWS + 8 * (b0 + b));
+        #pragma GCC unroll 8
         for (int x = 0; x < nx; x++) {
             const __m256 kv = _mm256_broadcast_ss(k[x] + d);
+            #pragma GCC unroll 8
             for (int b = 0; b < nb; b++) acc[x][b] = _mm256_fmadd_ps(kv, qv[b], acc[x][b]);
         }
     }
+    #pragma GCC unroll 8
     for (int x = 0; x < nx; x++)
+        #pragma GCC unroll 8
         for (int b = 0; b < nb; b++) _mm256_store_ps(st + x * EXT_ROWS + 8 * (b0 + b), acc[x][b]);
 }
 
@@ -699,18 +787,25 @@ AVX2_TARGET INLINE void ext_qk(const float *const *k, int64_t D, const float *qt
 AVX2_TARGET INLINE void ext_pv(const float *const *v, int64_t nk, const float *pt, float *ot,
                                int64_t c0, int b0, const int nc, const int nb) {
     __m256 acc[2][4];
+    #pragma GCC unroll 8
     for (int c = 0; c < nc; c++)
+        #pragma GCC unroll 8
         for (int b = 0; b < nb; b++)
             acc[c][b] = _mm256_load_ps(ot + (c0 + c) * EXT_ROWS + 8 * (b0 + b));
     for (int64_t x = 0; x < nk; x++) {
         __m256 pv[4];
+        #pragma GCC unroll 8
         for (int b = 0; b < nb; b++) pv[b] = _mm256_load_ps(pt + x * EXT_ROWS + 8 * (b0 + b));
+        #pragma GCC unroll 8
         for (int c = 0; c < nc; c++) {
             const __m256 vv = _mm256_broadcast_ss(v[x] + c0 + c);
+            #pragma GCC unroll 8
             for (int b = 0; b < nb; b++) acc[c][b] = _mm256_fmadd_ps(vv, pv[b], acc[c][b]);
         }
     }
+    #pragma GCC unroll 8
     for (int c = 0; c < nc; c++)
+        #pragma GCC unroll 8
         for (int b = 0; b < nb; b++)
             _mm256_store_ps(ot + (c0 + c) * EXT_ROWS + 8 * (b0 + b), acc[c][b]);
 }

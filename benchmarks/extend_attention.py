@@ -1,0 +1,85 @@
+"""One layer of prefill attention: ``sgl::extend_attention``'s kernel against torch's SDPA.
+
+The shape of SmolLM2-135M (9 query heads, 3 KV heads, 64 wide) over one prompt of ``--tokens``
+new tokens with no cached prefix, at the instruction-set level this process runs
+(``SGL_CPU_ISA`` caps it; cap torch's own kernels alike with ``ATEN_CPU_CAPABILITY`` and
+``ONEDNN_MAX_CPU_ISA`` to stand in for a smaller CPU). The kernel runs on 1 and 2 of its own
+threads, SDPA on one torch thread, as the scheduler runs them; median of ``--reps``, ms. This is
+the measurement behind ``CpuKernels.extend_attention_faster``.
+
+    .venv/bin/python benchmarks/extend_attention.py
+    SGL_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \\
+        .venv/bin/python benchmarks/extend_attention.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from sgl.kernels import cpu
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args()
+    kernels = cpu.load()
+    if kernels is None:
+        print(f"no kernel library at this level: {cpu.describe_isa()}", file=sys.stderr)
+        return 1
+    torch.set_num_threads(1)
+    n, hq, hk, d = args.tokens, args.heads, args.kv_heads, args.head_dim
+    print(f"level {cpu.describe_isa()}; {n} tokens, {hq} heads, {hk} KV heads of {d}")
+    print("dtype     kernel 1 thr  kernel 2 thr  SDPA 1 thr   (ms)")
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        q = torch.randn(n, hq * d).to(dtype)
+        k_pool, v_pool = torch.randn(n, hk, d).to(dtype), torch.randn(n, hk, d).to(dtype)
+        table = torch.arange(n).view(1, n)
+        zero, length = torch.zeros(1, dtype=torch.long), torch.tensor([n])
+
+        def kernel() -> torch.Tensor:
+            return torch.ops.sgl.extend_attention(q, k_pool, v_pool, table, zero, zero, zero,
+                                                  length, hq, hk, d, d ** -0.5, 0.0, 0)
+
+        qs = q.view(1, n, hq, d).transpose(1, 2)
+        ks, vs = k_pool.view(1, n, hk, d).transpose(1, 2), v_pool.view(1, n, hk, d).transpose(1, 2)
+
+        def sdpa() -> torch.Tensor:
+            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=d ** -0.5,
+                                                  enable_gqa=True)
+
+        expected = sdpa().transpose(1, 2).reshape(n, hq * d).float()
+        times = []
+        for threads in (1, 2):
+            cpu.set_threads(threads)
+            torch.testing.assert_close(kernel().float(), expected, rtol=0.02, atol=0.02)
+            times.append(_median_ms(kernel, args.reps))
+        cpu.set_threads(1)
+        times.append(_median_ms(sdpa, args.reps))
+        print(f"{str(dtype).split('.')[1]:9} " + "  ".join(f"{t:12.1f}" for t in times))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
