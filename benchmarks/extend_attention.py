@@ -2,14 +2,15 @@
 
 The shape of SmolLM2-135M (9 query heads, 3 KV heads, 64 wide) over one prompt of ``--tokens``
 new tokens with no cached prefix, at the instruction-set level this process runs
-(``SGL_CPU_ISA`` caps it; cap torch's own kernels alike with ``ATEN_CPU_CAPABILITY`` and
-``ONEDNN_MAX_CPU_ISA`` to stand in for a smaller CPU). The kernel runs on 1 and 2 of its own
+(``SGL_CPU_ISA`` caps it; cap torch alike with ``ATEN_CPU_CAPABILITY``,
+``MKL_ENABLE_INSTRUCTIONS`` and ``ONEDNN_MAX_CPU_ISA`` to stand in for a smaller CPU: SDPA's
+products are MKL's). The kernel runs on 1 and 2 of its own
 threads, SDPA on one torch thread, as the scheduler runs them; median of ``--reps``, ms. This is
 the measurement behind ``CpuKernels.extend_attention_faster``.
 
     .venv/bin/python benchmarks/extend_attention.py
-    SGL_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \\
-        .venv/bin/python benchmarks/extend_attention.py
+    SGL_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
+        ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python benchmarks/extend_attention.py
 """
 
 from __future__ import annotations

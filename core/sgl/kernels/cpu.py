@@ -166,7 +166,12 @@ class CpuKernels:
         Rapids, ms, kernel on 1 / 2 threads vs SDPA on 1): float32 19.8 / 11.6 vs 24.4;
         bfloat16 at ``amx`` 19.1 / 11.3 vs 10.5 (SDPA's bfloat16 runs on AMX tiles), at
         ``avx512_bf16`` 19.4 / 10.4 vs 14.3 (oneDNN capped likewise), at ``avx512`` 29.6 / 12.1
-        vs 19.0. The kernel computes in float32 at every level."""
+        vs 19.0; at ``avx2`` (torch capped alike: ``ATEN_CPU_CAPABILITY=avx2``,
+        ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX2``; two runs) float32
+        40-53 / 24-31 vs 32-36, bfloat16 46-53 / 23-30 vs 40-41
+        (``benchmarks/extend_attention.py``). The kernel computes in float32 at every level."""
+        if self.isa == "avx2":  # 8 lanes: ahead of SDPA only on two or more threads
+            return dtype in DTYPES and kernel_threads() >= 2
         if dtype == torch.float32:
             return True
         return dtype == torch.bfloat16 and not self.amx and kernel_threads() >= 2

@@ -16,6 +16,7 @@ import sys
 from setuptools import setup
 
 SOURCES_C = ["csrc/pool.c", "csrc/run_op.c", "csrc/kernels_avx512.c", "csrc/kernels_avx2.c"]
+HEADERS = ["csrc/cpu_kernels.h", "csrc/kernels.h", "csrc/jobs.h"]
 # -ffp-contract=off: a * b + c stays two roundings, as in torch; -fno-wrapv undoes the -fwrapv of
 # Python's own CFLAGS (defined signed overflow slows the loops down)
 C_FLAGS = ["-O2", "-fPIC", "-std=gnu11", "-fno-math-errno", "-ffp-contract=off", "-fno-wrapv"]
@@ -58,7 +59,7 @@ def _extensions() -> tuple[list, dict]:
 
     extension = CppExtension(
         "sgl_kernels_cpu._C", ["csrc/torch_ops.cpp"], include_dirs=["csrc"],
-        extra_compile_args=["-O2"], depends=[*SOURCES_C, "csrc/cpu_kernels.h", "csrc/kernels.h"])
+        extra_compile_args=["-O2"], depends=[*SOURCES_C, *HEADERS])
     return [extension], {"build_ext": Build.with_options(use_ninja=False)}
 
 

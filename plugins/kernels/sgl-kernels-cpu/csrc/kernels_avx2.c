@@ -9,6 +9,7 @@
  * bfloat16 has no arithmetic here: it is widened to fp32 on load (a 16-bit shift) and rounded
  * back on store.
  */
+#include "jobs.h"
 #include "kernels.h"
 
 #include <math.h>
@@ -196,12 +197,6 @@ AVX2_TARGET INLINE void f32_tile(const float *x, int64_t ldx, const float *w, fl
     }
 }
 
-typedef struct {
-    const float *x, *wp, *bias;
-    float *y;
-    int64_t ldx, ldy, M, N, K;
-} linear_f32_job;
-
 AVX2_TARGET static void linear_f32_panels(void *ctx, int64_t np_begin, int64_t np_end) {
     const linear_f32_job *j = ctx;
     const int64_t M = j->M, K = j->K, ldx = j->ldx, ldy = j->ldy;
@@ -242,11 +237,7 @@ AVX2_TARGET static void linear_f32_panels(void *ctx, int64_t np_begin, int64_t n
 AVX2_TARGET int sgl_linear_f32_avx2(const float *x, int64_t ldx, const float *wp, float *y,
                                     int64_t ldy, int64_t M, int64_t N, int64_t K,
                                     const float *bias) {
-    const int64_t NP = (N + 31) / 32;
-    linear_f32_job job = {x, wp, bias, y, ldx, ldy, M, N, K};
-    const int64_t chunk = NP / (4 * (int64_t)sgl_pool_threads());
-    sgl_parallel_for(linear_f32_panels, &job, NP, chunk < 1 ? 1 : chunk);
-    return 0;
+    return run_linear_f32(linear_f32_panels, x, ldx, wp, y, ldy, M, N, K, bias);
 }
 
 /* -- bfloat16 linear --------------------------------------------------------------------------
@@ -337,22 +328,12 @@ AVX2_TARGET int sgl_linear_bf16_avx2(const uint16_t *x, int64_t ldx, const uint1
         for (int64_t k = 0; k < Kp; k += 8)
             _mm256_storeu_ps(xf + r * Kp + k, load8n(x + r * ldx + k, K - k, 1));
     linear_bf16_job job = {xf, wp, y, Kp, ldy, M, N, K, bias};
-    const int64_t chunk = NP / (4 * (int64_t)sgl_pool_threads());
-    sgl_parallel_for(linear_bf16_panels, &job, NP, chunk < 1 ? 1 : chunk);
+    sgl_parallel_for(linear_bf16_panels, &job, NP, chunk_of(NP));
     return 0;
 }
 
 /* -- RMSNorm, SiLU x up, rotary ----------------------------------------------------------------
  * The arguments and rounding of kernels_avx512.c's sgl_rmsnorm, sgl_silu_mul and sgl_rotary. */
-
-typedef struct {
-    const void *x, *residual, *weight;
-    void *res_out, *out;
-    int64_t x_stride, r_stride, ro_stride, o_stride, H, heads;
-    float eps;
-    int dtype;
-    atomic_int failed;
-} rmsnorm_job;
 
 AVX2_TARGET static void rmsnorm_rows(void *ctx, int64_t t0, int64_t t1) {
     rmsnorm_job *j = ctx;
@@ -393,19 +374,9 @@ AVX2_TARGET int sgl_rmsnorm_avx2(const void *x, int64_t x_stride, const void *re
                                  int64_t r_stride, void *res_out, int64_t ro_stride,
                                  const void *weight, void *out, int64_t o_stride, int64_t T,
                                  int64_t H, int64_t heads, float eps, int dtype) {
-    if (heads < 1 || (heads > 1 && residual)) return -1;
-    rmsnorm_job job = {x, residual, weight, res_out, out, x_stride, r_stride, ro_stride, o_stride,
-                       H, heads, eps, dtype, 0};
-    sgl_parallel_for(rmsnorm_rows, &job, T, sgl_row_chunk(T));
-    return atomic_load(&job.failed) ? -2 : 0;
+    return run_rmsnorm(rmsnorm_rows, x, x_stride, residual, r_stride, res_out, ro_stride, weight,
+                       out, o_stride, T, H, heads, eps, dtype);
 }
-
-typedef struct {
-    const void *x;
-    void *out;
-    int64_t x_stride, o_stride, d;
-    int dtype;
-} silu_mul_job;
 
 AVX2_TARGET static void silu_mul_rows(void *ctx, int64_t t0, int64_t t1) {
     const silu_mul_job *j = ctx;
@@ -427,18 +398,8 @@ AVX2_TARGET static void silu_mul_rows(void *ctx, int64_t t0, int64_t t1) {
 
 AVX2_TARGET int sgl_silu_mul_avx2(const void *x, int64_t x_stride, void *out, int64_t o_stride,
                                   int64_t T, int64_t d, int dtype) {
-    silu_mul_job job = {x, out, x_stride, o_stride, d, dtype};
-    sgl_parallel_for(silu_mul_rows, &job, T, sgl_row_chunk(T));
-    return 0;
+    return run_silu_mul(silu_mul_rows, x, x_stride, out, o_stride, T, d, dtype);
 }
-
-typedef struct {
-    const void *x, *cs;
-    const int64_t *pos;
-    void *out;
-    int64_t x_stride, cs_stride, H, D, rot;
-    int dtype;
-} rotary_job;
 
 static inline float value_at(const char *p, int64_t i, int dtype) {
     if (!dtype) return ((const float *)p)[i];
@@ -489,13 +450,8 @@ AVX2_TARGET static void rotary_rows(void *ctx, int64_t t0, int64_t t1) {
 AVX2_TARGET int sgl_rotary_avx2(const void *x, int64_t x_stride, const void *cs,
                                 int64_t cs_stride, const int64_t *pos, int64_t cs_rows, void *out,
                                 int64_t T, int64_t H, int64_t D, int64_t rot, int dtype) {
-    if (rot % 2 || rot > D) return -1;
-    if (pos)
-        for (int64_t t = 0; t < T; t++)
-            if (pos[t] < 0 || pos[t] >= cs_rows) return -2;
-    rotary_job job = {x, cs, pos, out, x_stride, cs_stride, H, D, rot, dtype};
-    sgl_parallel_for(rotary_rows, &job, T, sgl_row_chunk(T));
-    return 0;
+    return run_rotary(rotary_rows, x, x_stride, cs, cs_stride, pos, cs_rows, out, T, H, D, rot,
+                      dtype);
 }
 
 /* -- argmax ------------------------------------------------------------------------------------
@@ -557,22 +513,6 @@ AVX2_TARGET int sgl_argmax_f32_avx2(const float *x, int64_t stride, int64_t B, i
  * summed across in one transpose), a softmax per head, then the weighted sum of V for two query
  * heads of a KV head at a time over up to 32 columns (8 sums, 4 V vectors in registers). The
  * sequences are shared out over the pool's threads. */
-
-#define MAX_HEADS 256
-
-typedef struct {
-    const void *q;
-    int64_t q_stride_t, q_stride_h;
-    char *kp, *vp;
-    int64_t k_row, v_row;
-    const int64_t *table, *rows, *lens;
-    int64_t table_stride;
-    void *out;
-    int64_t out_stride_t, B, Hq, Hk, D, Dv, window, max_len, es;
-    float scale, softcap;
-    int dtype;
-    atomic_int failed;
-} attention_job;
 
 /* scores[h * ld + t] for t < n: q_h . k[slots[t]] (q already scaled, fp32 [Hq][D]) */
 AVX2_TARGET INLINE void decode_qk(const float *qs, const char *kp, int64_t k_row,
@@ -645,10 +585,10 @@ AVX2_TARGET INLINE void decode_pv(const float *p, int64_t ld, int64_t n, const c
 AVX2_TARGET INLINE void decode_seq(attention_job *j, int64_t b, float *qs, float *scores,
                                    const int dtype) {
     const int64_t Hq = j->Hq, Hk = j->Hk, G = Hq / Hk, D = j->D, Dv = j->Dv, es = dtype ? 2 : 4;
-    const int64_t len = j->lens[b];
-    const int64_t start = j->window > 0 && len > j->window ? len - j->window : 0;
+    int64_t n;
+    const int64_t start = decode_window_start(j, b, &n);
     const int64_t *slots = j->table + j->rows[b] * j->table_stride + start;
-    const int64_t n = len - start, ld = (n + 7) & ~(int64_t)7;
+    const int64_t ld = (n + 7) & ~(int64_t)7;
     float inv_sum[MAX_HEADS];
     const char *qb = (const char *)j->q + b * j->q_stride_t * es;
     char *ob = (char *)j->out + b * j->out_stride_t * es;
@@ -712,25 +652,10 @@ AVX2_TARGET int sgl_decode_attention_avx2(
     int64_t table_stride, const int64_t *rows, const int64_t *lens, const int64_t *loc, void *out,
     int64_t out_stride_t, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, float scale,
     float softcap, int64_t window, int dtype, int bf16_dot) {
-    (void)bf16_dot;
-    const int64_t G = Hk >= 1 ? Hq / Hk : 0, es = dtype ? 2 : 4;
-    if (D % 16 || Dv % 16 || D < 16 || Dv < 16 || D > 256 || Dv > 256 || Hk < 1 || Hq > MAX_HEADS
-        || G * Hk != Hq) return -1;
-    char *kp = (char *)k_pool, *vp = (char *)v_pool;
-    const int64_t k_row = Hk * D * es, v_row = Hk * Dv * es;
-    int64_t max_len = 0;
-    for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
-    if (k_new)
-        for (int64_t b = 0; b < B; b++) {
-            memcpy(kp + loc[b] * k_row, (const char *)k_new + b * k_new_stride * es, (size_t)k_row);
-            memcpy(vp + loc[b] * v_row, (const char *)v_new + b * v_new_stride * es, (size_t)v_row);
-        }
-    attention_job job = {q, q_stride_t, q_stride_h, kp, vp, k_row, v_row, table, rows, lens,
-                         table_stride, out, out_stride_t, B, Hq, Hk, D, Dv, window, max_len, es,
-                         scale, softcap, dtype, 0};
-    const int64_t chunk = B / (4 * (int64_t)sgl_pool_threads());
-    sgl_parallel_for(decode_attention_range, &job, B, chunk < 1 ? 1 : chunk);
-    return atomic_load(&job.failed) ? -2 : 0;
+    return run_decode_attention(decode_attention_range, q, q_stride_t, q_stride_h, k_new,
+                                k_new_stride, v_new, v_new_stride, k_pool, v_pool, table,
+                                table_stride, rows, lens, loc, out, out_stride_t, B, Hq, Hk, D,
+                                Dv, scale, softcap, window, dtype, bf16_dot);
 }
 
 /* -- paged extend (prefill) attention ---------------------------------------------------------
@@ -740,23 +665,6 @@ AVX2_TARGET int sgl_decode_attention_avx2(
  * blocks of 64 with an online softmax. Here a row vector is 8 rows, and the score and output
  * steps take up to 4 of them at a time against 2 keys or 2 output columns (8 sums, 4 row vectors
  * and one broadcast: 13 registers). */
-
-#define EXT_KB 64   /* keys per block */
-#define EXT_ROWS 64 /* query rows per item, at most (eight vectors of 8) */
-
-typedef struct {
-    const char *q;
-    int64_t q_stride;
-    const char *kp, *vp;
-    int64_t k_row, v_row;
-    const int64_t *table, *rows, *q_starts, *prefix_lens, *extend_lens, *first_item;
-    int64_t table_stride, B;
-    char *out;
-    int64_t out_stride, Hq, Hk, D, Dv, window, QT, es;
-    float scale, softcap;
-    int dtype;
-    atomic_int failed;
-} extend_job;
 
 /* st[x][8 (b0 + b) ..] = sum_d k_x[d] qt[d][8 (b0 + b) ..] for keys x < nx (<= 2), b < nb (<= 4) */
 AVX2_TARGET INLINE void ext_qk(const float *const *k, int64_t D, const float *qt, float *st,
@@ -872,51 +780,23 @@ AVX2_TARGET INLINE void ext_softmax(const extend_job *j, float *st, float *ot, f
 
 AVX2_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t i1) {
     extend_job *j = ctx;
-    const int64_t D = j->D, Dv = j->Dv, G = j->Hq / j->Hk, QT = j->QT, es = j->es;
-    /* per thread: qt [D][64], st [KB][64], ot [Dv][64], kf [KB][D], vf [KB][Dv] (bfloat16
-     * keys/values widened), m, l, pos [64] */
-    float *buf = scratch_f32((D + EXT_KB + Dv) * EXT_ROWS + EXT_KB * (D + Dv) + 3 * EXT_ROWS);
-    if (!buf) {
+    const int64_t D = j->D, Dv = j->Dv, es = j->es;
+    extend_buffers buf; /* per thread */
+    if (extend_buffers_get(j, &buf)) {
         atomic_store(&j->failed, 1);
         return;
     }
-    float *qt = buf, *st = qt + D * EXT_ROWS, *ot = st + EXT_KB * EXT_ROWS;
-    float *kf = ot + Dv * EXT_ROWS, *vf = kf + EXT_KB * D, *mrow = vf + EXT_KB * Dv;
-    float *lrow = mrow + EXT_ROWS;
-    int32_t *pos = (int32_t *)(lrow + EXT_ROWS);
+    float *qt = buf.qt, *st = buf.st, *ot = buf.ot, *kf = buf.kf, *vf = buf.vf;
+    float *mrow = buf.mrow, *lrow = buf.lrow;
+    const int32_t *pos = buf.pos;
     const float *kx[EXT_KB], *vx[EXT_KB];
     for (int64_t item = i0; item < i1; item++) {
-        /* the item's sequence: first_item[b] <= item / Hk < first_item[b + 1] */
-        const int64_t tile_item = item / j->Hk, hk = item % j->Hk;
-        int64_t b = 0;
-        while (j->first_item[b + 1] <= tile_item) b++;
-        const int64_t prefix = j->prefix_lens[b], L = j->extend_lens[b];
-        const int64_t t0 = (tile_item - j->first_item[b]) * QT;
-        const int64_t nt = L - t0 < QT ? L - t0 : QT; /* tokens of this tile */
-        const int64_t *slots = j->table + j->rows[b] * j->table_stride;
-        const int64_t rows = G * nt; /* row g * nt + i: query head hk * G + g, token t0 + i */
+        const extend_item it = extend_locate(j, item);
+        const int64_t hk = it.hk, rows = it.rows, p_last = it.p_last, *slots = it.slots;
         const int nbv = (int)((rows + 7) / 8);
-        memset(qt, 0, (size_t)(D * EXT_ROWS) * sizeof(float));
-        for (int64_t r = 0; r < EXT_ROWS; r++) {
-            pos[r] = r < rows ? (int32_t)(prefix + t0 + r % nt) : -1; /* -1: a padding row */
-            mrow[r] = -INFINITY;
-            lrow[r] = 0.0f;
-        }
-        for (int64_t r = 0; r < rows; r++) {
-            const char *qr = j->q + ((j->q_starts[b] + t0 + r % nt) * j->q_stride
-                                     + (hk * G + r / nt) * D) * es;
-            float tmp[8];
-            for (int64_t d = 0; d < D; d += 8) {
-                _mm256_storeu_ps(tmp, _mm256_mul_ps(load8(qr + d * es, j->dtype),
-                                                    _mm256_set1_ps(j->scale)));
-                for (int e = 0; e < 8; e++) qt[(d + e) * EXT_ROWS + r] = tmp[e];
-            }
-        }
-        memset(ot, 0, (size_t)(Dv * EXT_ROWS) * sizeof(float));
-        const int64_t p_first = prefix + t0, p_last = prefix + t0 + nt - 1;
-        const int64_t k_begin = j->window > 0 && p_first - j->window + 1 > 0
-                                    ? p_first - j->window + 1 : 0;
-        for (int64_t k0 = k_begin; k0 <= p_last; k0 += EXT_KB) {
+        extend_item_reset(j, &it, &buf);
+        extend_load_queries(j, &it, qt);
+        for (int64_t k0 = it.k_begin; k0 <= p_last; k0 += EXT_KB) {
             const int64_t nk = p_last + 1 - k0 < EXT_KB ? p_last + 1 - k0 : EXT_KB;
             for (int64_t x = 0; x < nk; x++) {
                 const char *kr = j->kp + slots[k0 + x] * j->k_row + hk * D * es;
@@ -953,8 +833,7 @@ AVX2_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t i1
         }
         for (int64_t r = 0; r < rows; r++) {
             const float inv = lrow[r] > 0 ? 1.0f / lrow[r] : 0.0f;
-            char *dst = j->out + ((j->q_starts[b] + t0 + r % nt) * j->out_stride
-                                  + (hk * G + r / nt) * Dv) * es;
+            char *dst = extend_out_row(j, &it, r);
             float tmp[8];
             for (int64_t c = 0; c < Dv; c += 8) {
                 for (int e = 0; e < 8; e++) tmp[e] = ot[(c + e) * EXT_ROWS + r];
@@ -972,21 +851,9 @@ AVX2_TARGET int sgl_extend_attention_avx2(
     int64_t table_stride, const int64_t *rows, const int64_t *q_starts, const int64_t *prefix_lens,
     const int64_t *extend_lens, int64_t B, void *out, int64_t out_stride, int64_t Hq, int64_t Hk,
     int64_t D, int64_t Dv, float scale, float softcap, int64_t window, int dtype) {
-    if (D % 16 || Dv % 16 || D < 16 || Dv < 16 || D > 256 || Dv > 256 || Hk < 1 || Hq % Hk
-        || Hq / Hk > EXT_ROWS || B < 0) return -1;
-    const int64_t G = Hq / Hk, es = dtype ? 2 : 4;
-    int64_t *first_item = malloc((size_t)(B + 1) * sizeof(int64_t));
-    if (!first_item) return -2;
-    const int64_t QT = EXT_ROWS / G;
-    first_item[0] = 0;
-    for (int64_t b = 0; b < B; b++)
-        first_item[b + 1] = first_item[b] + (extend_lens[b] + QT - 1) / QT;
-    extend_job job = {q, q_stride, k_pool, v_pool, Hk * D * es, Hk * Dv * es, table, rows,
-                      q_starts, prefix_lens, extend_lens, first_item, table_stride, B, out,
-                      out_stride, Hq, Hk, D, Dv, window, QT, es, scale, softcap, dtype, 0};
-    sgl_parallel_for(extend_attention_items, &job, first_item[B] * Hk, 1);
-    free(first_item);
-    return atomic_load(&job.failed) ? -2 : 0;
+    return run_extend_attention(extend_attention_items, q, q_stride, k_pool, v_pool, table,
+                                table_stride, rows, q_starts, prefix_lens, extend_lens, B, out,
+                                out_stride, Hq, Hk, D, Dv, scale, softcap, window, dtype);
 }
 
 #endif

@@ -9,6 +9,7 @@
  * operators only call what the CPU supports (the level set by sgl_cpu::set_level).
  * kernels_avx2.c holds the same kernels for CPUs with AVX2 and FMA only.
  */
+#include "jobs.h"
 #include "kernels.h"
 
 #include <math.h>
@@ -163,8 +164,7 @@ AMX_TARGET int sgl_linear_bf16_amx(const uint16_t *x, int64_t ldx, const uint16_
     }
     linear_job job = {a, wp, y, lda, ldy, M, N, K, bias, NULL};
     /* a few claims per thread, so that a thread the OS delays costs little */
-    int64_t chunk = NP / (4 * (int64_t)sgl_pool_threads());
-    sgl_parallel_for(linear_bf16_amx_range, &job, NP, chunk < 1 ? 1 : chunk);
+    sgl_parallel_for(linear_bf16_amx_range, &job, NP, chunk_of(NP));
     return 0;
 }
 
@@ -198,12 +198,6 @@ AVX512_TARGET static inline __attribute__((always_inline)) void f32_tile(
     }
 }
 
-typedef struct {
-    const float *x, *wp, *bias;
-    float *y;
-    int64_t ldx, ldy, M, N, K;
-} linear_f32_job;
-
 /* Column panels [np_begin, np_end) of the product. */
 AVX512_TARGET static void linear_f32_panels(void *ctx, int64_t np_begin, int64_t np_end) {
     const linear_f32_job *j = ctx;
@@ -235,11 +229,7 @@ AVX512_TARGET static void linear_f32_panels(void *ctx, int64_t np_begin, int64_t
 /* The column panels are shared out over the kernel threads, as in sgl_linear_bf16_amx. */
 AVX512_TARGET int sgl_linear_f32(const float *x, int64_t ldx, const float *wp, float *y,
                                  int64_t ldy, int64_t M, int64_t N, int64_t K, const float *bias) {
-    const int64_t NP = (N + 31) / 32;
-    linear_f32_job job = {x, wp, bias, y, ldx, ldy, M, N, K};
-    const int64_t chunk = NP / (4 * (int64_t)sgl_pool_threads());
-    sgl_parallel_for(linear_f32_panels, &job, NP, chunk < 1 ? 1 : chunk);
-    return 0;
+    return run_linear_f32(linear_f32_panels, x, ldx, wp, y, ldy, M, N, K, bias);
 }
 
 /* -- paged decode attention ------------------------------------------------------------------
@@ -479,8 +469,6 @@ AVX512_TARGET static inline __attribute__((always_inline)) void pv_all(
     }
 }
 
-#define MAX_HEADS 256
-
 AVX512_TARGET static inline __attribute__((always_inline)) void attend_seq(
     const char *q, int64_t q_head, const char *kp, const char *vp, int64_t k_row, int64_t v_row,
     const int64_t *slots, int64_t n, char *out, float *scores, int64_t Hq, int64_t Hk, int64_t D,
@@ -511,20 +499,6 @@ AVX512_TARGET static inline __attribute__((always_inline)) void attend_seq(
     }
 }
 
-typedef struct {
-    const void *q;
-    int64_t q_stride_t, q_stride_h;
-    char *kp, *vp;
-    int64_t k_row, v_row;
-    const int64_t *table, *rows, *lens;
-    int64_t table_stride;
-    void *out;
-    int64_t out_stride_t, B, Hq, Hk, D, Dv, window, max_len, es;
-    float scale, softcap;
-    int dtype, bf16_dot;
-    atomic_int failed;
-} attention_job;
-
 /* Sequences [b0, b1) of a decode attention batch. */
 AVX512_TARGET static void decode_attention_range(void *ctx, int64_t b0, int64_t b1) {
     attention_job *j = ctx;
@@ -534,56 +508,37 @@ AVX512_TARGET static void decode_attention_range(void *ctx, int64_t b0, int64_t 
         return;
     }
     for (int64_t b = b0; b < b1; b++) {
-        const int64_t len = j->lens[b];
-        const int64_t start = j->window > 0 && len > j->window ? len - j->window : 0;
+        int64_t n;
+        const int64_t start = decode_window_start(j, b, &n);
         const int64_t *slots = j->table + j->rows[b] * j->table_stride + start;
-        kv_prefetch pf = {j->kp, j->vp, j->k_row, j->v_row, slots, NULL, len - start, 0};
+        kv_prefetch pf = {j->kp, j->vp, j->k_row, j->v_row, slots, NULL, n, 0};
         if (b + 1 < j->B) {
-            const int64_t next_len = j->lens[b + 1];
-            const int64_t next_start =
-                j->window > 0 && next_len > j->window ? next_len - j->window : 0;
+            const int64_t next_start = decode_window_start(j, b + 1, &pf.next_n);
             pf.next_slots = j->table + j->rows[b + 1] * j->table_stride + next_start;
-            pf.next_n = next_len - next_start;
         }
         const char *qb = (const char *)j->q + b * j->q_stride_t * j->es;
         char *ob = (char *)j->out + b * j->out_stride_t * j->es;
         if (j->dtype) /* constant dtypes: the loads compile without a branch */
-            attend_seq(qb, j->q_stride_h, j->kp, j->vp, j->k_row, j->v_row, slots, len - start,
+            attend_seq(qb, j->q_stride_h, j->kp, j->vp, j->k_row, j->v_row, slots, n,
                        ob, scores, j->Hq, j->Hk, j->D, j->Dv, j->scale, j->softcap, 1, 2,
                        j->bf16_dot && j->D % 32 == 0, &pf);
         else
-            attend_seq(qb, j->q_stride_h, j->kp, j->vp, j->k_row, j->v_row, slots, len - start,
+            attend_seq(qb, j->q_stride_h, j->kp, j->vp, j->k_row, j->v_row, slots, n,
                        ob, scores, j->Hq, j->Hk, j->D, j->Dv, j->scale, j->softcap, 0, 4, 0, &pf);
     }
 }
 
 /* The batch's sequences are shared out over the kernel threads (see parallel_for). */
 AVX512_TARGET int sgl_decode_attention(
-    const void *q, int64_t q_stride_t, int64_t q_stride_h,
-    const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride,
-    void *k_pool, void *v_pool, const int64_t *table, int64_t table_stride,
-    const int64_t *rows, const int64_t *lens, const int64_t *loc,
-    void *out, int64_t out_stride_t,
-    int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t Dv,
-    float scale, float softcap, int64_t window, int dtype, int bf16_dot) {
-    const int64_t G = Hq / Hk, es = dtype ? 2 : 4;
-    if (D % 16 || Dv % 16 || D < 16 || Dv < 16 || D > 256 || Dv > 256 || Hk < 1 || Hq > MAX_HEADS
-        || G * Hk != Hq) return -1;
-    char *kp = (char *)k_pool, *vp = (char *)v_pool;
-    const int64_t k_row = Hk * D * es, v_row = Hk * Dv * es;
-    int64_t max_len = 0;
-    for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
-    if (k_new)
-        for (int64_t b = 0; b < B; b++) {
-            memcpy(kp + loc[b] * k_row, (const char *)k_new + b * k_new_stride * es, (size_t)k_row);
-            memcpy(vp + loc[b] * v_row, (const char *)v_new + b * v_new_stride * es, (size_t)v_row);
-        }
-    attention_job job = {q, q_stride_t, q_stride_h, kp, vp, k_row, v_row, table, rows, lens,
-                         table_stride, out, out_stride_t, B, Hq, Hk, D, Dv, window, max_len, es,
-                         scale, softcap, dtype, bf16_dot, 0};
-    const int64_t chunk = B / (4 * (int64_t)sgl_pool_threads());
-    sgl_parallel_for(decode_attention_range, &job, B, chunk < 1 ? 1 : chunk);
-    return atomic_load(&job.failed) ? -2 : 0;
+    const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_new, int64_t k_new_stride,
+    const void *v_new, int64_t v_new_stride, void *k_pool, void *v_pool, const int64_t *table,
+    int64_t table_stride, const int64_t *rows, const int64_t *lens, const int64_t *loc, void *out,
+    int64_t out_stride_t, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, float scale,
+    float softcap, int64_t window, int dtype, int bf16_dot) {
+    return run_decode_attention(decode_attention_range, q, q_stride_t, q_stride_h, k_new,
+                                k_new_stride, v_new, v_new_stride, k_pool, v_pool, table,
+                                table_stride, rows, lens, loc, out, out_stride_t, B, Hq, Hk, D,
+                                Dv, scale, softcap, window, dtype, bf16_dot);
 }
 
 /* -- elementwise ---------------------------------------------------------------------------
@@ -619,15 +574,6 @@ AVX512_TARGET static inline void store16m(void *p, __m512 v, int dtype, __mmask1
    Row t of the T rows of H values is x + (t / heads) * x_stride + (t % heads) * H: with
    heads > 1 (no residual then) each of `heads` consecutive H-wide parts of an x row is normed on
    its own (per-head q/k norms); out rows are o_stride apart. -1: bad heads. */
-typedef struct {
-    const void *x, *residual, *weight;
-    void *res_out, *out;
-    int64_t x_stride, r_stride, ro_stride, o_stride, H, heads;
-    float eps;
-    int dtype;
-    atomic_int failed;
-} rmsnorm_job;
-
 AVX512_TARGET static void rmsnorm_rows(void *ctx, int64_t t0, int64_t t1) {
     rmsnorm_job *j = ctx;
     const void *x = j->x, *residual = j->residual, *weight = j->weight;
@@ -676,11 +622,8 @@ AVX512_TARGET int sgl_rmsnorm(const void *x, int64_t x_stride, const void *resid
                               int64_t r_stride, void *res_out, int64_t ro_stride,
                               const void *weight, void *out, int64_t o_stride, int64_t T,
                               int64_t H, int64_t heads, float eps, int dtype) {
-    if (heads < 1 || (heads > 1 && residual)) return -1;
-    rmsnorm_job job = {x, residual, weight, res_out, out, x_stride, r_stride, ro_stride, o_stride,
-                       H, heads, eps, dtype, 0};
-    sgl_parallel_for(rmsnorm_rows, &job, T, sgl_row_chunk(T));
-    return atomic_load(&job.failed) ? -2 : 0;
+    return run_rmsnorm(rmsnorm_rows, x, x_stride, residual, r_stride, res_out, ro_stride, weight,
+                       out, o_stride, T, H, heads, eps, dtype);
 }
 
 /* exp over the whole float range (overflow to inf, underflow to 0) */
@@ -692,13 +635,6 @@ AVX512_TARGET static inline __m512 exp_any(__m512 x) {
 }
 
 /* out[t, :d] = round(silu(x[t, :d])) * x[t, d:2d] (gelu-free SwiGLU); x rows of 2d. */
-typedef struct {
-    const void *x;
-    void *out;
-    int64_t x_stride, o_stride, d;
-    int dtype;
-} silu_mul_job;
-
 AVX512_TARGET static void silu_mul_rows(void *ctx, int64_t t0, int64_t t1) {
     const silu_mul_job *j = ctx;
     const void *x = j->x;
@@ -723,9 +659,7 @@ AVX512_TARGET static void silu_mul_rows(void *ctx, int64_t t0, int64_t t1) {
 
 AVX512_TARGET int sgl_silu_mul(const void *x, int64_t x_stride, void *out, int64_t o_stride,
                                int64_t T, int64_t d, int dtype) {
-    silu_mul_job job = {x, out, x_stride, o_stride, d, dtype};
-    sgl_parallel_for(silu_mul_rows, &job, T, sgl_row_chunk(T));
-    return 0;
+    return run_silu_mul(silu_mul_rows, x, x_stride, out, o_stride, T, d, dtype);
 }
 
 /* Rotate-half rotary on the first `rot` features of each of H heads of x [T, H, D] (row stride
@@ -733,14 +667,6 @@ AVX512_TARGET int sgl_silu_mul(const void *x, int64_t x_stride, void *out, int64
    c = cos | cos and s = -sin | sin given as rows of `rot` values in the dtype (cs rows: c then
    s, 2 * rot values, row stride cs_stride): token t uses row pos[t] of the cs_rows rows, or row t
    when pos is NULL. Features past `rot` are copied. -1: bad rot; -2: a position outside cs. */
-typedef struct {
-    const void *x, *cs;
-    const int64_t *pos;
-    void *out;
-    int64_t x_stride, cs_stride, H, D, rot;
-    int dtype;
-} rotary_job;
-
 AVX512_TARGET static void rotary_rows(void *ctx, int64_t t0, int64_t t1) {
     const rotary_job *j = ctx;
     const void *x = j->x, *cs = j->cs;
@@ -782,13 +708,8 @@ AVX512_TARGET static void rotary_rows(void *ctx, int64_t t0, int64_t t1) {
 AVX512_TARGET int sgl_rotary(const void *x, int64_t x_stride, const void *cs, int64_t cs_stride,
                              const int64_t *pos, int64_t cs_rows, void *out, int64_t T, int64_t H,
                              int64_t D, int64_t rot, int dtype) {
-    if (rot % 2 || rot > D) return -1;
-    if (pos)
-        for (int64_t t = 0; t < T; t++)
-            if (pos[t] < 0 || pos[t] >= cs_rows) return -2;
-    rotary_job job = {x, cs, pos, out, x_stride, cs_stride, H, D, rot, dtype};
-    sgl_parallel_for(rotary_rows, &job, T, sgl_row_chunk(T));
-    return 0;
+    return run_rotary(rotary_rows, x, x_stride, cs, cs_stride, pos, cs_rows, out, T, H, D, rot,
+                      dtype);
 }
 
 /* out[b] = the first index of the maximum of row b of x [B, V] (float32; NaN counts as the
@@ -1022,8 +943,7 @@ AVX512_TARGET int sgl_linear_bf16_avx512(const uint16_t *x, int64_t ldx, const u
                                          uint16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                                          const float *bias, int dp) {
     const int64_t NP = (N + 31) / 32;
-    int64_t chunk = NP / (4 * (int64_t)sgl_pool_threads());
-    chunk = chunk < 1 ? 1 : chunk;
+    const int64_t chunk = chunk_of(NP);
     if (dp) {
         int64_t lda;
         const uint16_t *a = padded_k(x, ldx, M, K, &lda);
@@ -1053,23 +973,6 @@ AVX512_TARGET int sgl_linear_bf16_avx512(const uint16_t *x, int64_t ldx, const u
  * ot [Dv][64], so the score, softmax and output steps are all vertical vector operations (no
  * horizontal sums, no scalar loops per key) and each key or value element is one broadcast
  * operand of 1-4 FMAs over 16-64 rows. Items are shared out over the kernel threads. */
-
-#define EXT_KB 64   /* keys per block */
-#define EXT_ROWS 64 /* query rows per item, at most (four vectors of 16) */
-
-typedef struct {
-    const char *q;
-    int64_t q_stride;
-    const char *kp, *vp;
-    int64_t k_row, v_row;
-    const int64_t *table, *rows, *q_starts, *prefix_lens, *extend_lens, *first_item;
-    int64_t table_stride, B;
-    char *out;
-    int64_t out_stride, Hq, Hk, D, Dv, window, QT, es;
-    float scale, softcap;
-    int dtype;
-    atomic_int failed;
-} extend_job;
 
 /* st[x][16 rb ..] = sum_d k_x[d] qt[d][16 rb ..] for keys x0 .. x0 + nx (nx <= 4) and rb < nb
  * (<= 4) row vectors: nx * nb accumulators, one broadcast key element per nb FMAs */
@@ -1133,51 +1036,23 @@ AVX512_TARGET static inline __attribute__((always_inline)) void ext_pv(
 
 AVX512_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t i1) {
     extend_job *j = ctx;
-    const int64_t D = j->D, Dv = j->Dv, G = j->Hq / j->Hk, QT = j->QT, es = j->es;
-    /* per thread: qt [D][64], st [KB][64], ot [Dv][64], kf [KB][D], vf [KB][Dv] (bfloat16
-     * keys/values widened), m, l, pos [64] */
-    float *buf = scratch_f32((D + EXT_KB + Dv) * EXT_ROWS + EXT_KB * (D + Dv) + 3 * EXT_ROWS);
-    if (!buf) {
+    const int64_t D = j->D, Dv = j->Dv, es = j->es;
+    extend_buffers buf; /* per thread */
+    if (extend_buffers_get(j, &buf)) {
         atomic_store(&j->failed, 1);
         return;
     }
-    float *qt = buf, *st = qt + D * EXT_ROWS, *ot = st + EXT_KB * EXT_ROWS;
-    float *kf = ot + Dv * EXT_ROWS, *vf = kf + EXT_KB * D, *mrow = vf + EXT_KB * Dv;
-    float *lrow = mrow + EXT_ROWS;
-    int32_t *pos = (int32_t *)(lrow + EXT_ROWS);
+    float *qt = buf.qt, *st = buf.st, *ot = buf.ot, *kf = buf.kf, *vf = buf.vf;
+    float *mrow = buf.mrow, *lrow = buf.lrow;
+    const int32_t *pos = buf.pos;
     const float *kx[EXT_KB], *vx[EXT_KB];
     for (int64_t item = i0; item < i1; item++) {
-        /* the item's sequence: first_item[b] <= item / Hk < first_item[b + 1] */
-        const int64_t tile_item = item / j->Hk, hk = item % j->Hk;
-        int64_t b = 0;
-        while (j->first_item[b + 1] <= tile_item) b++;
-        const int64_t prefix = j->prefix_lens[b], L = j->extend_lens[b];
-        const int64_t t0 = (tile_item - j->first_item[b]) * QT;
-        const int64_t nt = L - t0 < QT ? L - t0 : QT; /* tokens of this tile */
-        const int64_t *slots = j->table + j->rows[b] * j->table_stride;
-        const int64_t rows = G * nt; /* row g * nt + i: query head hk * G + g, token t0 + i */
+        const extend_item it = extend_locate(j, item);
+        const int64_t hk = it.hk, rows = it.rows, p_last = it.p_last, *slots = it.slots;
         const int nb = (int)((rows + 15) / 16);
-        memset(qt, 0, (size_t)(D * EXT_ROWS) * sizeof(float));
-        for (int64_t r = 0; r < EXT_ROWS; r++) {
-            pos[r] = r < rows ? (int32_t)(prefix + t0 + r % nt) : -1; /* -1: a padding row */
-            mrow[r] = -INFINITY;
-            lrow[r] = 0.0f;
-        }
-        for (int64_t r = 0; r < rows; r++) {
-            const char *qr = j->q + ((j->q_starts[b] + t0 + r % nt) * j->q_stride
-                                     + (hk * G + r / nt) * D) * es;
-            float tmp[16];
-            for (int64_t d = 0; d < D; d += 16) {
-                _mm512_storeu_ps(tmp, _mm512_mul_ps(load16(qr + d * es, j->dtype),
-                                                    _mm512_set1_ps(j->scale)));
-                for (int e = 0; e < 16; e++) qt[(d + e) * EXT_ROWS + r] = tmp[e];
-            }
-        }
-        memset(ot, 0, (size_t)(Dv * EXT_ROWS) * sizeof(float));
-        const int64_t p_first = prefix + t0, p_last = prefix + t0 + nt - 1;
-        const int64_t k_begin = j->window > 0 && p_first - j->window + 1 > 0
-                                    ? p_first - j->window + 1 : 0;
-        for (int64_t k0 = k_begin; k0 <= p_last; k0 += EXT_KB) {
+        extend_item_reset(j, &it, &buf);
+        extend_load_queries(j, &it, qt);
+        for (int64_t k0 = it.k_begin; k0 <= p_last; k0 += EXT_KB) {
             const int64_t nk = p_last + 1 - k0 < EXT_KB ? p_last + 1 - k0 : EXT_KB;
             for (int64_t x = 0; x < nk; x++) {
                 const char *kr = j->kp + slots[k0 + x] * j->k_row + hk * D * es;
@@ -1263,8 +1138,7 @@ AVX512_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t 
         }
         for (int64_t r = 0; r < rows; r++) {
             const float inv = lrow[r] > 0 ? 1.0f / lrow[r] : 0.0f;
-            char *dst = j->out + ((j->q_starts[b] + t0 + r % nt) * j->out_stride
-                                  + (hk * G + r / nt) * Dv) * es;
+            char *dst = extend_out_row(j, &it, r);
             float tmp[16];
             for (int64_t c = 0; c < Dv; c += 16) {
                 for (int e = 0; e < 16; e++) tmp[e] = ot[(c + e) * EXT_ROWS + r];
@@ -1278,26 +1152,13 @@ AVX512_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t 
 #undef EXT_NB_SWITCH
 
 AVX512_TARGET int sgl_extend_attention(
-    const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
-    const int64_t *table, int64_t table_stride, const int64_t *rows, const int64_t *q_starts,
-    const int64_t *prefix_lens, const int64_t *extend_lens, int64_t B, void *out,
-    int64_t out_stride, int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, float scale,
-    float softcap, int64_t window, int dtype) {
-    if (D % 16 || Dv % 16 || D < 16 || Dv < 16 || D > 256 || Dv > 256 || Hk < 1 || Hq % Hk
-        || Hq / Hk > EXT_ROWS || B < 0) return -1;
-    const int64_t G = Hq / Hk, es = dtype ? 2 : 4;
-    int64_t *first_item = malloc((size_t)(B + 1) * sizeof(int64_t));
-    if (!first_item) return -2;
-    const int64_t QT = EXT_ROWS / G;
-    first_item[0] = 0;
-    for (int64_t b = 0; b < B; b++)
-        first_item[b + 1] = first_item[b] + (extend_lens[b] + QT - 1) / QT;
-    extend_job job = {q, q_stride, k_pool, v_pool, Hk * D * es, Hk * Dv * es, table, rows,
-                      q_starts, prefix_lens, extend_lens, first_item, table_stride, B, out,
-                      out_stride, Hq, Hk, D, Dv, window, QT, es, scale, softcap, dtype, 0};
-    sgl_parallel_for(extend_attention_items, &job, first_item[B] * Hk, 1);
-    free(first_item);
-    return atomic_load(&job.failed) ? -2 : 0;
+    const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int64_t *table,
+    int64_t table_stride, const int64_t *rows, const int64_t *q_starts, const int64_t *prefix_lens,
+    const int64_t *extend_lens, int64_t B, void *out, int64_t out_stride, int64_t Hq, int64_t Hk,
+    int64_t D, int64_t Dv, float scale, float softcap, int64_t window, int dtype) {
+    return run_extend_attention(extend_attention_items, q, q_stride, k_pool, v_pool, table,
+                                table_stride, rows, q_starts, prefix_lens, extend_lens, B, out,
+                                out_stride, Hq, Hk, D, Dv, scale, softcap, window, dtype);
 }
 
 

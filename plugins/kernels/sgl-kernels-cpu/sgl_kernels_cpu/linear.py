@@ -8,7 +8,7 @@ the weight into its blocked layout on every call. The copies:
 * ``"bf16"``: bfloat16 weights at every kernel level (:data:`sgl.kernels.cpu.KERNEL_LEVELS`),
   the layout of :func:`sgl.kernels.ops.pack_bf16_weight`, multiplied by ``sgl::linear_bf16``: on AMX
   tiles, or on AVX-512 vectors without AMX (``vdpbf16ps`` on AMD, widened FMAs elsewhere; see
-  ``CpuKernels.bf16_dot_matmul``). Both read the
+  ``CpuKernels.bf16_dot_matmul``), or widened on AVX2 vectors. Both read the
   weight in one sequential pass, split over the kernel's own threads
   (:func:`sgl.kernels.cpu.set_threads`). Used when torch runs on one thread: for any number of
   rows with two or more kernel threads, for up to :data:`AMX_MAX_ROWS` rows with one; otherwise
@@ -28,7 +28,7 @@ rows   ``F.linear``  oneDNN packed    AMX (used)
 64     --            50-57 ms         40-45 ms
 =====  ============  ===============  ==============
 
-* ``"f32"``: float32 weights on CPUs with AVX-512, the 32-column panels of
+* ``"f32"``: float32 weights at every kernel level, the 32-column panels of
   :func:`sgl.kernels.ops.pack_f32_weight`, multiplied by ``sgl::linear_f32`` when torch runs on one
   thread: for any number of rows with two or more kernel threads (the panels split over them),
   for :data:`F32_MIN_ROWS` to :data:`F32_MAX_ROWS` rows with one. MKL reads the weight at memory
@@ -47,6 +47,10 @@ rows   ``F.linear``  oneDNN packed    AMX (used)
   64     206 ms  192 ms                 84 ms
   256    --      --                     247 ms
   =====  ======  =====================  =======================
+
+  At ``avx2`` the same row ranges are used; there (``benchmarks/linear_kernels.py``, MKL capped
+  at AVX2) the kernel leads MKL up to about 32 rows on one thread and is within 0.85-1.1x of it
+  above, and leads on two threads up to 128 rows.
 """
 
 from __future__ import annotations

@@ -1,0 +1,76 @@
+"""The matmuls of one SmolLM2-135M forward: sgl's kernels against torch's ``F.linear``.
+
+Every linear layer's shape (30 layers: q, k, v, o, gate, up, down; then the LM head) for a
+range of row counts, in float32 and bfloat16, at the instruction-set level this process runs
+(``SGL_CPU_ISA``; cap torch alike with ``MKL_ENABLE_INSTRUCTIONS`` and ``ONEDNN_MAX_CPU_ISA``).
+Each side on 1 and on 2 threads (the kernels' own threads with torch on one; torch's threads);
+best of ``--reps``, ms for the whole set. This is the measurement behind the row ranges of
+``sgl_kernels_cpu.linear``.
+
+    SGL_CPU_ISA=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \\
+        .venv/bin/python benchmarks/linear_kernels.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from sgl.kernels import cpu
+
+LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+SHAPES = LAYER * 30 + [(49152, 576)]
+
+
+def _best_ms(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,4,8,32,64,128,256,1024")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    kernels = cpu.load()
+    if kernels is None:
+        print(f"no kernel library at this level: {cpu.describe_isa()}", file=sys.stderr)
+        return 1
+    print(f"level {cpu.describe_isa()}; ms for {len(SHAPES)} matmuls")
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        pack = cpu.pack_bf16_weight if dtype == torch.bfloat16 else cpu.pack_f32_weight
+        op = kernels.linear_bf16 if dtype == torch.bfloat16 else kernels.linear_f32
+        weights = {}
+        for n, k in set(SHAPES):
+            w = torch.randn(n, k).to(dtype)
+            weights[(n, k)] = (w, pack(w))
+        for rows in (int(r) for r in args.rows.split(",")):
+            xs = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
+            cells = []
+            for threads in (1, 2):
+                torch.set_num_threads(1)
+                cpu.set_threads(threads)
+                mine = _best_ms(lambda: [op(xs[k], weights[(n, k)][1], n, None)
+                                         for n, k in SHAPES], args.reps)
+                cpu.set_threads(1)
+                torch.set_num_threads(threads)
+                theirs = _best_ms(lambda: [F.linear(xs[k], weights[(n, k)][0])
+                                           for n, k in SHAPES], args.reps)
+                cells.append(f"{threads} thr: kernel {mine:8.1f} torch {theirs:8.1f}")
+            print(f"{name:9} rows {rows:5}  " + " | ".join(cells), flush=True)
+    torch.set_num_threads(1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

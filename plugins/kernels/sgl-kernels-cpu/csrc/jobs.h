@@ -1,0 +1,283 @@
+/* The parts of the kernels that are the same at every instruction-set level: the job each
+ * kernel shares out over the pool's threads, the checks of its arguments, and the set-up before
+ * the vector code. Each level's file (kernels_avx512.c, kernels_avx2.c) passes its own range
+ * function to run_X, which checks, builds the job and runs it on the pool; the codes returned
+ * are those of the kernels (0; -1: arguments refused; -2: out of memory). */
+#ifndef SGL_JOBS_H
+#define SGL_JOBS_H
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+/* chunks per thread of the matmuls and the decode attention: a thread the OS delays then costs
+   a quarter of its share */
+static inline int64_t chunk_of(int64_t n) {
+    const int64_t chunk = n / (4 * (int64_t)sgl_pool_threads());
+    return chunk < 1 ? 1 : chunk;
+}
+
+/* -- float32 linear (columns in 32-wide panels) ------------------------------------------- */
+
+typedef struct {
+    const float *x, *wp, *bias;
+    float *y;
+    int64_t ldx, ldy, M, N, K;
+} linear_f32_job;
+
+static inline int run_linear_f32(sgl_range_fn panels, const float *x, int64_t ldx,
+                                 const float *wp, float *y, int64_t ldy, int64_t M, int64_t N,
+                                 int64_t K, const float *bias) {
+    const int64_t NP = (N + 31) / 32;
+    linear_f32_job job = {x, wp, bias, y, ldx, ldy, M, N, K};
+    sgl_parallel_for(panels, &job, NP, chunk_of(NP));
+    return 0;
+}
+
+/* -- RMSNorm, SiLU x up, rotary (rows) ------------------------------------------------------ */
+
+typedef struct {
+    const void *x, *residual, *weight;
+    void *res_out, *out;
+    int64_t x_stride, r_stride, ro_stride, o_stride, H, heads;
+    float eps;
+    int dtype;
+    atomic_int failed;
+} rmsnorm_job;
+
+static inline int run_rmsnorm(sgl_range_fn rows_fn, const void *x, int64_t x_stride,
+                              const void *residual, int64_t r_stride, void *res_out,
+                              int64_t ro_stride, const void *weight, void *out, int64_t o_stride,
+                              int64_t T, int64_t H, int64_t heads, float eps, int dtype) {
+    if (heads < 1 || (heads > 1 && residual)) return -1;
+    rmsnorm_job job = {x, residual, weight, res_out, out, x_stride, r_stride, ro_stride, o_stride,
+                       H, heads, eps, dtype, 0};
+    sgl_parallel_for(rows_fn, &job, T, sgl_row_chunk(T));
+    return atomic_load(&job.failed) ? -2 : 0;
+}
+
+typedef struct {
+    const void *x;
+    void *out;
+    int64_t x_stride, o_stride, d;
+    int dtype;
+} silu_mul_job;
+
+static inline int run_silu_mul(sgl_range_fn rows_fn, const void *x, int64_t x_stride, void *out,
+                               int64_t o_stride, int64_t T, int64_t d, int dtype) {
+    silu_mul_job job = {x, out, x_stride, o_stride, d, dtype};
+    sgl_parallel_for(rows_fn, &job, T, sgl_row_chunk(T));
+    return 0;
+}
+
+typedef struct {
+    const void *x, *cs;
+    const int64_t *pos;
+    void *out;
+    int64_t x_stride, cs_stride, H, D, rot;
+    int dtype;
+} rotary_job;
+
+static inline int run_rotary(sgl_range_fn rows_fn, const void *x, int64_t x_stride,
+                             const void *cs, int64_t cs_stride, const int64_t *pos,
+                             int64_t cs_rows, void *out, int64_t T, int64_t H, int64_t D,
+                             int64_t rot, int dtype) {
+    if (rot % 2 || rot > D) return -1;
+    if (pos)
+        for (int64_t t = 0; t < T; t++)
+            if (pos[t] < 0 || pos[t] >= cs_rows) return -2;
+    rotary_job job = {x, cs, pos, out, x_stride, cs_stride, H, D, rot, dtype};
+    sgl_parallel_for(rows_fn, &job, T, sgl_row_chunk(T));
+    return 0;
+}
+
+/* -- paged decode attention (sequences) ------------------------------------------------------ */
+
+#define MAX_HEADS 256
+
+typedef struct {
+    const void *q;
+    int64_t q_stride_t, q_stride_h;
+    char *kp, *vp;
+    int64_t k_row, v_row;
+    const int64_t *table, *rows, *lens;
+    int64_t table_stride;
+    void *out;
+    int64_t out_stride_t, B, Hq, Hk, D, Dv, window, max_len, es;
+    float scale, softcap;
+    int dtype, bf16_dot;
+    atomic_int failed;
+} attention_job;
+
+/* The first key of sequence b (the window keeps its last `window` keys), and its count. */
+static inline int64_t decode_window_start(const attention_job *j, int64_t b, int64_t *n) {
+    const int64_t len = j->lens[b];
+    const int64_t start = j->window > 0 && len > j->window ? len - j->window : 0;
+    *n = len - start;
+    return start;
+}
+
+/* Writes the new tokens' K/V into the pools first (when k_new is given). */
+static inline int run_decode_attention(
+    sgl_range_fn seqs_fn, const void *q, int64_t q_stride_t, int64_t q_stride_h,
+    const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride,
+    void *k_pool, void *v_pool, const int64_t *table, int64_t table_stride, const int64_t *rows,
+    const int64_t *lens, const int64_t *loc, void *out, int64_t out_stride_t, int64_t B,
+    int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, float scale, float softcap, int64_t window,
+    int dtype, int bf16_dot) {
+    if (D % 16 || Dv % 16 || D < 16 || Dv < 16 || D > 256 || Dv > 256 || Hk < 1 || Hq > MAX_HEADS
+        || (Hq / Hk) * Hk != Hq) return -1;
+    const int64_t es = dtype ? 2 : 4;
+    char *kp = (char *)k_pool, *vp = (char *)v_pool;
+    const int64_t k_row = Hk * D * es, v_row = Hk * Dv * es;
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+    if (k_new)
+        for (int64_t b = 0; b < B; b++) {
+            memcpy(kp + loc[b] * k_row, (const char *)k_new + b * k_new_stride * es, (size_t)k_row);
+            memcpy(vp + loc[b] * v_row, (const char *)v_new + b * v_new_stride * es, (size_t)v_row);
+        }
+    attention_job job = {q, q_stride_t, q_stride_h, kp, vp, k_row, v_row, table, rows, lens,
+                         table_stride, out, out_stride_t, B, Hq, Hk, D, Dv, window, max_len, es,
+                         scale, softcap, dtype, bf16_dot, 0};
+    sgl_parallel_for(seqs_fn, &job, B, chunk_of(B));
+    return atomic_load(&job.failed) ? -2 : 0;
+}
+
+/* -- paged extend attention (tiles of query tokens x KV heads) ------------------------------- */
+
+#define EXT_KB 64   /* keys per block */
+#define EXT_ROWS 64 /* query rows per item, at most */
+
+typedef struct {
+    const char *q;
+    int64_t q_stride;
+    const char *kp, *vp;
+    int64_t k_row, v_row;
+    const int64_t *table, *rows, *q_starts, *prefix_lens, *extend_lens, *first_item;
+    int64_t table_stride, B;
+    char *out;
+    int64_t out_stride, Hq, Hk, D, Dv, window, QT, es;
+    float scale, softcap;
+    int dtype;
+    atomic_int failed;
+} extend_job;
+
+/* One item: the new tokens t0 .. t0 + nt of sequence b against KV head hk; its `rows` query rows
+   (row g * nt + i: query head hk * G + g, token t0 + i) see keys k_begin .. p_last. */
+typedef struct {
+    int64_t b, hk, t0, nt, rows, k_begin, p_last;
+    const int64_t *slots;
+} extend_item;
+
+static inline extend_item extend_locate(const extend_job *j, int64_t item) {
+    extend_item it;
+    const int64_t tile_item = item / j->Hk;
+    it.hk = item % j->Hk;
+    it.b = 0; /* first_item[b] <= item / Hk < first_item[b + 1] */
+    while (j->first_item[it.b + 1] <= tile_item) it.b++;
+    const int64_t prefix = j->prefix_lens[it.b], L = j->extend_lens[it.b];
+    it.t0 = (tile_item - j->first_item[it.b]) * j->QT;
+    it.nt = L - it.t0 < j->QT ? L - it.t0 : j->QT;
+    it.slots = j->table + j->rows[it.b] * j->table_stride;
+    it.rows = (j->Hq / j->Hk) * it.nt;
+    const int64_t p_first = prefix + it.t0;
+    it.p_last = p_first + it.nt - 1;
+    it.k_begin = j->window > 0 && p_first - j->window + 1 > 0 ? p_first - j->window + 1 : 0;
+    return it;
+}
+
+/* A thread's buffers for its items: qt [D][64] (queries transposed), st [KB][64] (scores),
+   ot [Dv][64] (output), kf [KB][D] and vf [KB][Dv] (bfloat16 keys/values widened), the running
+   maximum and sum of each row, and each row's position (-1: a padding row). */
+typedef struct {
+    float *qt, *st, *ot, *kf, *vf, *mrow, *lrow;
+    int32_t *pos;
+} extend_buffers;
+
+static inline int extend_buffers_get(const extend_job *j, extend_buffers *s) {
+    const int64_t D = j->D, Dv = j->Dv;
+    float *buf = scratch_f32((D + EXT_KB + Dv) * EXT_ROWS + EXT_KB * (D + Dv) + 3 * EXT_ROWS);
+    if (!buf) return -1;
+    s->qt = buf;
+    s->st = s->qt + D * EXT_ROWS;
+    s->ot = s->st + EXT_KB * EXT_ROWS;
+    s->kf = s->ot + Dv * EXT_ROWS;
+    s->vf = s->kf + EXT_KB * D;
+    s->mrow = s->vf + EXT_KB * Dv;
+    s->lrow = s->mrow + EXT_ROWS;
+    s->pos = (int32_t *)(s->lrow + EXT_ROWS);
+    return 0;
+}
+
+/* The item's start: queries and output zero, maxima -inf, sums 0, positions. */
+static inline void extend_item_reset(const extend_job *j, const extend_item *it,
+                                     const extend_buffers *s) {
+    const int64_t prefix = j->prefix_lens[it->b];
+    memset(s->qt, 0, (size_t)(j->D * EXT_ROWS) * sizeof(float));
+    memset(s->ot, 0, (size_t)(j->Dv * EXT_ROWS) * sizeof(float));
+    for (int64_t r = 0; r < EXT_ROWS; r++) {
+        s->pos[r] = r < it->rows ? (int32_t)(prefix + it->t0 + r % it->nt) : -1;
+        s->mrow[r] = -INFINITY;
+        s->lrow[r] = 0.0f;
+    }
+}
+
+/* Query row r of the item in q, and its output row in out. */
+static inline const char *extend_q_row(const extend_job *j, const extend_item *it, int64_t r) {
+    const int64_t G = j->Hq / j->Hk;
+    return j->q + ((j->q_starts[it->b] + it->t0 + r % it->nt) * j->q_stride
+                   + (it->hk * G + r / it->nt) * j->D) * j->es;
+}
+
+static inline char *extend_out_row(const extend_job *j, const extend_item *it, int64_t r) {
+    const int64_t G = j->Hq / j->Hk;
+    return j->out + ((j->q_starts[it->b] + it->t0 + r % it->nt) * j->out_stride
+                     + (it->hk * G + r / it->nt) * j->Dv) * j->es;
+}
+
+/* qt[d][r] = scale * q_r[d] for the item's rows (bfloat16 widened) */
+static inline void extend_load_queries(const extend_job *j, const extend_item *it, float *qt) {
+    for (int64_t r = 0; r < it->rows; r++) {
+        const char *qr = extend_q_row(j, it, r);
+        for (int64_t d = 0; d < j->D; d++) {
+            float v;
+            if (j->dtype) {
+                const uint32_t bits = (uint32_t)((const uint16_t *)qr)[d] << 16;
+                memcpy(&v, &bits, 4);
+            } else {
+                v = ((const float *)qr)[d];
+            }
+            qt[d * EXT_ROWS + r] = v * j->scale;
+        }
+    }
+}
+
+static inline int run_extend_attention(
+    sgl_range_fn items_fn, const void *q, int64_t q_stride, const void *k_pool,
+    const void *v_pool, const int64_t *table, int64_t table_stride, const int64_t *rows,
+    const int64_t *q_starts, const int64_t *prefix_lens, const int64_t *extend_lens, int64_t B,
+    void *out, int64_t out_stride, int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, float scale,
+    float softcap, int64_t window, int dtype) {
+    if (D % 16 || Dv % 16 || D < 16 || Dv < 16 || D > 256 || Dv > 256 || Hk < 1 || Hq % Hk
+        || Hq / Hk > EXT_ROWS || B < 0) return -1;
+    const int64_t G = Hq / Hk, es = dtype ? 2 : 4;
+    int64_t *first_item = malloc((size_t)(B + 1) * sizeof(int64_t));
+    if (!first_item) return -2;
+    const int64_t QT = EXT_ROWS / G;
+    first_item[0] = 0;
+    for (int64_t b = 0; b < B; b++)
+        first_item[b + 1] = first_item[b] + (extend_lens[b] + QT - 1) / QT;
+    extend_job job = {q, q_stride, k_pool, v_pool, Hk * D * es, Hk * Dv * es, table, rows,
+                      q_starts, prefix_lens, extend_lens, first_item, table_stride, B, out,
+                      out_stride, Hq, Hk, D, Dv, window, QT, es, scale, softcap, dtype, 0};
+    sgl_parallel_for(items_fn, &job, first_item[B] * Hk, 1);
+    free(first_item);
+    return atomic_load(&job.failed) ? -2 : 0;
+}
+
+#endif
