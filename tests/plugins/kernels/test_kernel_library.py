@@ -4,6 +4,7 @@ their pure-torch references, visible to torch's profiler."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -248,3 +249,40 @@ def test_installed_without_a_compiler_runs_torch_and_says_why(tmp_path) -> None:
     if had_kernels:  # else they are off for another reason, which the line gives instead
         assert line.startswith("CPU kernels: none (")
         assert "installed without its compiled kernels" in line and "reinstall" in line
+
+
+#: what only AVX-512 code holds: its registers (zmm, the mask registers k0-k7, xmm/ymm16-31) and
+#: EVEX-only instructions that take xmm/ymm operands
+AVX512_ONLY = re.compile(r"%zmm|%k[0-7]\b|%[xy]mm(1[6-9]|2[0-9]|3[01])\b|\{1to|vpternlog|vpermt2|"
+                         r"vpermi2|vprol|vpror|vpmov[dqw][bwd]|vrndscale|vscalef|vcvtne|vdpbf16|"
+                         r"vmovdqu(8|16|32|64)|vmovdqa(32|64)|"
+                         r"vfixupimm|vgetexp|vgetmant|vrange|vreduce|vpcompress|vpexpand")
+
+
+def test_the_avx2_level_holds_no_avx512_instruction(tmp_path) -> None:
+    """The kernels of the avx2 level (kernels_avx2.c) and the code every level runs (the pool,
+    the dispatch of calls) must run on a CPU without AVX-512: compiled as setup.py compiles
+    them, their object code holds no AVX-512 register or instruction. (The suite runs them on
+    this CPU, which has AVX-512 and so would not fault; this checks what an AVX2-only CPU would
+    be given.)"""
+    import ast
+    import shutil
+
+    tools = {name: shutil.which(name) for name in ("gcc", "objdump")}
+    missing = [name for name, path in tools.items() if path is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (binutils) to read the object code")
+    plugin = ROOT / "plugins" / "kernels" / "sgl-kernels-cpu"
+    setup_py = ast.parse((plugin / "setup.py").read_text())
+    flags = next(ast.literal_eval(node.value) for node in ast.walk(setup_py)
+                 if isinstance(node, ast.Assign)
+                 and any(getattr(t, "id", "") == "C_FLAGS" for t in node.targets))
+    for source in ("kernels_avx2.c", "pool.c", "run_op.c"):
+        obj = tmp_path / f"{source}.o"
+        subprocess.run([tools["gcc"], *flags, "-I", str(plugin / "csrc"), "-c",
+                        str(plugin / "csrc" / source), "-o", str(obj)], check=True)
+        code = subprocess.run([tools["objdump"], "-d", str(obj)], check=True,
+                              capture_output=True, text=True).stdout
+        assert "vfmadd" in code or source != "kernels_avx2.c"  # the disassembly is real code
+        found = sorted({m.group(0) for m in AVX512_ONLY.finditer(code)})
+        assert not found, f"{source} holds AVX-512 code: {found}"
