@@ -193,8 +193,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             if not levels:  # reported as a level not run, never counted as passing
                 from sgl.kernels import cpu
 
+                what = (f"AVX-512 level ({', '.join(AVX512_LEVELS)})" if which == "avx512"
+                        else "level")
                 levels = [pytest.param("none", id="no-kernel-level", marks=pytest.mark.skip(
-                    reason=f"no level of sgl's CPU kernels here: {cpu.describe_isa()}"))]
+                    reason=f"no {what} of sgl's CPU kernels here: {cpu.describe_isa()}"))]
             metafunc.parametrize(name, levels, indirect=True, scope=scope)
 
 
