@@ -3,8 +3,8 @@
 The kernels themselves are a plugin (``plugins/kernels/sgl-kernels-cpu``, compiled when it is
 installed) that implements the ``torch.ops.sgl`` operators of :mod:`sgl.kernels.ops` for CPU
 tensors: bfloat16 matmuls (on AMX tiles, with AVX512-BF16 dot products, or widened to float32 on
-AVX-512), a float32 matmul, a paged decode attention for float32/bfloat16 KV, fused add +
-RMSNorm, SiLU x up, rotary, embedding and argmax. What runs is decided once, by one ladder of
+AVX-512 or AVX2), a float32 matmul, paged decode and extend attention for float32/bfloat16 KV,
+fused add + RMSNorm, SiLU x up, rotary, embedding and argmax. What runs is decided once, by one ladder of
 instruction-set levels (:data:`ISA_LEVELS`, best first):
 
 * ``amx``: the bfloat16 matmul on AMX tiles (Intel Sapphire Rapids and later), the rest as below;
