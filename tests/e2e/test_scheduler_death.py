@@ -33,7 +33,8 @@ def test_scheduler_death(tmp_path: Path) -> None:
         def long_request() -> None:
             result["response"] = httpx.post(
                 f"{server.base_url}/v1/chat/completions", timeout=120, json={
-                    "model": "default", "max_tokens": 2000, "temperature": 0,
+                    # min_tokens: the answer (59 tokens, 2 s) must not finish before the kill
+                    "model": "default", "max_tokens": 2000, "min_tokens": 2000, "temperature": 0,
                     "messages": [{"role": "user", "content": "Count to one thousand."}]})
 
         thread = threading.Thread(target=long_request)
