@@ -20,7 +20,7 @@ from sgl.layers import (
     rope_parameters,
 )
 from sgl.model_loader import ModelLoadError
-from sgl.models import load_mapped_weights
+from sgl.models import MappedWeight, load_mapped_weights
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -131,18 +131,16 @@ class _Fused(nn.Module):
 def test_load_mapped_weights_fills_and_checks() -> None:
     model = _Fused()
     gate, up, norm = torch.randn(3, 4), torch.randn(3, 4), torch.randn(4)
-    load_mapped_weights(model, [("g", "gate_up_proj.weight", 0, gate),
-                                ("u", "gate_up_proj.weight", 1, up),
-                                ("n", "norm.weight", None, norm)],
-                        fused_shards={"gate_up_proj": (0, 1)})
+    load_mapped_weights(model, [MappedWeight("g", "gate_up_proj.weight", 0, gate),
+                                MappedWeight("u", "gate_up_proj.weight", 1, up),
+                                MappedWeight("n", "norm.weight", None, norm)])
     assert torch.equal(model.gate_up_proj.weight, torch.cat([gate, up]))
     assert torch.equal(model.norm.weight, norm)
 
     with pytest.raises(ModelLoadError, match=r"gate_up_proj.weight \(shards \['1'\]\)"):
-        load_mapped_weights(_Fused(), [("g", "gate_up_proj.weight", 0, gate),
-                                       ("n", "norm.weight", None, norm)],
-                            fused_shards={"gate_up_proj": (0, 1)})
+        load_mapped_weights(_Fused(), [MappedWeight("g", "gate_up_proj.weight", 0, gate),
+                                       MappedWeight("n", "norm.weight", None, norm)])
     with pytest.raises(ModelLoadError, match="'extra' has no matching parameter"):
-        load_mapped_weights(_Fused(), [("extra", "nope.weight", None, norm)])
+        load_mapped_weights(_Fused(), [MappedWeight("extra", "nope.weight", None, norm)])
     with pytest.raises(ModelLoadError, match="n: expected shape"):
-        load_mapped_weights(_Fused(), [("n", "norm.weight", None, torch.zeros(5))])
+        load_mapped_weights(_Fused(), [MappedWeight("n", "norm.weight", None, torch.zeros(5))])

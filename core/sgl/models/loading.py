@@ -1,18 +1,19 @@
 """Filling a model's parameters from checkpoint tensors its ``load_weights`` has mapped.
 
-A model family turns each Hugging Face tensor into ``(checkpoint name, parameter name, shard id,
-tensor)`` items (renaming, splitting fused tensors, dropping what it does not use);
-:func:`load_mapped_weights` copies them through each parameter's ``weight_loader`` and checks
-that nothing was left unfilled.
+A model family turns each Hugging Face tensor into a :class:`MappedWeight` (renaming, splitting
+fused tensors, dropping what it does not use); :func:`load_mapped_weights` copies them through
+each parameter's ``weight_loader`` and checks that nothing was left unfilled: every shard of a
+fused projection and every expert of a :class:`~sgl.layers.FusedMoE` this rank holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from sgl.layers import FusedMoE, MergedColumnParallelLinear, QKVParallelLinear
 from sgl.model_loader.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -20,26 +21,61 @@ if TYPE_CHECKING:
 
 __all__ = ["MappedWeight", "load_mapped_weights"]
 
-#: (checkpoint name, parameter name, shard id or None, tensor)
-MappedWeight = tuple[str, str, "int | str | None", torch.Tensor]
+# what one loaded tensor filled: (shard id, expert id)
+_Key = tuple["int | str | None", "int | None"]
 
 
-def load_mapped_weights(model: nn.Module, mapped: Iterable[MappedWeight], *,
-                        fused_shards: Mapping[str, Collection[int | str]] | None = None) -> None:
+class MappedWeight(NamedTuple):
+    """One checkpoint tensor and the parameter (shard, expert) it fills."""
+
+    source: str  # the checkpoint's name, for error messages
+    target: str  # the parameter's name in the model
+    shard: int | str | None
+    tensor: torch.Tensor
+    expert: int | None = None
+
+
+def _expected(model: nn.Module) -> dict[str, set[_Key]]:
+    """Every parameter (a tied one under its owner's name) -> the loads that must fill it."""
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    expected: dict[str, set[_Key]] = {}
+    for prefix, module in model.named_modules():
+        for local, param in module.named_parameters(recurse=False):
+            name = canonical.get(id(param))
+            if name != (f"{prefix}.{local}" if prefix else local):
+                continue
+            if isinstance(module, FusedMoE):
+                shards: tuple[int | str, ...] = ("down",) if local == "down_proj" else (
+                    "gate", "up")
+                expected[name] = {(s, e) for s in shards for e in module.local_expert_ids}
+            elif isinstance(module, QKVParallelLinear):
+                expected[name] = {(s, None) for s in ("q", "k", "v")}
+            elif isinstance(module, MergedColumnParallelLinear):
+                expected[name] = {(i, None) for i in range(len(module.output_sizes))}
+            else:
+                expected[name] = {(None, None)}
+    return expected
+
+
+def _describe(name: str, absent: set[_Key]) -> str:
+    if absent == {(None, None)}:
+        return name
+    keys = sorted(str(s) if e is None else f"{s} of expert {e}" for s, e in absent)
+    more = f" and {len(keys) - 4} more" if len(keys) > 4 else ""
+    return f"{name} (shards {keys[:4]}{more})"
+
+
+def load_mapped_weights(model: nn.Module, mapped: Iterable[MappedWeight]) -> None:
     """Copy ``mapped`` into ``model``'s parameters.
 
     :param model: its ``named_parameters()`` are the targets (a tied weight appears once).
-    :param mapped: items as produced by the model's name mapping; the checkpoint name is only
-        used in error messages.
-    :param fused_shards: for fused layers, the module name (``"qkv_proj"``) and the shard ids
-        that must all arrive (``{"q", "k", "v"}``); other parameters need one unsharded tensor.
+    :param mapped: items as produced by the model's name mapping.
     :raises ModelLoadError: on a tensor without a parameter, a shape mismatch, or a parameter
-        (or shard) the checkpoint left unfilled.
+        (or shard, or expert) the checkpoint left unfilled.
     """
-    fused_shards = fused_shards or {}
     params = dict(model.named_parameters())
-    loaded: dict[str, set[int | str | None]] = {}
-    for source, target, shard, tensor in mapped:
+    loaded: dict[str, set[_Key]] = {}
+    for source, target, shard, tensor, expert in mapped:
         param = params.get(target)
         if param is None:
             raise ModelLoadError(f"checkpoint tensor {source!r} has no matching parameter "
@@ -47,7 +83,11 @@ def load_mapped_weights(model: nn.Module, mapped: Iterable[MappedWeight], *,
         loader = getattr(param, "weight_loader", None)
         with torch.no_grad():
             try:
-                if loader is not None:
+                if expert is not None:
+                    if loader is None:
+                        raise ValueError(f"{target} takes no per-expert tensors")
+                    loader(param, tensor, shard, expert)
+                elif loader is not None:
                     loader(param, tensor, shard)
                 elif param.shape != tensor.shape:
                     raise ValueError(f"expected shape {tuple(param.shape)}, "
@@ -56,15 +96,9 @@ def load_mapped_weights(model: nn.Module, mapped: Iterable[MappedWeight], *,
                     param.data.copy_(tensor)
             except ValueError as exc:
                 raise ModelLoadError(f"{source}: {exc}") from exc
-        loaded.setdefault(target, set()).add(shard)
-    missing = []
-    for name in params:
-        parts = name.split(".")
-        expected = set(fused_shards.get(parts[-2], {None})) if len(parts) >= 2 else {None}
-        absent = expected - loaded.get(name, set())
-        if absent:
-            missing.append(name if expected == {None} else
-                           f"{name} (shards {sorted(map(str, absent))})")
+        loaded.setdefault(target, set()).add((shard, expert))
+    missing = [_describe(name, keys - loaded.get(name, set()))
+               for name, keys in _expected(model).items() if keys - loaded.get(name, set())]
     if missing:
         raise ModelLoadError(f"the checkpoint left {len(missing)} parameters unfilled, e.g. "
                              f"{', '.join(missing[:5])}")

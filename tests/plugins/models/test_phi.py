@@ -67,14 +67,14 @@ def tiny(request: pytest.FixtureRequest, model_isa: str,
 
 
 def is_longrope(runner: ModelRunner) -> bool:
-    return isinstance(runner.model.model.rotary, LongRopeRotaryEmbedding)
+    return isinstance(runner.model.model.layers[0].self_attn.rotary, LongRopeRotaryEmbedding)
 
 
 def test_rotary_and_window_follow_config(tiny: tuple[Any, ModelRunner]) -> None:
     reference, runner = tiny
     config = reference.config
     assert runner.architecture == "Phi3ForCausalLM"
-    rotary = runner.model.model.rotary
+    rotary = runner.model.model.layers[0].self_attn.rotary
     assert rotary.rotary_dim == int(16 * config.rope_parameters["partial_rotary_factor"])
     assert is_longrope(runner) == (config.rope_parameters["rope_type"] == "longrope")
     specs = [layer.self_attn.attn.spec for layer in runner.model.model.layers]

@@ -130,8 +130,8 @@ def test_incomplete_or_foreign_checkpoint_is_rejected(tiny: tuple[Any, ModelRunn
     moe = runner.hf_config.model_type == "qwen2_moe"
     dropped = ("model.layers.0.mlp.experts.3.up_proj.weight" if moe
                else "model.layers.1.self_attn.k_proj.weight")
-    unfilled = ("model.layers.0.mlp.experts.gate_up_proj (1 shards)" if moe
-                else "model.layers.1.self_attn.qkv_proj.weight (1 shards)")
+    unfilled = ("model.layers.0.mlp.experts.gate_up_proj (shards ['up of expert 3'])" if moe
+                else "model.layers.1.self_attn.qkv_proj.weight (shards ['k'])")
     weights = list(open_weights(runner.model_path, torch.float32))
     assert dropped in dict(weights)
 

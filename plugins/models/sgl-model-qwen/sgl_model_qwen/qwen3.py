@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sgl_model_qwen.qwen2 import AttentionOptions, Qwen2ForCausalLM
+from sgl_model_llama.decoder import DecoderOptions
+from sgl_model_qwen.qwen2 import Qwen2ForCausalLM
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -21,6 +22,7 @@ class Qwen3ForCausalLM(Qwen2ForCausalLM):
     """``Qwen3ForCausalLM`` checkpoints (Qwen3 0.6B-32B dense)."""
 
     @classmethod
-    def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
+    def options(cls, config: PretrainedConfig) -> DecoderOptions:
         bias = bool(getattr(config, "attention_bias", False))
-        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
+        return DecoderOptions(qkv_bias=bias, o_bias=bias, qk_norm=True,
+                              activation=getattr(config, "hidden_act", "silu"))
