@@ -140,15 +140,33 @@ class SglPluginManager(pluggy.PluginManager):
             self.add_hookspecs(module)
         self.records: dict[str, PluginRecord] = {}
 
+    def impls_in_call_order(self, hook_name: str) -> list[pluggy.HookImpl]:
+        """The implementations of ``hook_name`` in the order pluggy calls them: ``tryfirst``
+        ones first, then the others from the last registered to the first, ``trylast`` ones
+        last.
+
+        :raises PluginError: when a plugin registered a hook wrapper for it; the hooks sgl
+            calls plugin by plugin (registrations, start-up, shut-down) take plain
+            implementations only.
+        """
+        impls = getattr(self.hook, hook_name).get_hookimpls()
+        for impl in impls:
+            if impl.hookwrapper or impl.wrapper:
+                name = self.get_name(impl.plugin) or repr(impl.plugin)
+                raise PluginError(f"plugin {name!r} registered a hook wrapper for {hook_name}, "
+                                  f"which sgl calls plugin by plugin; make it a plain "
+                                  f"@hookimpl (tryfirst/trylast set its place)")
+        return impls[::-1]  # pluggy keeps them in reverse call order
+
     def call_each(self, hook_name: str, **kwargs: Any) -> Iterator[tuple[str, Any]]:
-        """Call one hook plugin by plugin, in load order, yielding ``(plugin name, result)``.
+        """Call one hook plugin by plugin, in pluggy's order (:meth:`impls_in_call_order`),
+        yielding ``(plugin name, result)``.
 
         ``per_plugin={"arg": factory}`` passes ``factory(plugin_name)`` as ``arg``, so that a
         callback knows which plugin calls it.
         """
         per_plugin = kwargs.pop("per_plugin", {})
-        caller = getattr(self.hook, hook_name)
-        for impl in caller.get_hookimpls():
+        for impl in self.impls_in_call_order(hook_name):
             name = self.get_name(impl.plugin) or repr(impl.plugin)
             values = {**kwargs, **{key: make(name) for key, make in per_plugin.items()}}
             try:
@@ -179,7 +197,7 @@ class SglPluginManager(pluggy.PluginManager):
 
     def notify_shutdown(self, **kwargs: Any) -> None:
         """Call ``sgl_on_shutdown`` on every plugin; failures are logged, none stops the rest."""
-        for impl in self.hook.sgl_on_shutdown.get_hookimpls():
+        for impl in self.impls_in_call_order("sgl_on_shutdown"):
             try:
                 impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
             except Exception:

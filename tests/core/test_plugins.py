@@ -6,10 +6,11 @@ import json
 import textwrap
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from sgl.plugins import PluginLoadError, PluginSelection, create_plugin_manager
+from sgl.plugins import PluginError, PluginLoadError, PluginSelection, create_plugin_manager
 from sgl.testing import run_cli
 
 DEFAULT_PLUGINS = {"model-llama", "attn-torch", "frontend-openai"}
@@ -179,3 +180,53 @@ def test_clash_is_still_listed_by_sgl_plugins(tmp_path: Path) -> None:
     result = run_cli(["plugins", "--plugin", str(path)])
     assert result.returncode == 0
     assert "impostor" in result.stdout and "'attn-torch'" in result.stderr
+
+
+ORDER_PLUGIN = """\
+from sgl import hookimpl
+
+@hookimpl({opts})
+def sgl_register_cache_policies(register):
+    register('{name}', 'collections:OrderedDict')
+
+@hookimpl({opts})
+def sgl_on_startup(settings, process, context):
+    context.append('{name}')
+"""
+
+
+def _ignore(plugin: str) -> Any:
+    return lambda name, target: None
+
+
+def test_plugin_by_plugin_calls_follow_pluggys_order(tmp_path: Path) -> None:
+    """``call_each`` (registrations, start-up) calls implementations in the order pluggy's own
+    hook call does: tryfirst first, then last registered first, trylast last. It used to call
+    them in registration order, which inverted tryfirst and trylast."""
+    kinds = {"order_plain_a": "", "order_first": "tryfirst=True", "order_plain_b": "",
+             "order_last": "trylast=True"}
+    for name, opts in kinds.items():
+        (tmp_path / f"{name}.py").write_text(ORDER_PLUGIN.format(name=name, opts=opts))
+    pm = create_plugin_manager(PluginSelection(
+        load=tuple(str(tmp_path / f"{name}.py") for name in kinds), autoload=False))
+    pluggy_order: list[str] = []
+    pm.hook.sgl_on_startup(settings=None, process="test", context=pluggy_order)
+    assert pluggy_order == ["order_first", "order_plain_b", "order_plain_a", "order_last"]
+
+    startup: list[str] = []
+    pm.notify_startup(settings=None, process="test", context=startup)
+    assert startup == pluggy_order
+    called = [name for name, _ in pm.call_each("sgl_register_cache_policies",
+                                               per_plugin={"register": _ignore})]
+    assert called == pluggy_order
+
+
+def test_a_hook_wrapper_on_a_plugin_by_plugin_hook_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "wrapping.py"
+    path.write_text("from sgl import hookimpl\n\n@hookimpl(wrapper=True)\n"
+                    "def sgl_on_startup(settings, process, context):\n"
+                    "    return (yield)\n")
+    pm = create_plugin_manager(PluginSelection(load=(str(path),), autoload=False))
+    with pytest.raises(PluginError, match="'wrapping' registered a hook wrapper for "
+                                          "sgl_on_startup"):
+        pm.notify_startup(settings=None, process="test", context=None)
