@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from sgl.engine.batch_builder import BatchSeq, make_forward_batch, release_sequence
-from sgl.engine.forward_batch import ForwardMode
+from sgl.forward_batch import ForwardMode
 from sgl.engine.model_runner import ModelRunner
 from sgl.kernels import cpu
 from sgl.layers.packed_linear import OneDnnWeight

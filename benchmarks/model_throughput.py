@@ -123,7 +123,7 @@ def sgl_generate(runner: Any, prompts: list[list[int]], new_tokens: int) -> tupl
     """Greedy generation; returns (prefill seconds, decode seconds after the first token,
     tokens)."""
     from sgl.engine.batch_builder import BatchSeq, make_forward_batch, release_sequence
-    from sgl.engine.forward_batch import ForwardMode
+    from sgl.forward_batch import ForwardMode
 
     try:
         from sgl.kernels.cpu import argmax_rows  # what the scheduler's greedy sampler uses

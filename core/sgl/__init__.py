@@ -5,18 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from sgl.hookspecs import hookimpl
+from sgl.version import __version__
 
 if TYPE_CHECKING:
-    from sgl.engine.engine import Engine
+    from sgl.entrypoints.engine import Engine
 
 __all__ = ["Engine", "__version__", "hookimpl"]
 
-try:
-    from importlib.metadata import version as _version
-
-    __version__ = _version("sgl")
-except Exception:  # running from a source tree that is not installed
-    __version__ = "0+unknown"
 
 
 #: names that plugin distributions provide at the top level: name -> (module, distribution)
@@ -35,7 +30,7 @@ _PLUGIN_NAMES: dict[str, tuple[str, str]] = {
 def __getattr__(name: str) -> Any:
     # sgl.Engine is imported on first use, so that ``import sgl`` stays light
     if name == "Engine":
-        from sgl.engine.engine import Engine
+        from sgl.entrypoints.engine import Engine
 
         globals()["Engine"] = Engine
         return Engine

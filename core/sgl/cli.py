@@ -95,7 +95,7 @@ def settings_options(pm: SglPluginManager) -> list[click.Option]:
         options.append(_option_for(f, hints[f.name], dest=f.name, flags=flags,
                                    group="Server options", env=env_var_name(f.name),
                                    choices=choices))
-    for pid, cls in plugin_config_classes(pm).items():
+    for pid, cls in pm.config_classes().items():
         phints = _type_hints(cls)
         for f in option_fields(cls):
             flag = f"--{pid}-{f.name}".replace("_", "-").replace(".", "-")
@@ -120,24 +120,12 @@ def _ident(plugin_id: str) -> str:
     return plugin_id.replace("-", "_").replace(".", "_")
 
 
-def plugin_config_classes(pm: SglPluginManager) -> dict[str, type]:
-    classes: dict[str, type] = {}
-    for pid, cls in pm.call_each("sgl_add_config"):
-        if cls is None:
-            continue
-        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
-            raise PluginError(f"plugin {pid!r}: sgl_add_config must return a dataclass type, "
-                              f"got {cls!r}")
-        classes[pid] = cls
-    return classes
-
-
 def settings_from_click(ctx: click.Context, pm: SglPluginManager) -> ServerSettings:
     """Turn the parsed options of ``serve``/``config show`` into validated settings."""
     cli: dict[str, Any] = {}
     flags: dict[str, str] = {}
     plugin_cli: dict[str, dict[str, Any]] = {}
-    plugin_ids = {_ident(pid): pid for pid in plugin_config_classes(pm)}
+    plugin_ids = {_ident(pid): pid for pid in pm.config_classes()}
     for param in ctx.command.params:
         name = param.name or ""
         if name == "config_file" or ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE:
@@ -151,26 +139,7 @@ def settings_from_click(ctx: click.Context, pm: SglPluginManager) -> ServerSetti
             flags[name] = param.opts[0].split("/")[0]
     return load_settings(cli=cli, cli_flags=flags, plugin_cli=plugin_cli,
                          config_file=ctx.params.get("config_file"),
-                         plugin_classes=plugin_config_classes(pm))
-
-
-def check_backends(settings: ServerSettings, pm: SglPluginManager) -> None:
-    """Every backend named in the settings must be registered by a loaded plugin."""
-    for f in option_fields(ServerSettings):
-        registry_name = f.metadata.get("registry")
-        value = getattr(settings, f.name)
-        if not registry_name or value in (None, ()):
-            continue
-        registry = getattr(pm.registries, registry_name)
-        for name in value if isinstance(value, tuple) else (value,):
-            if name not in registry and name not in f.metadata.get("keywords", ()):
-                unavailable = [r for r in pm.records.values() if not r.available]
-                hint = "".join(f"\n  plugin {r.name!r} is unavailable: {r.reason}" for r in unavailable)
-                raise ConfigError(
-                    f"invalid value {name!r} for {f.name!r} (from "
-                    f"{settings.sources.get(f.name, 'default')}): no installed plugin provides "
-                    f"that {registry.kind}; available: "
-                    f"{', '.join(registry.names()) or 'none installed'}{hint}")
+                         plugin_classes=pm.config_classes())
 
 
 def build_cli(pm: SglPluginManager) -> click.Group:
@@ -264,7 +233,7 @@ def _settings_or_exit(ctx: click.Context, pm: SglPluginManager,
     try:
         settings = settings_from_click(ctx, pm)
         if check:
-            check_backends(settings, pm)
+            pm.check_backends(settings)
     except (ConfigError, DuplicateRegistrationError, PluginError) as exc:
         raise click.UsageError(str(exc), ctx) from None
     return settings

@@ -8,6 +8,7 @@ entry-point group of installed distributions, from ``--plugin NAME|module|path.p
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
 import importlib.util
@@ -18,12 +19,15 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import pluggy
 
 from sgl.hookspecs import PROJECT_NAME, SPEC_MODULES
 from sgl.registry import DuplicateRegistrationError, Registry
+
+if TYPE_CHECKING:
+    from sgl.config import ServerSettings
 
 __all__ = [
     "PluginError",
@@ -175,6 +179,42 @@ class SglPluginManager(pluggy.PluginManager):
                 raise
             except Exception as exc:
                 raise PluginError(f"plugin {name!r} failed in {hook_name}: {exc}") from exc
+
+    def config_classes(self) -> dict[str, type]:
+        """Each plugin's settings dataclass from ``sgl_add_config``, by plugin name."""
+        classes: dict[str, type] = {}
+        for pid, cls in self.call_each("sgl_add_config"):
+            if cls is None:
+                continue
+            if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+                raise PluginError(f"plugin {pid!r}: sgl_add_config must return a dataclass "
+                                  f"type, got {cls!r}")
+            classes[pid] = cls
+        return classes
+
+    def check_backends(self, settings: ServerSettings) -> None:
+        """Every backend named in ``settings`` must be registered by a loaded plugin;
+        :class:`~sgl.config.ConfigError` names the setting, where it came from and what is
+        available."""
+        from sgl.config import ConfigError, option_fields
+        from sgl.config import ServerSettings as Settings
+
+        for f in option_fields(Settings):
+            registry_name = f.metadata.get("registry")
+            value = getattr(settings, f.name)
+            if not registry_name or value in (None, ()):
+                continue
+            registry = getattr(self.registries, registry_name)
+            for name in value if isinstance(value, tuple) else (value,):
+                if name in registry or name in f.metadata.get("keywords", ()):
+                    continue
+                hint = "".join(f"\n  plugin {r.name!r} is unavailable: {r.reason}"
+                               for r in self.records.values() if not r.available)
+                raise ConfigError(
+                    f"invalid value {name!r} for {f.name!r} (from "
+                    f"{settings.sources.get(f.name, 'default')}): no installed plugin provides "
+                    f"that {registry.kind}; available: "
+                    f"{', '.join(registry.names()) or 'none installed'}{hint}")
 
     @cached_property
     def registries(self) -> Registries:

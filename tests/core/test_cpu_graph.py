@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sgl.engine.batch_builder import BatchSeq, make_forward_batch
-from sgl.engine.forward_batch import ForwardMode
+from sgl.forward_batch import ForwardMode
 from sgl.engine.model_runner import ModelRunner
 from sgl.kernels import cpu
 from sgl.plugins import create_plugin_manager

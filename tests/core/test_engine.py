@@ -11,7 +11,7 @@ import pytest
 
 import sgl
 from sgl.config import ConfigError
-from sgl.engine.engine import EngineClosedError
+from sgl.entrypoints.engine import EngineClosedError
 from sgl.server.io_struct import BadRequestError
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}

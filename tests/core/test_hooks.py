@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from sgl import hookimpl
-from sgl.cli import build_cli, plugin_config_classes, settings_options
+from sgl.cli import build_cli, settings_options
 from sgl.plugins import PluginError
 
 
@@ -131,7 +131,7 @@ def test_hook_sgl_add_config(plugin_manager, register_plugin) -> None:
             return Settings
 
     register_plugin(Configured(), name="deep")
-    assert plugin_config_classes(plugin_manager)["deep"] is Settings
+    assert plugin_manager.config_classes()["deep"] is Settings
     flags = {opt for o in settings_options(plugin_manager) for opt in o.opts}
     assert {"--deep-depth", "--deep-fast"} <= flags
 
@@ -144,7 +144,7 @@ def test_add_config_must_return_a_dataclass(plugin_manager, register_plugin) -> 
 
     register_plugin(Wrong(), name="wrong")
     with pytest.raises(PluginError, match="plugin 'wrong'.*dataclass"):
-        plugin_config_classes(plugin_manager)
+        plugin_manager.config_classes()
 
 
 def test_failing_hook_names_the_plugin(plugin_manager, register_plugin) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from sgl.engine.forward_batch import ForwardBatch
+    from sgl.forward_batch import ForwardBatch
     from sgl.kvcache.pool import KVPool, ReqToTokenPool
 
 __all__ = ["AttentionLayerSpec", "BaseAttentionBackend"]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sgl.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from sgl.engine.model_runner import ModelRunner

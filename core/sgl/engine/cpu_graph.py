@@ -41,7 +41,7 @@ from sgl.kernels.library import KernelTape
 
 if TYPE_CHECKING:
     from sgl.attention.base import BaseAttentionBackend
-    from sgl.engine.forward_batch import ForwardBatch
+    from sgl.forward_batch import ForwardBatch
 
 __all__ = ["DEFAULT_MAX_BYTES", "CpuGraphRunner"]
 

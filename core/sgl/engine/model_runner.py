@@ -2,7 +2,7 @@
 
 It turns a model path into a loaded :class:`~sgl.models.BaseCausalLM` (architecture chosen
 from the registries that plugins filled), sizes the KV pool, and runs forward passes on
-:class:`~sgl.engine.forward_batch.ForwardBatch` objects built with
+:class:`~sgl.forward_batch.ForwardBatch` objects built with
 :func:`~sgl.engine.batch_builder.make_forward_batch`.
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sgl.engine.cpu_graph import CpuGraphRunner
-from sgl.engine.forward_batch import ForwardMode
+from sgl.forward_batch import ForwardMode
 from sgl.engine.memory import available_memory_bytes, kv_pool_tokens
 from sgl.kernels import cpu
 from sgl.kvcache.pool import KVPool, ReqToTokenPool
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from sgl.attention.base import BaseAttentionBackend
-    from sgl.engine.forward_batch import ForwardBatch
+    from sgl.forward_batch import ForwardBatch
     from sgl.models.base import BaseCausalLM
     from sgl.plugins import Registries
 

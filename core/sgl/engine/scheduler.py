@@ -23,7 +23,7 @@ import torch
 import zmq
 
 from sgl.engine.batch_builder import BatchSeq, make_forward_batch
-from sgl.engine.forward_batch import ForwardMode
+from sgl.forward_batch import ForwardMode
 from sgl.engine.grammar_manager import IDLE_WAIT, make_grammar_manager
 from sgl.engine.logprobs import LogprobRows
 from sgl.engine.messages import (
@@ -618,7 +618,6 @@ def _eos_ids(hf_config: Any) -> list[int]:
 def run_scheduler_process(settings_data: dict[str, Any], records: tuple[Any, ...],
                           endpoints: dict[str, str], ready_conn: Any) -> None:
     """Entry point of the scheduler process (started with the ``spawn`` method)."""
-    from sgl.cli import plugin_config_classes
     from sgl.config import settings_from_dict
     from sgl.log import setup_logging
     from sgl.plugins import PluginSelection, create_plugin_manager
@@ -626,7 +625,7 @@ def run_scheduler_process(settings_data: dict[str, Any], records: tuple[Any, ...
     setup_logging(settings_data.get("log_level", "info"), process="scheduler")
     try:
         pm = create_plugin_manager(PluginSelection(exact=tuple(records)))
-        settings = settings_from_dict(settings_data, plugin_config_classes(pm))
+        settings = settings_from_dict(settings_data, pm.config_classes())
         scheduler = Scheduler(settings, pm, endpoints)
         pm.notify_startup(settings=settings, process="scheduler", context=scheduler)
     except BaseException as exc:  # report why, then exit non-zero

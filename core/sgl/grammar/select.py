@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 from sgl.grammar.base import GrammarError
 
 if TYPE_CHECKING:
-    from sgl.engine.messages import SchedulerInfo
     from sgl.plugins import SglPluginManager
     from sgl.registry import Registry
     from sgl.sampling import SamplingParams
@@ -79,9 +78,9 @@ class GrammarChecker:
         self._seen: OrderedDict[tuple[str, str], str | None] = OrderedDict()
 
     @classmethod
-    def for_server(cls, pm: SglPluginManager, info: SchedulerInfo) -> GrammarChecker:
-        """The checker of the backend the scheduler reported it uses."""
-        backend = info.grammar_backend if info.grammar_backend != "none" else None
+    def for_server(cls, pm: SglPluginManager, grammar_backend: str) -> GrammarChecker:
+        """The checker of the backend the scheduler reported it uses (``"none"``: none)."""
+        backend = grammar_backend if grammar_backend != "none" else None
         return cls(backend, pm.registries.grammar)
 
     def check(self, params: SamplingParams) -> None:

@@ -12,14 +12,35 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-if TYPE_CHECKING:
-    from sgl.layers.packed_linear import PackedWeight
+__all__ = ["KernelLibrary", "KernelLibraryUnavailable", "KernelTape", "PackedWeight"]
 
-__all__ = ["KernelLibrary", "KernelLibraryUnavailable", "KernelTape"]
+
+class PackedWeight(abc.ABC):
+    """A prepared copy of a CPU weight ``[n, k]`` for :func:`sgl.layers.packed_linear.linear`:
+    oneDNN's layout, or a kernel library's own (:meth:`KernelLibrary.pack_linear`).
+
+    Held as a plain attribute, so ``module.to(...)`` leaves it behind (:func:`linear` then falls
+    back to the plain weight) and ``copy.deepcopy`` drops it (an opaque oneDNN tensor cannot be
+    copied).
+    """
+
+    def __init__(self, kind: str, tensor: torch.Tensor, n: int, dtype: torch.dtype) -> None:
+        self.kind = kind  # the layout: "onednn", or a kernel library's name for its own
+        self.tensor = tensor
+        self.n = n
+        self.dtype = dtype
+
+    def __deepcopy__(self, memo: dict[int, object]) -> None:
+        return None
+
+    @abc.abstractmethod
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``F.linear(x, W, bias)`` through this copy for CPU ``x [..., k]`` of its dtype; None
+        where ``F.linear`` on the plain weight is the faster choice for ``x``."""
 
 
 class KernelLibraryUnavailable(RuntimeError):

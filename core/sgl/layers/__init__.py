@@ -14,13 +14,8 @@ from sgl.layers.linear import (
 from sgl.layers.longrope import LongRopeRotaryEmbedding
 from sgl.layers.moe import SUPPORTED_MOE_SHARDS, FusedMoE, select_experts
 from sgl.layers.norm import RMSNorm
-from sgl.layers.rotary import (
-    SUPPORTED_ROPE_TYPES,
-    RotaryEmbedding,
-    get_rope,
-    rope_inv_freq,
-    rope_parameters,
-)
+from sgl.layers.rope import get_rope
+from sgl.layers.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, rope_inv_freq, rope_parameters
 from sgl.layers.tp import TPGroup, get_tp_group, set_tp_group
 
 __all__ = [

@@ -11,7 +11,7 @@ from sgl.attention.base import AttentionLayerSpec
 if TYPE_CHECKING:
     import torch
 
-    from sgl.engine.forward_batch import ForwardBatch
+    from sgl.forward_batch import ForwardBatch
 
 __all__ = ["Attention"]
 

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sgl.kernels import cpu
-from sgl.layers.packed_linear import PackedWeight, linear, pack_weight
+from sgl.kernels.library import PackedWeight
+from sgl.layers.packed_linear import linear, pack_weight
 from sgl.layers.tp import get_tp_group, tp_all_gather, tp_all_reduce
 
 __all__ = ["ParallelLMHead", "VocabParallelEmbedding"]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sgl.layers.packed_linear import PackedWeight, linear, pack_weight
+from sgl.kernels.library import PackedWeight
+from sgl.layers.packed_linear import linear, pack_weight
 from sgl.layers.tp import divide, get_tp_group, tp_all_gather, tp_all_reduce
 
 __all__ = [

@@ -16,37 +16,15 @@ this off (for comparisons).
 
 from __future__ import annotations
 
-import abc
 import os
+
 import torch
 import torch.nn.functional as F
 
 from sgl.kernels import cpu
+from sgl.kernels.library import PackedWeight
 
-__all__ = ["OneDnnWeight", "PackedWeight", "linear", "pack_weight"]
-
-
-class PackedWeight(abc.ABC):
-    """A prepared copy of a CPU weight ``[n, k]`` for :func:`linear`.
-
-    Held as a plain attribute, so ``module.to(...)`` leaves it behind (:func:`linear` then falls
-    back to the plain weight) and ``copy.deepcopy`` drops it (an opaque oneDNN tensor cannot be
-    copied).
-    """
-
-    def __init__(self, kind: str, tensor: torch.Tensor, n: int, dtype: torch.dtype) -> None:
-        self.kind = kind  # the layout: "onednn", or a kernel library's name for its own
-        self.tensor = tensor
-        self.n = n
-        self.dtype = dtype
-
-    def __deepcopy__(self, memo: dict[int, object]) -> None:
-        return None
-
-    @abc.abstractmethod
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """``F.linear(x, W, bias)`` through this copy for CPU ``x [..., k]`` of its dtype; None
-        where ``F.linear`` on the plain weight is the faster choice for ``x``."""
+__all__ = ["OneDnnWeight", "linear", "pack_weight"]
 
 
 class OneDnnWeight(PackedWeight):

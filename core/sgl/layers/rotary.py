@@ -17,7 +17,7 @@ from sgl.kernels import cpu
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["SUPPORTED_ROPE_TYPES", "RotaryEmbedding", "get_rope", "rope_inv_freq",
+__all__ = ["SUPPORTED_ROPE_TYPES", "RotaryEmbedding", "rope_inv_freq",
            "rope_parameters"]
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -188,25 +188,3 @@ def _adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
             or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()):
         return None
     return q.as_strided((q.shape[0], q.shape[1] + k.shape[1]), q.stride(), q.storage_offset())
-
-
-def get_rope(config: PretrainedConfig, head_dim: int, *,
-             device: torch.device | str | None = None,
-             layer_type: str = "full_attention") -> RotaryEmbedding:
-    """The rotary embedding ``config`` describes, cached for ``max_position_embeddings``.
-
-    Partial rotary (``partial_rotary_factor``) rotates the first features of each head only;
-    ``layer_type`` is as for :func:`rope_parameters`."""
-    params = rope_parameters(config, layer_type=layer_type)
-    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    rotary_dim = int(head_dim * float(partial or 1.0))
-    max_position = int(config.max_position_embeddings)
-    if params["rope_type"] == "longrope":
-        from sgl.layers.longrope import LongRopeRotaryEmbedding
-
-        original = params.get("original_max_position_embeddings",
-                              getattr(config, "original_max_position_embeddings", None))
-        return LongRopeRotaryEmbedding(head_dim, rotary_dim, max_position,
-                                       {**params, "original_max_position_embeddings": original},
-                                       device=device)
-    return RotaryEmbedding(head_dim, rotary_dim, max_position, params, device=device)

@@ -12,7 +12,7 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from sgl.engine.forward_batch import ForwardBatch
+    from sgl.forward_batch import ForwardBatch
 
 __all__ = ["BaseCausalLM"]
 

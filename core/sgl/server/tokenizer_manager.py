@@ -387,7 +387,7 @@ class TokenizerManager:
         settings = self.settings.to_dict() if self.settings is not None else {}
         if settings.get("api_key"):
             settings["api_key"] = "<hidden>"
-        from sgl import __version__
+        from sgl.version import __version__
 
         return {**settings, **facts, "internal_states": [internal], "version": __version__}
 

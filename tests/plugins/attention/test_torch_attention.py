@@ -10,7 +10,7 @@ import torch
 import sgl_attn_torch.backend as backend_module
 from sgl.attention import AttentionLayerSpec
 from sgl.engine.batch_builder import BatchSeq, make_forward_batch
-from sgl.engine.forward_batch import ForwardMode
+from sgl.forward_batch import ForwardMode
 from sgl.kvcache import KVPool, ReqToTokenPool
 from sgl.plugins import create_plugin_manager
 from sgl_attn_torch.backend import TorchAttentionBackend

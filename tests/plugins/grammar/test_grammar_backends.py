@@ -263,7 +263,6 @@ def test_checker_in_the_server_process() -> None:
 def test_grammar_settings_round_trip(tmp_path: Path) -> None:
     """--grammar-backend and --disable-jump-forward from flags, environment and config file;
     auto and none are accepted beside the registered names, anything else is refused."""
-    from sgl.cli import check_backends
     from sgl.config import ConfigError
     from sgl.grammar.select import resolve_backend
 
@@ -282,6 +281,6 @@ def test_grammar_settings_round_trip(tmp_path: Path) -> None:
     assert from_file.grammar_backend == "outlines"
     assert from_file.sources["grammar_backend"].startswith("file")
     for settings in (flag, env, from_file):
-        check_backends(settings, pm)
+        pm.check_backends(settings)
     with pytest.raises(ConfigError, match="'foo'.*available: llguidance, outlines, xgrammar"):
-        check_backends(load_settings(env={}, cli={"grammar_backend": "foo"}), pm)
+        pm.check_backends(load_settings(env={}, cli={"grammar_backend": "foo"}))

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from sgl.kernels import cpu
 from sgl.kernels import ops
-from sgl.layers.packed_linear import PackedWeight, linear, pack_weight
+from sgl.kernels.library import PackedWeight
+from sgl.layers.packed_linear import linear, pack_weight
 from sgl.layers.rotary import RotaryEmbedding
 
 

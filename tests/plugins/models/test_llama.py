@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sgl.engine.batch_builder import BatchSeq, make_forward_batch, release_sequence
-from sgl.engine.forward_batch import ForwardMode
+from sgl.forward_batch import ForwardMode
 from sgl.engine.model_runner import ModelRunner
 from sgl.plugins import create_plugin_manager
 

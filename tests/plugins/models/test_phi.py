@@ -108,7 +108,7 @@ def test_longrope_switches_factors_like_transformers(tmp_path: Any) -> None:
     from transformers import DynamicCache
 
     from sgl.engine.batch_builder import BatchSeq, make_forward_batch, release_sequence
-    from sgl.engine.forward_batch import ForwardMode
+    from sgl.forward_batch import ForwardMode
 
     reference = build_reference(VARIANTS["longrope-partial"])
     reference.save_pretrained(tmp_path)

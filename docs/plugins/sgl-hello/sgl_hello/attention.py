@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from sgl.attention import AttentionLayerSpec
-    from sgl.engine.forward_batch import ForwardBatch
+    from sgl.forward_batch import ForwardBatch
 
 logger = logging.getLogger("sgl_hello")
 

@@ -37,12 +37,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from sgl.attention.base import AttentionLayerSpec, BaseAttentionBackend
-from sgl.engine.forward_batch import ForwardMode
+from sgl.forward_batch import ForwardMode
 from sgl.kernels import cpu
 from sgl_attn_torch.kernels import attend, decode_mask, extend_mask
 
 if TYPE_CHECKING:
-    from sgl.engine.forward_batch import ForwardBatch
+    from sgl.forward_batch import ForwardBatch
 
 __all__ = ["DECODE_CHUNK_TOKENS", "TorchAttentionBackend", "TorchAttentionMetadata"]
 

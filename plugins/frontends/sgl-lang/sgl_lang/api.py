@@ -24,7 +24,7 @@ _default_backend: BaseBackend | None = None
 
 def as_backend(backend: Any) -> BaseBackend | None:
     """A backend as given, or an ``sgl.Engine`` wrapped in an ``EngineBackend``."""
-    engine_module = sys.modules.get("sgl.engine.engine")
+    engine_module = sys.modules.get("sgl.entrypoints.engine")
     if engine_module is not None and isinstance(backend, engine_module.Engine):
         from sgl_lang.backends.engine import EngineBackend
 

@@ -17,7 +17,7 @@ import torch
 
 from sgl.kernels import ops as _ops  # noqa: F401  (declares the sgl operators _C implements)
 from sgl.kernels.library import KernelLibrary, KernelLibraryUnavailable, KernelTape
-from sgl.layers.packed_linear import PackedWeight
+from sgl.kernels.library import PackedWeight
 from sgl_kernels_cpu import linear
 
 __all__ = ["KERNEL_NAMES", "CpuKernelLibrary", "compiled_path"]

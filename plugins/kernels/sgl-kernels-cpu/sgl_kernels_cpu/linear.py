@@ -58,7 +58,7 @@ from __future__ import annotations
 import torch
 
 from sgl.kernels import cpu
-from sgl.layers.packed_linear import PackedWeight
+from sgl.kernels.library import PackedWeight
 
 __all__ = ["AMX_MAX_ROWS", "F32_MAX_ROWS", "F32_MIN_ROWS", "KernelWeight", "pack"]
 

@@ -44,7 +44,7 @@ from sgl.models.loading import MappedWeight, load_mapped_weights
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from sgl.engine.forward_batch import ForwardBatch
+    from sgl.forward_batch import ForwardBatch
 
 __all__ = ["DecoderForCausalLM", "DecoderOptions", "GatedMLP", "SparseMoeBlock", "head_dim_of",
            "map_fused_name"]

@@ -51,7 +51,7 @@ def run_one_batch(runner: Any, *, batch_size: int, input_len: int, output_len: i
     import torch
 
     from sgl.engine.batch_builder import BatchSeq, make_forward_batch, release_sequence
-    from sgl.engine.forward_batch import ForwardMode
+    from sgl.forward_batch import ForwardMode
 
     if min(batch_size, input_len, output_len) < 1:
         raise ValueError("batch size, input length and output length must be at least 1")

@@ -9,7 +9,7 @@ from sgl_lang.backends.base import NativeBackend
 from sgl_lang.errors import BackendError
 
 if TYPE_CHECKING:
-    from sgl.engine.engine import Engine
+    from sgl.entrypoints.engine import Engine
 
 __all__ = ["EngineBackend"]
 
@@ -32,7 +32,7 @@ class EngineBackend(NativeBackend):
         self._pick_template(chat_template, rendered, str(engine.settings.model_path or ""))
 
     def _call(self, body: dict[str, Any], stream: bool = False) -> Any:
-        from sgl.engine.engine import BadRequestError, GenerateError
+        from sgl.entrypoints.engine import BadRequestError, GenerateError
 
         kwargs = {k: body[k] for k in _FIELDS if k in body}
         try:

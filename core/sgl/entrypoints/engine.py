@@ -91,7 +91,6 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **settings: Any) -> None:
         self._closed = True  # until start-up succeeded; makes __del__ and shutdown() safe
-        from sgl.cli import check_backends, plugin_config_classes
         from sgl.engine.launch import start_scheduler
         from sgl.model_loader import load_tokenizer, resolve_model_path
         from sgl.plugins import PluginSelection, create_plugin_manager
@@ -102,9 +101,9 @@ class Engine:
         pm = create_plugin_manager(PluginSelection.from_args(base.load_plugins,
                                                              base.disable_plugins))
         self.settings: ServerSettings = engine_settings(model_path, settings,
-                                                        plugin_config_classes(pm))
+                                                        pm.config_classes())
         self.plugin_manager: SglPluginManager = pm
-        check_backends(self.settings, pm)
+        pm.check_backends(self.settings)
         resolved = resolve_model_path(self.settings.model_path)
         self._handle: SchedulerHandle = start_scheduler(self.settings, pm)
         try:
@@ -121,7 +120,7 @@ class Engine:
         try:
             self.tokenizer_manager: TokenizerManager = TokenizerManager(
                 self.tokenizer, self._handle.endpoints, self.info, self.settings,
-                grammar=GrammarChecker.for_server(pm, self.info))
+                grammar=GrammarChecker.for_server(pm, self.info.grammar_backend))
             self._run(self._start())
             pm.notify_startup(settings=self.settings, process="engine", context=self)
         except BaseException:
