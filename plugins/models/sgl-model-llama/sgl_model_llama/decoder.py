@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -301,10 +301,20 @@ class DecoderForCausalLM(BaseCausalLM):
                               mlp_bias=bool(getattr(config, "mlp_bias", False)),
                               activation=getattr(config, "hidden_act", "silu"))
 
+    #: every layer attends to the last ``config.sliding_window`` tokens (Mistral, Phi-3)
+    window_on_every_layer: ClassVar[bool] = False
+
     @classmethod
     def sliding_window(cls, config: PretrainedConfig, layer_id: int) -> int | None:
-        """Layer ``layer_id``'s attention window in tokens; None: full attention."""
-        return None
+        """Layer ``layer_id``'s attention window in tokens; None: full attention. By default
+        none, or with :attr:`window_on_every_layer` ``config.sliding_window`` (null: none)."""
+        if not cls.window_on_every_layer:
+            return None
+        window = getattr(config, "sliding_window", None)
+        if window is not None and int(window) < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens or null, "
+                             f"got {window}")
+        return None if window is None else int(window)
 
     @classmethod
     def rotary_embeddings(cls, config: PretrainedConfig, head_dim: int, *,

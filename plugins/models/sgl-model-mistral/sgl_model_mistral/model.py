@@ -7,12 +7,7 @@ Same maths as ``transformers``' ``MistralForCausalLM``: every layer attends to t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from sgl_model_llama.decoder import DecoderForCausalLM
-
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
 
 __all__ = ["MistralForCausalLM"]
 
@@ -20,10 +15,4 @@ __all__ = ["MistralForCausalLM"]
 class MistralForCausalLM(DecoderForCausalLM):
     """``MistralForCausalLM`` checkpoints (Mistral 7B v0.1-v0.3, Mistral NeMo, ...)."""
 
-    @classmethod
-    def sliding_window(cls, config: PretrainedConfig, layer_id: int) -> int | None:
-        window = getattr(config, "sliding_window", None)
-        if window is not None and int(window) < 1:
-            raise ValueError(f"sliding_window must be a positive number of tokens or null, "
-                             f"got {window}")
-        return None if window is None else int(window)
+    window_on_every_layer = True

@@ -22,7 +22,6 @@ from sgl_model_llama.decoder import DecoderForCausalLM, head_dim_of
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PretrainedConfig
 
 __all__ = ["Phi3ForCausalLM"]
 
@@ -30,10 +29,7 @@ __all__ = ["Phi3ForCausalLM"]
 class Phi3ForCausalLM(DecoderForCausalLM):
     """``Phi3ForCausalLM`` checkpoints (Phi-3-mini/medium, Phi-3.5-mini, Phi-4-mini)."""
 
-    @classmethod
-    def sliding_window(cls, config: PretrainedConfig, layer_id: int) -> int | None:
-        window = getattr(config, "sliding_window", None)
-        return int(window) if window else None
+    window_on_every_layer = True
 
     def map_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[MappedWeight]:
         """Split the checkpoint's fused tensors into the shards the layers load one by one."""
