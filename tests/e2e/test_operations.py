@@ -113,17 +113,67 @@ def _check_freed(server: ServerProcess, idle: int) -> None:
     assert _idle_kv(server) == idle
 
 
-def test_closing_a_stream_aborts_the_request(server: ServerProcess) -> None:
+STORY = "Tell me a long story."
+#: one streaming route of every frontend, with a request that runs far longer than the test
+STREAMS = {
+    "native": ("/generate", {"text": STORY, "stream": True, "sampling_params": LONG}),
+    "openai-chat": ("/v1/chat/completions", {
+        "model": "default", "messages": [{"role": "user", "content": STORY}], "stream": True,
+        "max_tokens": 3000, "ignore_eos": True}),
+    "openai-completions": ("/v1/completions", {
+        "model": "default", "prompt": STORY, "stream": True, "max_tokens": 3000,
+        "ignore_eos": True}),
+    "anthropic": ("/v1/messages", {
+        "model": "default", "messages": [{"role": "user", "content": STORY}], "stream": True,
+        "max_tokens": 3000}),
+    "ollama-chat": ("/api/chat", {
+        "model": "default", "messages": [{"role": "user", "content": STORY}],
+        "options": {"num_predict": 3000}}),
+    "ollama-generate": ("/api/generate", {
+        "model": "default", "prompt": STORY, "options": {"num_predict": 3000}}),
+}
+
+
+@pytest.mark.parametrize("frontend", list(STREAMS))
+def test_closing_a_stream_aborts_the_request(server: ServerProcess, frontend: str) -> None:
+    """Every frontend's stream, cut by its client after the first event, aborts its request at
+    once (finish reason ``abort`` in the metrics) and frees its KV memory."""
+    path, body = STREAMS[frontend]
     idle = _idle_kv(server)
-    with httpx.stream("POST", f"{server.base_url}/generate", timeout=60, json={
-            "text": "Tell me a long story.", "stream": True, "sampling_params": LONG}) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")
+    aborted = 'sgl:num_requests_total{finish_reason="abort"}'
+    before = metrics(server).get(aborted, 0.0)
+    with httpx.stream("POST", f"{server.base_url}{path}", timeout=60, json=body) as response:
+        assert response.status_code == 200
+        lines = (line for line in response.iter_lines() if line.strip())
+        first = next(lines)
+        assert first.startswith(("data: ", "event: ", "{")), first
+        next(lines)  # a second event: the request is in the scheduler
         state = load(server)
         assert state["num_running_reqs"] == 1 and state["kv_used_tokens"] > idle
     # leaving the block closed the connection mid-stream
     _check_freed(server, idle)
-    assert "client of POST /generate disconnected" in server.log()
+    assert metrics(server).get(aborted, 0.0) == before + 1
+    assert f"client of POST {path} disconnected" in server.log()
+
+
+@pytest.mark.parametrize("frontend", list(STREAMS))
+def test_a_body_nested_too_deep_is_a_400_and_the_connection_stays_open(
+        server: ServerProcess, frontend: str) -> None:
+    """JSON nested 1,000 deep used to be a 500 (RecursionError in the parser) on every
+    generation route, and the server then dropped the keep-alive connection."""
+    path, body = STREAMS[frontend]
+    deep = b'{"a": ' * 1000 + b"1" + b"}" * 1000
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        response = client.post(path, content=deep, headers={"Content-Type": "application/json"})
+        assert response.status_code == 400, response.text
+        assert "nests deeper than 64 levels" in response.text
+        short = {**body, "stream": False}
+        for key in ("max_tokens", "sampling_params", "options"):
+            if key in short:
+                short[key] = ({"max_new_tokens": 2} if key == "sampling_params" else
+                              {"num_predict": 2} if key == "options" else 2)
+        again = client.post(path, json=short)  # the same connection
+        assert again.status_code == 200, again.text
 
 
 def test_a_client_timing_out_aborts_a_non_streaming_request(server: ServerProcess) -> None:

@@ -7,16 +7,16 @@ is returned, as Anthropic does. Stop reasons: ``end_turn`` (the model's end-of-t
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from sgl.sampling import SamplingParams, SamplingParamsError
+from sgl.server import http
 from sgl.server.io_struct import GenerateError, GenerateReqInput
 from sgl_frontend_anthropic.protocol import CountTokensRequest, MessagesRequest, error_body
 
@@ -41,18 +41,9 @@ class AnthropicError(Exception):
 
 async def _parse(request: Request, model: type[M]) -> M:
     try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise AnthropicError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise AnthropicError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        msg = f"unknown field {where!r}" if err["type"] == "extra_forbidden" else err["msg"]
-        raise AnthropicError(400, f"{where}: {msg}" if where else msg) from None
+        return await http.parse_body(request, model)
+    except http.BodyError as exc:
+        raise AnthropicError(400, exc.message) from None
 
 
 def _check_model(server: ServerContext, name: str) -> None:
@@ -109,12 +100,12 @@ def _message(server: ServerContext, mid: str, content: list[dict[str, Any]],
                       "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}}
 
 
-def _event(kind: str, data: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+def _event(kind: str, data: dict[str, Any]) -> bytes:
+    return http.sse_event(data, event=kind)
 
 
 async def _events(server: ServerContext, mid: str, input_tokens: int,
-                  stream: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+                  stream: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     """Anthropic's event sequence: message_start, content_block_start, ping, the deltas,
     content_block_stop, message_delta (stop reason, usage), message_stop."""
     yield _event("message_start", {"type": "message_start", "message": _message(
@@ -155,8 +146,8 @@ def make_router(server: ServerContext) -> APIRouter:
         mid = f"msg_{uuid.uuid4().hex}"
         if req.stream:
             stream = tm.generate_stream(obj)  # a bad request raises here, before any byte
-            return StreamingResponse(_events(server, mid, len(ids), stream),
-                                     media_type="text/event-stream")
+            return http.EventStreamResponse(_events(server, mid, len(ids), stream),
+                                            closes=[stream])
         result = await tm.generate(obj)
         meta = result["meta_info"]  # type: ignore[index]
         content = [{"type": "text", "text": result["text"]}]  # type: ignore[index]

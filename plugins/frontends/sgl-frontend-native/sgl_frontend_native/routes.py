@@ -8,7 +8,6 @@ as SGLang does (``{"error": {"message": ...}}``, status 400 for a bad request).
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -17,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from sgl.server.io_struct import BadRequestError, GenerateError, GenerateReqInput
-from sgl.server.sse import EventStreamResponse, dumps, sse_event
+from sgl.server.http import BodyError, EventStreamResponse, dumps, read_json, sse_event
 
 if TYPE_CHECKING:
     from sgl.server.context import ServerContext
@@ -26,10 +25,6 @@ __all__ = ["make_router"]
 
 #: seconds /health_generate waits for its one token before answering 503
 HEALTH_GENERATE_TIMEOUT = 20.0
-
-
-class _BadBody(Exception):
-    """The body is not the JSON the route needs."""
 
 
 def _json(status: int, body: Any) -> Response:
@@ -44,13 +39,7 @@ def _error(status: int, message: str, param: str | None = None) -> Response:
 
 
 async def _read_json(request: Request) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        raise _BadBody("the request body is empty; send a JSON object")
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _BadBody(f"the request body is not valid JSON: {exc}") from None
+    return await read_json(request, empty="the request body is empty; send a JSON object")
 
 
 async def _events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
@@ -61,8 +50,6 @@ async def _events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]
             yield sse_event(chunk)
     except GenerateError as exc:
         yield sse_event({"error": {"message": str(exc), "code": exc.status}})
-    finally:
-        await chunks.aclose()  # type: ignore[attr-defined]
     yield sse_event("[DONE]")
 
 
@@ -79,9 +66,9 @@ def make_router(server: ServerContext) -> APIRouter:
             obj = GenerateReqInput.from_dict(await _read_json(request))
             if obj.stream is True:
                 chunks = tm.generate_stream(obj, incremental=False)
-                return EventStreamResponse(_events(chunks))
+                return EventStreamResponse(_events(chunks), closes=[chunks])
             result = await tm.generate(obj)
-        except _BadBody as exc:
+        except BodyError as exc:
             return _error(400, str(exc))
         except GenerateError as exc:
             return _error(exc.status, str(exc), getattr(exc, "param", None))
@@ -148,7 +135,7 @@ def make_router(server: ServerContext) -> APIRouter:
         """Stop a request by ``rid`` (or all with ``abort_all``); 200 even if it is unknown."""
         try:
             body = await _read_json(request)
-        except _BadBody as exc:
+        except BodyError as exc:
             return _error(400, str(exc))
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object with a 'rid'")
@@ -167,7 +154,7 @@ def make_router(server: ServerContext) -> APIRouter:
         SGLang's ``capacity_of_str_len`` is accepted and not needed."""
         try:
             body = await _read_json(request) if await request.body() else {}
-        except _BadBody as exc:
+        except BodyError as exc:
             return _error(400, str(exc))
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
@@ -186,7 +173,7 @@ def make_router(server: ServerContext) -> APIRouter:
         """Close a session: its conversation may be evicted from the cache again."""
         try:
             body = await _read_json(request)
-        except _BadBody as exc:
+        except BodyError as exc:
             return _error(400, str(exc))
         session_id = body.get("session_id") if isinstance(body, dict) else None
         if not isinstance(session_id, str):

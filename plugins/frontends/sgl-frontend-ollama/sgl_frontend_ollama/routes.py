@@ -14,10 +14,11 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from sgl.sampling import SamplingParams, SamplingParamsError
+from sgl.server import http
 from sgl.server.io_struct import GenerateError, GenerateReqInput
 from sgl_frontend_ollama.protocol import DEFAULTS, ChatRequest, GenerateRequest, ShowRequest
 
@@ -42,18 +43,9 @@ def _error(status: int, message: str) -> JSONResponse:
 
 async def _parse(request: Request, model: type[M]) -> M:
     try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise OllamaError(400, f"invalid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise OllamaError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        msg = f"unknown field {where!r}" if err["type"] == "extra_forbidden" else err["msg"]
-        raise OllamaError(400, f"{where}: {msg}" if where else msg) from None
+        return await http.parse_body(request, model)
+    except http.BodyError as exc:
+        raise OllamaError(400, exc.message) from None
 
 
 def _names(server: ServerContext) -> set[str]:
@@ -135,15 +127,18 @@ def _done_fields(meta: dict[str, Any], started: float) -> dict[str, Any]:
             "eval_duration": int(max(0.0, total - ttft) * 1e9)}
 
 
-def _ndjson(lines: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-    async def body() -> AsyncIterator[str]:
+def _ndjson(lines: AsyncIterator[dict[str, Any]],
+            request: AsyncIterator[Any]) -> http.StreamResponse:
+    """One JSON object a line; ``request``, the stream ``lines`` reads, is closed (its request
+    aborted) however the response ends."""
+    async def body() -> AsyncIterator[bytes]:
         try:
             async for line in lines:
-                yield json.dumps(line, ensure_ascii=False) + "\n"
+                yield http.dumps(line) + b"\n"
         except GenerateError as exc:
-            yield json.dumps({"error": str(exc)}) + "\n"
+            yield http.dumps({"error": str(exc)}) + b"\n"
 
-    return StreamingResponse(body(), media_type="application/x-ndjson")
+    return http.StreamResponse(body(), closes=[lines, request], media_type="application/x-ndjson")
 
 
 def _details(server: ServerContext) -> dict[str, Any]:
@@ -183,7 +178,7 @@ def make_router(server: ServerContext) -> APIRouter:
                     yield {"model": server.model_name, "created_at": _created_at(),
                            **shape("", meta), **_done_fields(meta, started)}
 
-            return _ndjson(lines())
+            return _ndjson(lines(), parts)
         result = await tm.generate(obj)
         meta = result["meta_info"]  # type: ignore[index]
         return JSONResponse({"model": server.model_name, "created_at": _created_at(),

@@ -13,8 +13,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
+from sgl.server.http import EventStreamResponse
 from sgl.server.io_struct import GenerateError, GenerateReqInput
 from sgl_frontend_openai.common import (
     FINISH_REASONS,
@@ -135,14 +136,14 @@ def _message(plan: _Plan, parser: BaseToolParser, text: str) -> tuple[dict[str, 
 
 
 async def create_chat_completion(server: ServerContext, parser: BaseToolParser,
-                                 req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+                                 req: ChatCompletionRequest) -> JSONResponse | EventStreamResponse:
     """Answer one chat completion request, streamed (SSE) or as one body."""
     plan = plan_chat(server, parser, req)
     tm = server.tokenizer_manager
     if req.stream:
         stream = tm.generate_stream(plan.obj)  # raises BadRequestError before any byte is out
-        return StreamingResponse(sse_stream(_chunks(server, parser, plan, req, stream)),
-                                 media_type="text/event-stream")
+        return EventStreamResponse(sse_stream(_chunks(server, parser, plan, req, stream)),
+                                   closes=[stream])
     out = await tm.generate(plan.obj)
     results = out if isinstance(out, list) else [out]
     choices = []

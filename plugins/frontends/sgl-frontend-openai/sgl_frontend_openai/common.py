@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from sgl.sampling import SamplingParams, SamplingParamsError
+from sgl.server import http
 from sgl_frontend_openai.protocol import error_body
 
 if TYPE_CHECKING:
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from sgl_frontend_openai.protocol import ResponseFormat, _SamplingFields
 
 __all__ = ["OpenAIError", "build_sampling", "check_model", "check_response_format",
-           "error_response", "new_id", "now", "parse_body", "sse", "sse_stream", "usage"]
+           "error_response", "new_id", "now", "parse_body", "sse_stream", "usage"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -48,35 +49,13 @@ def error_response(status: int, message: str, param: str | None = None,
                         status_code=status)
 
 
-def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0]
-    loc = [str(p) for p in err["loc"]]
-    param = ".".join(loc) or None
-    msg = err["msg"]
-    if err["type"] == "extra_forbidden":
-        msg = f"unknown field {loc[-1]!r}"
-    elif msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-        head = msg.split(":", 1)[0]
-        if param is None and head.isidentifier():  # a model-level check names its field
-            param = head
-    return f"{param}: {msg}" if param and not msg.startswith(f"{param}:") else msg, param
-
-
 async def parse_body(request: Request, model: type[M]) -> M:
     """The JSON body validated as ``model``; :class:`OpenAIError` (400) naming the field."""
     try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise OpenAIError(400, f"the request body must be a JSON object, got "
-                               f"{type(body).__name__}")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        message, param = _validation_message(exc)
-        raise OpenAIError(400, message, param.split(".")[0] if param else None) from None
+        return await http.parse_body(request, model)
+    except http.BodyError as exc:
+        raise OpenAIError(400, exc.message, exc.param.split(".")[0] if exc.param else None) \
+            from None
 
 
 def check_model(server: ServerContext, name: str | None) -> None:
@@ -159,22 +138,17 @@ def now() -> int:
     return int(time.time())
 
 
-def sse(obj: dict[str, Any]) -> str:
-    """One server-sent event carrying ``obj`` as JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def sse_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+async def sse_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     """Frame the events as SSE and end with ``data: [DONE]``; an error half-way is sent as an
     error event (the status line is already out)."""
     from sgl.server.io_struct import GenerateError
 
     try:
         async for event in events:
-            yield sse(event)
+            yield http.sse_event(event)
     except OpenAIError as exc:
-        yield sse(error_body(exc.message, param=exc.param, code=exc.code))
+        yield http.sse_event(error_body(exc.message, param=exc.param, code=exc.code))
     except GenerateError as exc:
         kind = "server_error" if exc.status >= 500 else "invalid_request_error"
-        yield sse(error_body(str(exc), type=kind, code=str(exc.status)))
-    yield "data: [DONE]\n\n"
+        yield http.sse_event(error_body(str(exc), type=kind, code=str(exc.status)))
+    yield http.sse_event("[DONE]")

@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
+from sgl.server.http import EventStreamResponse
 from sgl.server.io_struct import GenerateError, GenerateReqInput
 from sgl_frontend_openai.common import (
     FINISH_REASONS,
@@ -82,14 +83,14 @@ def _finish(meta: dict[str, Any]) -> str:
 
 
 async def create_completion(server: ServerContext,
-                            req: CompletionRequest) -> JSONResponse | StreamingResponse:
+                            req: CompletionRequest) -> JSONResponse | EventStreamResponse:
     """Answer one completion request, streamed (SSE) or as one body."""
     obj, texts = _request(server, req)
     tm = server.tokenizer_manager
     if req.stream:
         stream = tm.generate_stream(obj)
-        return StreamingResponse(sse_stream(_chunks(server, req, texts, stream)),
-                                 media_type="text/event-stream")
+        return EventStreamResponse(sse_stream(_chunks(server, req, texts, stream)),
+                                   closes=[stream])
     out = await tm.generate(obj)
     results = out if isinstance(out, list) else [out]
     choices = []
