@@ -121,6 +121,7 @@ class Registries:
     transfer: Registry[Any] = field(default_factory=lambda: Registry("KV transfer backend"))
     frontends: Registry[Any] = field(default_factory=lambda: Registry("frontend"))
     kernels: Registry[Any] = field(default_factory=lambda: Registry("kernel library"))
+    tool_parsers: Registry[Any] = field(default_factory=lambda: Registry("tool-call parser"))
 
     HOOKS = {
         "attention": "sgl_register_attention_backends",
@@ -132,6 +133,7 @@ class Registries:
         "transfer": "sgl_register_kv_transfer_backends",
         "frontends": "sgl_register_frontends",
         "kernels": "sgl_register_kernel_libraries",
+        "tool_parsers": "sgl_register_tool_parsers",
     }
 
 

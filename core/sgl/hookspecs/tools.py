@@ -15,11 +15,12 @@ def sgl_register_tool_parsers(register: RegisterFn) -> None:
     """Register tool-call parsers by name.
 
     Call ``register(name, "module:Class")``. The class subclasses
-    ``sgl_frontend_openai.tool_parsers.BaseToolParser``: it turns a model's raw output into text
+    :class:`sgl.tools.BaseToolParser`: it turns a model's raw output into text
     and tool calls (``parse``), writes the prompt that tells a model without tool support in its
     chat template how to call tools (``system_prompt``), renders earlier calls back into the
     chat (``render_calls``) and gives the text that starts a forced call (``forced_prefix``).
-    Frontends that accept ``tools`` (the OpenAI frontend) pick one by name: their
+    Frontends that accept ``tools`` (the OpenAI frontend) pick one by name from
+    ``plugin_manager.registries.tool_parsers``: their
     ``tool_call_parser`` setting, or ``auto`` (a parser whose ``matches(chat_template)`` claims
     the model's template, else ``hermes``). Two plugins registering one name is an error naming
     both.

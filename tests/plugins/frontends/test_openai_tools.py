@@ -12,14 +12,8 @@ import pytest
 from sgl import hookimpl
 from sgl.registry import UnknownNameError
 from sgl.testing import ServerProcess, run_cli
-from sgl_frontend_openai.tool_parsers import (
-    BaseToolParser,
-    HermesToolParser,
-    JsonToolParser,
-    ParsedOutput,
-    build_tool_parser_registry,
-    select_tool_parser,
-)
+from sgl.tools import BaseToolParser, ParsedOutput
+from sgl_frontend_openai.tool_parsers import HermesToolParser, JsonToolParser, select_tool_parser
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -104,7 +98,7 @@ def test_hook_sgl_register_tool_parsers(plugin_manager, register_plugin) -> None
             register("echo", EchoParser)
 
     register_plugin(Plugin(), name="echo-plugin")
-    registry = build_tool_parser_registry(plugin_manager)
+    registry = plugin_manager.registries.tool_parsers
     assert {"hermes", "json", "echo"} <= set(registry.names())
     assert registry.entry("echo").owner == "echo-plugin"
     assert registry.entry("hermes").owner == "frontend-openai"
@@ -116,7 +110,7 @@ def test_hook_sgl_register_tool_parsers(plugin_manager, register_plugin) -> None
 
 
 def test_auto_picks_hermes_for_a_qwen_style_template(plugin_manager) -> None:
-    registry = build_tool_parser_registry(plugin_manager)
+    registry = plugin_manager.registries.tool_parsers
     template = "{% if tools %}<tools>{{ tools }}</tools> <tool_call>{% endif %}"
     assert type(select_tool_parser(registry, "auto", template)) is HermesToolParser
     assert issubclass(registry.load("json"), BaseToolParser)

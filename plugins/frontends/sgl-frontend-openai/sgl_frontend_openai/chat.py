@@ -34,7 +34,7 @@ from sgl_frontend_openai.protocol import ChatCompletionRequest, ToolChoiceFuncti
 
 if TYPE_CHECKING:
     from sgl.server.context import ServerContext
-    from sgl_frontend_openai.tool_parsers import BaseToolParser
+    from sgl.tools import BaseToolParser
 
 __all__ = ["create_chat_completion"]
 

@@ -19,7 +19,7 @@ from sgl_frontend_openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from sgl_frontend_openai.tool_parsers import build_tool_parser_registry, select_tool_parser
+from sgl_frontend_openai.tool_parsers import select_tool_parser
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -46,7 +46,7 @@ def make_router(server: ServerContext) -> APIRouter:
     tm = server.tokenizer_manager
     settings = server.settings.plugin_settings.get("frontend-openai")
     template = tm.chat_template or getattr(tm.tokenizer, "chat_template", None)
-    parser = select_tool_parser(build_tool_parser_registry(server.plugin_manager),
+    parser = select_tool_parser(server.plugin_manager.registries.tool_parsers,
                                 getattr(settings, "tool_call_parser", "auto"), template)
 
     @router.get("/v1/models")

@@ -19,45 +19,16 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
-from sgl.registry import Registry
+from sgl.tools import BaseToolParser, ParsedOutput, ToolCall
 
 if TYPE_CHECKING:
-    from sgl.plugins import SglPluginManager
+    from sgl.registry import Registry
 
-__all__ = ["BaseToolParser", "HermesToolParser", "JsonToolParser", "ParsedOutput", "ToolCall",
-           "build_tool_parser_registry", "select_tool_parser"]
+__all__ = ["HermesToolParser", "JsonToolParser", "parse_call_json", "select_tool_parser"]
 
 _DECODER = json.JSONDecoder()
-
-
-@dataclass
-class ToolCall:
-    """One function call: the name and the arguments as JSON text."""
-
-    name: str
-    arguments: str
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        """The call as an item of OpenAI's ``tool_calls`` list (with ``index`` for a delta)."""
-        out: dict[str, Any] = {"id": self.id, "type": "function",
-                               "function": {"name": self.name, "arguments": self.arguments}}
-        if index is not None:
-            out["index"] = index
-        return out
-
-
-@dataclass
-class ParsedOutput:
-    """A reply split into its text (None when nothing else was said) and its calls."""
-
-    content: str | None
-    tool_calls: list[ToolCall]
 
 
 def _arguments_text(value: Any) -> str:
@@ -112,43 +83,15 @@ def parse_call_json(body: str) -> list[ToolCall]:
     return calls
 
 
-class BaseToolParser(ABC):
-    """How one family of models writes tool calls."""
-
-    #: the name under which the parser is registered
-    name: ClassVar[str] = ""
-    #: text that opens a call anywhere in a reply (None: a call is the whole reply)
-    call_start: ClassVar[str | None] = None
-    #: text that closes one call; a forced call stops there
-    call_end: ClassVar[str | None] = None
-
-    @classmethod
-    def matches(cls, chat_template: str) -> bool:
-        """Whether this is the format of a model with this chat template (for ``auto``)."""
-        return False
-
-    @abstractmethod
-    def parse(self, text: str) -> ParsedOutput:
-        """Split a finished reply into its text and its tool calls."""
-
-    @abstractmethod
-    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        """Instructions for a model whose chat template does not describe tools itself;
-        ``tools`` are OpenAI tool objects."""
-
-    @abstractmethod
-    def render_calls(self, calls: list[dict[str, Any]]) -> str:
-        """An earlier assistant turn's OpenAI ``tool_calls`` as the model would have written
-        them, for templates that do not render ``tool_calls``."""
-
-    @abstractmethod
-    def forced_prefix(self, name: str | None) -> str:
-        """The start of a reply that must call ``name`` (or any tool when None)."""
-
-    def may_start_call(self, text: str) -> bool:
-        """Whether a streamed reply that begins with ``text`` may turn out to be a call, so
-        it must be held back until it is finished."""
-        return True
+def _as_written(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI ``tool_calls`` item as the model writes a call: name and arguments object."""
+    fn = call.get("function", call)
+    args = fn.get("arguments", "{}")
+    try:
+        value = json.loads(args) if isinstance(args, str) else args
+    except json.JSONDecodeError:
+        value = args
+    return {"name": fn.get("name"), "arguments": value}
 
 
 def _tools_json(tools: list[dict[str, Any]]) -> str:
@@ -187,18 +130,8 @@ class HermesToolParser(BaseToolParser):
                 '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
     def render_calls(self, calls: list[dict[str, Any]]) -> str:
-        parts = []
-        for call in calls:
-            fn = call.get("function", call)
-            args = fn.get("arguments", "{}")
-            try:
-                args_value = json.loads(args) if isinstance(args, str) else args
-            except json.JSONDecodeError:
-                args_value = args
-            parts.append(f"{self.START}\n" + json.dumps({"name": fn.get("name"),
-                                                           "arguments": args_value},
-                                                          ensure_ascii=False) + f"\n{self.END}")
-        return "\n".join(parts)
+        return "\n".join(f"{self.START}\n{json.dumps(_as_written(c), ensure_ascii=False)}\n"
+                         f"{self.END}" for c in calls)
 
     def forced_prefix(self, name: str | None) -> str:
         if name is None:
@@ -232,15 +165,7 @@ class JsonToolParser(BaseToolParser):
                 '{"name": <function-name>, "arguments": <args-json-object>} and nothing else.')
 
     def render_calls(self, calls: list[dict[str, Any]]) -> str:
-        out = []
-        for call in calls:
-            fn = call.get("function", call)
-            args = fn.get("arguments", "{}")
-            try:
-                args_value = json.loads(args) if isinstance(args, str) else args
-            except json.JSONDecodeError:
-                args_value = args
-            out.append({"name": fn.get("name"), "arguments": args_value})
+        out = [_as_written(c) for c in calls]
         return json.dumps(out[0] if len(out) == 1 else out, ensure_ascii=False)
 
     def forced_prefix(self, name: str | None) -> str:
@@ -250,19 +175,6 @@ class JsonToolParser(BaseToolParser):
 
     def may_start_call(self, text: str) -> bool:
         return text.lstrip()[:1] in ("", "{", "[", "`")
-
-
-def build_tool_parser_registry(pm: SglPluginManager) -> Registry[type[BaseToolParser]]:
-    """Every tool-call parser the loaded plugins register through
-    ``sgl_register_tool_parsers``."""
-    registry: Registry[type[BaseToolParser]] = Registry("tool-call parser")
-
-    def register_for(owner: str) -> Any:
-        return lambda name, target: registry.register(name, target, owner=owner)
-
-    for _ in pm.call_each("sgl_register_tool_parsers", per_plugin={"register": register_for}):
-        pass
-    return registry
 
 
 def select_tool_parser(registry: Registry[type[BaseToolParser]], setting: str,
