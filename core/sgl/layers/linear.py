@@ -12,6 +12,8 @@ call again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -49,7 +51,29 @@ def _copy(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     param.copy_(loaded)
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """A weight ``[out, in]`` and optional bias ``[out]`` (this rank's slices), each loaded
+    through the layer's ``weight_loader`` and packed for the CPU matmuls after loading."""
+
+    weight_loader: Callable[..., None]
+
+    def _make_params(self, out_features: int, in_features: int, *, bias: bool,
+                     dtype: torch.dtype | None, device: torch.device | str | None) -> None:
+        self.weight = _param((out_features, in_features), dtype, device)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias: nn.Parameter | None = _param((out_features,), dtype, device)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+        self.packed: PackedWeight | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Pack the loaded weight for the CPU matmul (see :mod:`sgl.layers.packed_linear`)."""
+        self.packed = pack_weight(self.weight, self.bias)
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """``y = x W^T + b`` with the output features split over ranks (rank r holds rows
     ``[r * out / tp, (r + 1) * out / tp)`` of ``W``)."""
 
@@ -62,18 +86,8 @@ class ColumnParallelLinear(nn.Module):
         self.output_size = output_size
         self.output_size_per_partition = divide(output_size, self.tp.size, "output size")
         self.gather_output = gather_output
-        self.weight = _param((self.output_size_per_partition, input_size), dtype, device)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        if bias:
-            self.bias: nn.Parameter | None = _param((self.output_size_per_partition,), dtype, device)
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        else:
-            self.register_parameter("bias", None)
-        self.packed: PackedWeight | None = None
-
-    def process_weights_after_loading(self) -> None:
-        """Pack the loaded weight for the CPU matmul (see :mod:`sgl.layers.packed_linear`)."""
-        self.packed = pack_weight(self.weight, self.bias)
+        per_rank = self.output_size_per_partition
+        self._make_params(per_rank, input_size, bias=bias, dtype=dtype, device=device)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
@@ -155,7 +169,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return q, k, v
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """``y = x W^T + b`` with the input features split over ranks; the partial products are
     summed across ranks, then the (unsplit) bias is added once."""
 
@@ -167,18 +181,8 @@ class RowParallelLinear(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.input_size_per_partition = divide(input_size, self.tp.size, "input size")
-        self.weight = _param((output_size, self.input_size_per_partition), dtype, device)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        if bias:
-            self.bias: nn.Parameter | None = _param((output_size,), dtype, device)
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        else:
-            self.register_parameter("bias", None)
-        self.packed: PackedWeight | None = None
-
-    def process_weights_after_loading(self) -> None:
-        """Pack the loaded weight for the CPU matmul (see :mod:`sgl.layers.packed_linear`)."""
-        self.packed = pack_weight(self.weight, self.bias)
+        self._make_params(output_size, self.input_size_per_partition, bias=bias, dtype=dtype,
+                          device=device)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
