@@ -42,6 +42,26 @@ async def _read_json(request: Request) -> Any:
     return await read_json(request, empty="the request body is empty; send a JSON object")
 
 
+async def _object(request: Request, *, optional: bool = False, what: str = "") -> dict[str, Any]:
+    """The body as a JSON object (``optional``: an empty body is ``{}``); :class:`BodyError`
+    otherwise, ``what`` saying what the object must hold."""
+    if optional and not (await request.body()).strip():
+        return {}
+    body = await _read_json(request)
+    if not isinstance(body, dict):
+        raise BodyError(f"the request body must be a JSON object{what}")
+    return body
+
+
+def _field(body: dict[str, Any], name: str, kind: type, default: Any, message: str) -> Any:
+    """``body[name]`` if it is a ``kind`` (or absent: ``default``), else :class:`BodyError`
+    with ``message`` (``{got}`` is the value's type name)."""
+    value = body.get(name, default)
+    if not isinstance(value, kind):
+        raise BodyError(message.format(got=type(value).__name__, value=value), name)
+    return value
+
+
 async def _events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     """SGLang's stream: one ``data:`` event per chunk, an error event if the request fails on
     the way, then ``data: [DONE]``."""
@@ -134,16 +154,12 @@ def make_router(server: ServerContext) -> APIRouter:
     async def abort_request(request: Request) -> Response:
         """Stop a request by ``rid`` (or all with ``abort_all``); 200 even if it is unknown."""
         try:
-            body = await _read_json(request)
+            body = await _object(request, what=" with a 'rid'")
+            rid = _field(body, "rid", str, "", "rid must be a string, got {got}")
+            abort_all = _field(body, "abort_all", bool, False,
+                               "abort_all must be true or false, got {value!r}")
         except BodyError as exc:
-            return _error(400, str(exc))
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object with a 'rid'")
-        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
-        if not isinstance(rid, str):
-            return _error(400, f"rid must be a string, got {type(rid).__name__}", "rid")
-        if not isinstance(abort_all, bool):
-            return _error(400, f"abort_all must be true or false, got {abort_all!r}", "abort_all")
+            return _error(400, exc.message, exc.param)
         tm.abort_request(rid, abort_all=abort_all)
         return Response(status_code=200)
 
@@ -153,14 +169,11 @@ def make_router(server: ServerContext) -> APIRouter:
         ``"session_params": {"id": ...}`` with each); answers the session id as a JSON string.
         SGLang's ``capacity_of_str_len`` is accepted and not needed."""
         try:
-            body = await _read_json(request) if await request.body() else {}
+            body = await _object(request, optional=True)
+            session_id = _field(body, "session_id", (str, type(None)), None,
+                                "session_id must be a string")
         except BodyError as exc:
-            return _error(400, str(exc))
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object")
-        session_id = body.get("session_id")
-        if session_id is not None and not isinstance(session_id, str):
-            return _error(400, "session_id must be a string", "session_id")
+            return _error(400, exc.message, exc.param)
         try:
             return _json(200, await tm.open_session(session_id))
         except BadRequestError as exc:
@@ -172,12 +185,11 @@ def make_router(server: ServerContext) -> APIRouter:
     async def close_session(request: Request) -> Response:
         """Close a session: its conversation may be evicted from the cache again."""
         try:
-            body = await _read_json(request)
+            body = await _object(request, what=' {"session_id": "..."}')
+            session_id = _field(body, "session_id", str, None,
+                                'the body must be {{"session_id": "..."}}')
         except BodyError as exc:
-            return _error(400, str(exc))
-        session_id = body.get("session_id") if isinstance(body, dict) else None
-        if not isinstance(session_id, str):
-            return _error(400, "the body must be {\"session_id\": \"...\"}", "session_id")
+            return _error(400, exc.message, exc.param)
         try:
             await tm.close_session(session_id)
         except BadRequestError as exc:

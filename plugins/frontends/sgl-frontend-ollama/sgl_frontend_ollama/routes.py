@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["make_router"]
 
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R", ChatRequest, GenerateRequest)
 
 
 class OllamaError(Exception):
@@ -70,6 +71,21 @@ def _format_params(server: ServerContext, fmt: str | dict[str, Any] | None) -> d
                                "grammar backend plugin such as sgl-grammar-xgrammar")
     schema = {"type": "object"} if fmt == "json" else fmt
     return {"json_schema": json.dumps(schema)}
+
+
+async def _generation_request(server: ServerContext, request: Request, model: type[R]) -> R:
+    """The body of ``/api/chat`` or ``/api/generate``, for the served model, asking nothing
+    this server cannot do."""
+    req = await _parse(request, model)
+    _check_model(server, req.model)
+    _check_unsupported(req)
+    return req
+
+
+def _loaded(server: ServerContext, **fields: Any) -> JSONResponse:
+    """Ollama's answer to a request with nothing to generate: the model is loaded."""
+    return JSONResponse({"model": server.model_name, "created_at": _created_at(), **fields,
+                         "done": True, "done_reason": "load"})
 
 
 def _check_unsupported(req: _Base) -> None:
@@ -197,18 +213,14 @@ def make_router(server: ServerContext) -> APIRouter:
     async def chat(request: Request) -> Response:
         async def handle() -> Response:
             started = time.perf_counter()
-            req = await _parse(request, ChatRequest)
-            _check_model(server, req.model)
-            _check_unsupported(req)
+            req = await _generation_request(server, request, ChatRequest)
             if req.tools:
                 raise OllamaError(400, "tools: not supported by sgl's Ollama frontend; use the "
                                        "OpenAI routes for tool calls")
             if any(m.images for m in req.messages):
                 raise OllamaError(400, "images: this model does not accept images")
             if not req.messages:  # Ollama answers an empty chat by loading the model
-                return JSONResponse({"model": server.model_name, "created_at": _created_at(),
-                                     "message": {"role": "assistant", "content": ""},
-                                     "done": True, "done_reason": "load"})
+                return _loaded(server, message={"role": "assistant", "content": ""})
             messages = [{"role": m.role, "content": m.content} for m in req.messages]
             ids = tm.apply_chat_template(messages)
             obj = GenerateReqInput(input_ids=ids, sampling_params=_sampling(server, req, len(ids)))
@@ -223,9 +235,7 @@ def make_router(server: ServerContext) -> APIRouter:
     async def generate(request: Request) -> Response:
         async def handle() -> Response:
             started = time.perf_counter()
-            req = await _parse(request, GenerateRequest)
-            _check_model(server, req.model)
-            _check_unsupported(req)
+            req = await _generation_request(server, request, GenerateRequest)
             if req.images:
                 raise OllamaError(400, "images: this model does not accept images")
             if req.suffix:
@@ -234,8 +244,7 @@ def make_router(server: ServerContext) -> APIRouter:
                 raise OllamaError(400, "template: custom prompt templates are not supported; "
                                        "start the server with --chat-template instead")
             if not req.prompt and not req.context:  # Ollama: load the model, generate nothing
-                return JSONResponse({"model": server.model_name, "created_at": _created_at(),
-                                     "response": "", "done": True, "done_reason": "load"})
+                return _loaded(server, response="")
             if req.raw:
                 ids = tm.encode(req.prompt)
             else:
