@@ -10,25 +10,28 @@ abort their requests when the client goes away.
   (``closes=``) however the response ends: finished, failed, or cancelled because the client
   disconnected. Closing a TokenizerManager stream aborts its request at once, instead of when
   the garbage collector gets to it.
+* :func:`answering` decorates a route so that the exceptions a frontend knows are answered in
+  its error shape, and a returned dict is sent as JSON.
 * :func:`sse_event` frames one server-sent event (``data:``, with an ``event:`` line when
   named); :func:`dumps` writes strict JSON (non-finite floats as ``null``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Send
 
-__all__ = ["MAX_JSON_DEPTH", "BodyError", "EventStreamResponse", "StreamResponse", "dumps",
-           "parse_body", "read_json", "sse_event"]
+__all__ = ["MAX_JSON_DEPTH", "BodyError", "EventStreamResponse", "StreamResponse", "answering",
+           "dumps", "parse_body", "read_json", "sse_event"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -100,6 +103,31 @@ async def parse_body(request: Request, model: type[M]) -> M:
         return model.model_validate(body)
     except ValidationError as exc:
         raise BodyError(*validation_message(exc)) from None
+
+
+Route = Callable[..., Awaitable[Any]]
+
+
+def answering(answer: Callable[[Exception], Response | None]) -> Callable[[Route], Route]:
+    """A decorator for routes: an exception for which ``answer`` gives a response is answered
+    with it (the frontend's error shape), any other propagates; a returned dict is sent as
+    JSON. The route keeps its signature, so FastAPI still reads its parameters."""
+
+    def decorate(route: Route) -> Route:
+        @functools.wraps(route)
+        async def answered(*args: Any, **kwargs: Any) -> Any:
+            try:
+                out = await route(*args, **kwargs)
+            except Exception as exc:
+                response = answer(exc)
+                if response is None:
+                    raise
+                return response
+            return out if isinstance(out, Response) else JSONResponse(out)
+
+        return answered
+
+    return decorate
 
 
 def _finite(value: Any) -> Any:

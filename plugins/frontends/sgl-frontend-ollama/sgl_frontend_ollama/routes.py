@@ -166,6 +166,17 @@ def _details(server: ServerContext) -> dict[str, Any]:
             "parameter_size": "", "quantization_level": quant}
 
 
+def _answer_error(exc: Exception) -> Response | None:
+    if isinstance(exc, OllamaError):
+        return _error(exc.status, exc.message)
+    if isinstance(exc, GenerateError):
+        return _error(exc.status, str(exc))
+    return None
+
+
+answered = http.answering(_answer_error)
+
+
 def make_router(server: ServerContext) -> APIRouter:
     """The Ollama-compatible routes, bound to ``server``."""
     router = APIRouter(tags=["ollama"])
@@ -201,76 +212,66 @@ def make_router(server: ServerContext) -> APIRouter:
                              **shape(result["text"], meta),  # type: ignore[index]
                              **_done_fields(meta, started)})
 
-    async def guarded(handler: Any) -> Response:
-        try:
-            return await handler()
-        except OllamaError as exc:
-            return _error(exc.status, exc.message)
-        except GenerateError as exc:
-            return _error(exc.status, str(exc))
-
     @router.post("/api/chat")
+    @answered
     async def chat(request: Request) -> Response:
-        async def handle() -> Response:
-            started = time.perf_counter()
-            req = await _generation_request(server, request, ChatRequest)
-            if req.tools:
-                raise OllamaError(400, "tools: not supported by sgl's Ollama frontend; use the "
-                                       "OpenAI routes for tool calls")
-            if any(m.images for m in req.messages):
-                raise OllamaError(400, "images: this model does not accept images")
-            if not req.messages:  # Ollama answers an empty chat by loading the model
-                return _loaded(server, message={"role": "assistant", "content": ""})
-            messages = [{"role": m.role, "content": m.content} for m in req.messages]
-            ids = tm.apply_chat_template(messages)
-            obj = GenerateReqInput(input_ids=ids, sampling_params=_sampling(server, req, len(ids)))
+        started = time.perf_counter()
+        req = await _generation_request(server, request, ChatRequest)
+        if req.tools:
+            raise OllamaError(400, "tools: not supported by sgl's Ollama frontend; use the "
+                                   "OpenAI routes for tool calls")
+        if any(m.images for m in req.messages):
+            raise OllamaError(400, "images: this model does not accept images")
+        if not req.messages:  # Ollama answers an empty chat by loading the model
+            return _loaded(server, message={"role": "assistant", "content": ""})
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        ids = tm.apply_chat_template(messages)
+        obj = GenerateReqInput(input_ids=ids, sampling_params=_sampling(server, req, len(ids)))
 
-            def shape(text: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
-                return {"message": {"role": "assistant", "content": text}}
+        def shape(text: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+            return {"message": {"role": "assistant", "content": text}}
 
-            return await run(obj, req.stream, started, shape)
-        return await guarded(handle)
+        return await run(obj, req.stream, started, shape)
 
     @router.post("/api/generate")
+    @answered
     async def generate(request: Request) -> Response:
-        async def handle() -> Response:
-            started = time.perf_counter()
-            req = await _generation_request(server, request, GenerateRequest)
-            if req.images:
-                raise OllamaError(400, "images: this model does not accept images")
-            if req.suffix:
-                raise OllamaError(400, "suffix: this model does not support insertion")
-            if req.template:
-                raise OllamaError(400, "template: custom prompt templates are not supported; "
-                                       "start the server with --chat-template instead")
-            if not req.prompt and not req.context:  # Ollama: load the model, generate nothing
-                return _loaded(server, response="")
-            if req.raw:
-                ids = tm.encode(req.prompt)
-            else:
-                messages = [{"role": "user", "content": req.prompt}]
-                if req.system:
-                    messages.insert(0, {"role": "system", "content": req.system})
-                ids = tm.apply_chat_template(messages)
-            ids = list(req.context or []) + ids
-            obj = GenerateReqInput(input_ids=ids, sampling_params=_sampling(server, req, len(ids)))
+        started = time.perf_counter()
+        req = await _generation_request(server, request, GenerateRequest)
+        if req.images:
+            raise OllamaError(400, "images: this model does not accept images")
+        if req.suffix:
+            raise OllamaError(400, "suffix: this model does not support insertion")
+        if req.template:
+            raise OllamaError(400, "template: custom prompt templates are not supported; "
+                                   "start the server with --chat-template instead")
+        if not req.prompt and not req.context:  # Ollama: load the model, generate nothing
+            return _loaded(server, response="")
+        if req.raw:
+            ids = tm.encode(req.prompt)
+        else:
+            messages = [{"role": "user", "content": req.prompt}]
+            if req.system:
+                messages.insert(0, {"role": "system", "content": req.system})
+            ids = tm.apply_chat_template(messages)
+        ids = list(req.context or []) + ids
+        obj = GenerateReqInput(input_ids=ids, sampling_params=_sampling(server, req, len(ids)))
 
-            def shape(text: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
-                out: dict[str, Any] = {"response": text}
-                if meta is not None:  # the last object: the conversation so far, as ids
-                    out["context"] = ids + list(meta.get("output_ids") or [])
-                return out
+        def shape(text: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+            out: dict[str, Any] = {"response": text}
+            if meta is not None:  # the last object: the conversation so far, as ids
+                out["context"] = ids + list(meta.get("output_ids") or [])
+            return out
 
-            if not req.stream:
-                result = await tm.generate(obj)
-                meta = result["meta_info"]  # type: ignore[index]
-                return JSONResponse({
-                    "model": server.model_name, "created_at": _created_at(),
-                    "response": result["text"],  # type: ignore[index]
-                    "context": ids + list(result["output_ids"]),  # type: ignore[index]
-                    **_done_fields(meta, started)})
-            return await run(obj, True, started, shape)
-        return await guarded(handle)
+        if not req.stream:
+            result = await tm.generate(obj)
+            meta = result["meta_info"]  # type: ignore[index]
+            return JSONResponse({
+                "model": server.model_name, "created_at": _created_at(),
+                "response": result["text"],  # type: ignore[index]
+                "context": ids + list(result["output_ids"]),  # type: ignore[index]
+                **_done_fields(meta, started)})
+        return await run(obj, True, started, shape)
 
     @router.get("/api/tags")
     async def tags() -> dict[str, Any]:
@@ -280,23 +281,22 @@ def make_router(server: ServerContext) -> APIRouter:
                             "digest": "", "details": _details(server)}]}
 
     @router.post("/api/show")
+    @answered
     async def show(request: Request) -> Response:
-        async def handle() -> Response:
-            req = await _parse(request, ShowRequest)
-            name = req.model or req.name
-            if not name:
-                raise OllamaError(400, "model: required")
-            _check_model(server, name)
-            info = server.info
-            template = tm.chat_template or getattr(tm.tokenizer, "chat_template", None) or ""
-            return JSONResponse({
-                "modelfile": f"FROM {info.model_path}\n", "parameters": "", "template": template,
-                "license": "", "details": _details(server), "modified_at": _created_at(),
-                "model_info": {"general.architecture": info.architecture,
-                               "general.context_length": info.context_length,
-                               "general.vocab_size": info.vocab_size},
-                "capabilities": ["completion"]})
-        return await guarded(handle)
+        req = await _parse(request, ShowRequest)
+        name = req.model or req.name
+        if not name:
+            raise OllamaError(400, "model: required")
+        _check_model(server, name)
+        info = server.info
+        template = tm.chat_template or getattr(tm.tokenizer, "chat_template", None) or ""
+        return JSONResponse({
+            "modelfile": f"FROM {info.model_path}\n", "parameters": "", "template": template,
+            "license": "", "details": _details(server), "modified_at": _created_at(),
+            "model_info": {"general.architecture": info.architecture,
+                           "general.context_length": info.context_length,
+                           "general.vocab_size": info.vocab_size},
+            "capabilities": ["completion"]})
 
     @router.get("/api/version")
     async def version() -> dict[str, Any]:

@@ -7,8 +7,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
+from sgl.server import http
 from sgl.server.io_struct import GenerateError
 from sgl_frontend_openai.chat import create_chat_completion
 from sgl_frontend_openai.common import OpenAIError, check_model, error_response, parse_body
@@ -22,22 +23,21 @@ from sgl_frontend_openai.protocol import (
 from sgl_frontend_openai.tool_parsers import select_tool_parser
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
-
     from sgl.server.context import ServerContext
 
 __all__ = ["make_router"]
 
 
-async def _answer(handler: Callable[[], Awaitable[Response | dict[str, Any]]]) -> Response:
-    """Run a handler, turning sgl's and this frontend's errors into OpenAI error bodies."""
-    try:
-        out = await handler()
-    except OpenAIError as exc:
+def _error(exc: Exception) -> Response | None:
+    """sgl's and this frontend's errors as OpenAI error bodies."""
+    if isinstance(exc, OpenAIError):
         return exc.response()
-    except GenerateError as exc:
+    if isinstance(exc, GenerateError):
         return error_response(exc.status, str(exc), getattr(exc, "param", None))
-    return out if isinstance(out, Response) else JSONResponse(out)
+    return None
+
+
+answered = http.answering(_error)
 
 
 def make_router(server: ServerContext) -> APIRouter:
@@ -54,61 +54,56 @@ def make_router(server: ServerContext) -> APIRouter:
         return {"object": "list", "data": [_model_card(server)]}
 
     @router.get("/v1/models/{model:path}")
+    @answered
     async def retrieve_model(model: str) -> Response:
-        async def handle() -> dict[str, Any]:
-            check_model(server, model)
-            return _model_card(server)
-        return await _answer(handle)
+        check_model(server, model)
+        return _model_card(server)
 
     @router.post("/v1/chat/completions")
+    @answered
     async def chat_completions(request: Request) -> Response:
-        async def handle() -> Response:
-            req = await parse_body(request, ChatCompletionRequest)
-            return await create_chat_completion(server, parser, req)
-        return await _answer(handle)
+        req = await parse_body(request, ChatCompletionRequest)
+        return await create_chat_completion(server, parser, req)
 
     @router.post("/v1/completions")
+    @answered
     async def completions(request: Request) -> Response:
-        async def handle() -> Response:
-            req = await parse_body(request, CompletionRequest)
-            return await create_completion(server, req)
-        return await _answer(handle)
+        req = await parse_body(request, CompletionRequest)
+        return await create_completion(server, req)
 
     @router.post("/v1/tokenize")
+    @answered
     async def tokenize(request: Request) -> Response:
-        async def handle() -> dict[str, Any]:
-            req = await parse_body(request, TokenizeRequest)
-            check_model(server, req.model)
-            if req.messages is not None:
-                messages = []
-                for i, m in enumerate(req.messages):
-                    try:
-                        messages.append({"role": m.role, "content": m.text()})
-                    except ValueError as exc:
-                        raise OpenAIError(400, f"messages[{i}].content: {exc}",
-                                          "messages") from None
-                ids = tm.apply_chat_template(messages,
-                                             add_generation_prompt=req.add_generation_prompt)
-            else:
-                ids = tm.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
-            body: dict[str, Any] = {"tokens": ids, "count": len(ids),
-                                    "max_model_len": server.info.context_length}
-            if req.return_token_strs:
-                body["token_strs"] = [tm.token_text(t) for t in ids]
-            return body
-        return await _answer(handle)
+        req = await parse_body(request, TokenizeRequest)
+        check_model(server, req.model)
+        if req.messages is not None:
+            messages = []
+            for i, m in enumerate(req.messages):
+                try:
+                    messages.append({"role": m.role, "content": m.text()})
+                except ValueError as exc:
+                    raise OpenAIError(400, f"messages[{i}].content: {exc}",
+                                      "messages") from None
+            ids = tm.apply_chat_template(messages,
+                                         add_generation_prompt=req.add_generation_prompt)
+        else:
+            ids = tm.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+        body: dict[str, Any] = {"tokens": ids, "count": len(ids),
+                                "max_model_len": server.info.context_length}
+        if req.return_token_strs:
+            body["token_strs"] = [tm.token_text(t) for t in ids]
+        return body
 
     @router.post("/v1/detokenize")
+    @answered
     async def detokenize(request: Request) -> Response:
-        async def handle() -> dict[str, Any]:
-            req = await parse_body(request, DetokenizeRequest)
-            check_model(server, req.model)
-            bad = next((t for t in req.tokens if not 0 <= t < tm.vocab_size), None)
-            if bad is not None:
-                raise OpenAIError(400, f"tokens: token id {bad} is outside the vocabulary "
-                                       f"(ids must be in [0, {tm.vocab_size}))", "tokens")
-            return {"prompt": tm.decode(req.tokens, skip_special_tokens=False)}
-        return await _answer(handle)
+        req = await parse_body(request, DetokenizeRequest)
+        check_model(server, req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < tm.vocab_size), None)
+        if bad is not None:
+            raise OpenAIError(400, f"tokens: token id {bad} is outside the vocabulary "
+                                   f"(ids must be in [0, {tm.vocab_size}))", "tokens")
+        return {"prompt": tm.decode(req.tokens, skip_special_tokens=False)}
 
     return router
 
