@@ -111,11 +111,6 @@ class ServerSettings:
     disable_jump_forward: bool = _opt(
         False, "Sample every token of constrained output, even where the grammar allows only one "
         "continuation (jump-forward decoding off).")
-    speculative_algorithm: str | None = _opt(
-        None, "Speculative decoding algorithm by name; default: off.", registry="speculative")
-    kv_transfer_backend: str | None = _opt(
-        None, "KV transfer backend for prefill/decode disaggregation; default: none.",
-        registry="transfer")
     frontends: tuple[str, ...] = _opt(
         (), "HTTP frontends to mount (repeatable); default: every installed one.",
         registry="frontends", flags=("--frontend",))

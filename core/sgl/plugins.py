@@ -135,6 +135,20 @@ class Registries:
         "kernels": "sgl_register_kernel_libraries",
         "tool_parsers": "sgl_register_tool_parsers",
     }
+    #: registries whose hook has a contract but nothing in this sgl that runs it yet
+    NOT_RUN_YET = {
+        "speculative": "sgl runs no speculative decoding yet",
+        "parallel": "sgl starts exactly one scheduler process (no tensor or data parallelism "
+                    "yet)",
+        "transfer": "sgl has no prefill/decode disaggregation yet",
+    }
+
+    def unused(self) -> list[str]:
+        """One line per registration that nothing in this sgl will use (see
+        :attr:`NOT_RUN_YET`), naming the plugin."""
+        return [f"plugin {entry.owner!r} registers {getattr(self, attr).kind} {entry.name!r}, "
+                f"which is not used: {why}"
+                for attr, why in self.NOT_RUN_YET.items() for entry in getattr(self, attr)]
 
 
 class SglPluginManager(pluggy.PluginManager):
@@ -230,6 +244,8 @@ class SglPluginManager(pluggy.PluginManager):
 
             for _ in self.call_each(hook_name, per_plugin={"register": register_for}):
                 pass
+        for line in registries.unused():
+            logger.warning("%s", line)
         return registries
 
     def notify_startup(self, **kwargs: Any) -> None:

@@ -83,6 +83,43 @@ def test_hook_sgl_register_kv_transfer_backends(plugin_manager, register_plugin)
     assert plugin_manager.registries.transfer.entry("toy-xfer").owner == "p"
 
 
+@pytest.mark.parametrize("hook,what", [
+    ("sgl_register_speculative_algorithms", "speculative algorithm 'unused'.* no "
+                                            "speculative decoding yet"),
+    ("sgl_register_parallel_strategies", "parallel strategy 'unused'.* exactly one "
+                                         "scheduler process"),
+    ("sgl_register_kv_transfer_backends", "KV transfer backend 'unused'.* no "
+                                          "prefill/decode disaggregation yet"),
+])
+def test_a_registration_nothing_runs_yet_is_reported(plugin_manager, register_plugin, caplog,
+                                                     hook: str, what: str) -> None:
+    """Nothing in sgl consumes these three hooks yet: a plugin that registers into one is told
+    so (a warning when the registries are built, a line in `sgl plugins`), instead of a
+    setting that accepts the name and silently ignores it."""
+    import re
+
+    register_plugin(registering(hook, "unused", "a:B"), name="eager")
+    with caplog.at_level("WARNING", logger="sgl.plugins"):
+        lines = plugin_manager.registries.unused()
+    assert len(lines) == 1 and re.search(f"plugin 'eager' registers {what}", lines[0]), lines
+    assert lines[0] in caplog.text
+
+
+def test_sgl_plugins_lists_what_is_not_used(tmp_path) -> None:
+    from sgl.testing import run_cli
+
+    path = tmp_path / "eager_spec.py"
+    path.write_text("from sgl import hookimpl\n\n@hookimpl\n"
+                    "def sgl_register_speculative_algorithms(register):\n"
+                    "    register('eagle', 'eager_spec:Eagle')\n")
+    result = run_cli(["plugins", "--plugin", str(path)])
+    assert result.returncode == 0, result.stderr
+    assert ("Not used: plugin 'eager_spec' registers speculative algorithm 'eagle', which is "
+            "not used: sgl runs no speculative decoding yet") in result.stdout
+    flag = run_cli(["serve", "--speculative-algorithm", "eagle", "--plugin", str(path)])
+    assert flag.returncode == 2 and "No such option" in flag.stderr
+
+
 def test_hook_sgl_register_frontends(plugin_manager, register_plugin) -> None:
     register_plugin(registering("sgl_register_frontends", "toy-front", "a:make"), "p")
     assert {"toy-front", "openai"} <= set(plugin_manager.registries.frontends.names())
