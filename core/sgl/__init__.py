@@ -12,19 +12,22 @@ if TYPE_CHECKING:
 
 __all__ = ["Engine", "__version__", "hookimpl"]
 
+_plugins: Any = None  # the plugin manager that sgl_register_api_names is read from
 
 
-#: names that plugin distributions provide at the top level: name -> (module, distribution)
-_PLUGIN_NAMES: dict[str, tuple[str, str]] = {
-    name: ("sgl_lang", "sgl-lang") for name in (
-        "function", "gen", "gen_int", "gen_string", "select", "image", "system", "user",
-        "assistant", "system_begin", "system_end", "user_begin", "user_end", "assistant_begin",
-        "assistant_end", "set_default_backend", "get_default_backend", "RuntimeEndpoint",
-        "OpenAI", "EngineBackend", "ProgramState", "token_length_normalized",
-        "greedy_token_selection", "unconditional_likelihood_normalized", "BackendError",
-        "LangError",
-    )
-}
+def _plugin_name(name: str) -> Any:
+    global _plugins
+    if _plugins is None:
+        from sgl.plugins import PluginSelection, create_plugin_manager
+
+        _plugins = create_plugin_manager(PluginSelection.from_args())
+    names = _plugins.registries.api_names
+    if name not in names:
+        unavailable = "".join(f"; plugin {r.name!r} is unavailable: {r.reason}"
+                              for r in _plugins.records.values() if not r.available)
+        raise AttributeError(f"module 'sgl' has no attribute {name!r} (no loaded plugin "
+                             f"registers it through sgl_register_api_names{unavailable})")
+    return names.load(name)
 
 
 def __getattr__(name: str) -> Any:
@@ -34,18 +37,8 @@ def __getattr__(name: str) -> Any:
 
         globals()["Engine"] = Engine
         return Engine
-    if name in _PLUGIN_NAMES:
-        import importlib
-
-        module_name, distribution = _PLUGIN_NAMES[name]
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            raise AttributeError(f"sgl.{name} is provided by the plugin {distribution!r}, which "
-                                 f"is not installed: pip install {distribution}") from None
-        value = getattr(module, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'sgl' has no attribute {name!r}")
+    if name.startswith("__"):  # the import system and tools probe these
+        raise AttributeError(f"module 'sgl' has no attribute {name!r}")
+    value = _plugin_name(name)  # names plugins add: sgl.function, sgl.gen, ... (sgl-lang)
+    globals()[name] = value
+    return value

@@ -122,6 +122,7 @@ class Registries:
     frontends: Registry[Any] = field(default_factory=lambda: Registry("frontend"))
     kernels: Registry[Any] = field(default_factory=lambda: Registry("kernel library"))
     tool_parsers: Registry[Any] = field(default_factory=lambda: Registry("tool-call parser"))
+    api_names: Registry[Any] = field(default_factory=lambda: Registry("top-level name"))
 
     HOOKS = {
         "attention": "sgl_register_attention_backends",
@@ -134,6 +135,7 @@ class Registries:
         "frontends": "sgl_register_frontends",
         "kernels": "sgl_register_kernel_libraries",
         "tool_parsers": "sgl_register_tool_parsers",
+        "api_names": "sgl_register_api_names",
     }
     #: registries whose hook has a contract but nothing in this sgl that runs it yet
     NOT_RUN_YET = {

@@ -37,6 +37,8 @@ def registering(hook: str, name: str, target: Any) -> object:
     ("sgl_register_parallel_strategies", "parallel"),
     ("sgl_register_kv_transfer_backends", "transfer"),
     ("sgl_register_frontends", "frontends"),
+    ("sgl_register_tool_parsers", "tool_parsers"),
+    ("sgl_register_api_names", "api_names"),
 ])
 def test_registry_hook(plugin_manager, register_plugin, hook: str, registry: str) -> None:
     register_plugin(registering(hook, "inline-thing", "collections:OrderedDict"), name="inline")
@@ -118,6 +120,33 @@ def test_sgl_plugins_lists_what_is_not_used(tmp_path) -> None:
             "not used: sgl runs no speculative decoding yet") in result.stdout
     flag = run_cli(["serve", "--speculative-algorithm", "eagle", "--plugin", str(path)])
     assert flag.returncode == 2 and "No such option" in flag.stderr
+
+
+def test_hook_sgl_register_api_names(plugin_manager, register_plugin) -> None:
+    register_plugin(registering("sgl_register_api_names", "toy_name", "collections:deque"), "p")
+    assert plugin_manager.registries.api_names.entry("toy_name").owner == "p"
+    assert "function" in plugin_manager.registries.api_names  # the language plugin's
+
+
+def test_sgl_names_come_from_the_plugins_that_register_them() -> None:
+    """``sgl.function`` & co. are the language plugin's, found through
+    sgl_register_api_names; with that plugin left out they are not there, and the error
+    says where such names come from."""
+    import subprocess
+    import sys
+
+    probe = "import sgl, sgl_lang; print(sgl.function is sgl_lang.function, sgl.gen is sgl_lang.gen)"
+    ok = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                        timeout=120)
+    assert ok.stdout.split() == ["True", "True"], ok.stderr
+    import os
+
+    gone = subprocess.run([sys.executable, "-c", "import sgl; sgl.function"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SGL_DISABLE_PLUGINS": "lang"})
+    assert gone.returncode == 1
+    assert ("AttributeError: module 'sgl' has no attribute 'function' (no loaded plugin "
+            "registers it through sgl_register_api_names)") in gone.stderr
 
 
 def test_hook_sgl_register_frontends(plugin_manager, register_plugin) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from sgl.hookspecs import (
+    api,
     attention,
     cli,
     config,
@@ -28,6 +29,7 @@ __all__ = ["PROJECT_NAME", "SPEC_MODULES", "hookimpl", "hookspec"]
 
 SPEC_MODULES: tuple[ModuleType, ...] = (
     lifecycle,
+    api,
     cli,
     config,
     attention,

@@ -37,7 +37,7 @@ def generate(server: ServerProcess, **body: Any) -> Any:
 def test_plugin_is_installed() -> None:
     plugins = {p["name"]: p for p in json.loads(run_cli(["plugins", "--json"]).stdout)}
     assert plugins["lang"]["available"]
-    assert plugins["lang"]["hooks"] == ["sgl_register_commands"]
+    assert plugins["lang"]["hooks"] == ["sgl_register_api_names", "sgl_register_commands"]
 
 
 def test_core_exposes_the_language() -> None:
@@ -54,7 +54,8 @@ def test_missing_plugin_names_it() -> None:
     code = "import sys; sys.modules['sgl_lang'] = None; import sgl; sgl.gen"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode != 0
-    assert "sgl.gen is provided by the plugin 'sgl-lang', which is not installed" in out.stderr
+    assert "module 'sgl' has no attribute 'gen'" in out.stderr
+    assert "plugin 'lang' is unavailable" in out.stderr
 
 
 @sgl.function

@@ -1,7 +1,6 @@
-"""The plugin module of sgl-lang: adds ``sgl lang run SCRIPT`` to the command line.
-
-The language itself is a library (``import sgl`` then ``sgl.function``, ``sgl.gen``, ...); the
-core finds it through this distribution. Importing this module imports nothing heavy.
+"""The plugin module of sgl-lang: adds ``sgl lang run SCRIPT`` to the command line and the
+language's names to ``sgl`` (``sgl.function``, ``sgl.gen``, ...; hook
+``sgl_register_api_names``). Importing this module imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -15,7 +14,24 @@ from sgl import hookimpl
 if TYPE_CHECKING:
     import click
 
-__all__ = ["sgl_register_commands"]
+    from sgl.registry import RegisterFn
+
+__all__ = ["API_NAMES", "sgl_register_api_names", "sgl_register_commands"]
+
+#: what ``import sgl`` exposes of the language, as SGLang's ``sglang`` package does
+API_NAMES = (
+    "function", "gen", "gen_int", "gen_string", "select", "image", "system", "user", "assistant",
+    "system_begin", "system_end", "user_begin", "user_end", "assistant_begin", "assistant_end",
+    "set_default_backend", "get_default_backend", "RuntimeEndpoint", "OpenAI", "EngineBackend",
+    "ProgramState", "token_length_normalized", "greedy_token_selection",
+    "unconditional_likelihood_normalized", "BackendError", "LangError",
+)
+
+
+@hookimpl
+def sgl_register_api_names(register: RegisterFn) -> None:
+    for name in API_NAMES:
+        register(name, f"sgl_lang:{name}")
 
 
 @hookimpl
