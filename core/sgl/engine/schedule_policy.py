@@ -1,4 +1,5 @@
-"""The order in which waiting requests are admitted (``--schedule-policy``).
+"""What one scheduler step runs (:class:`ScheduledBatch`), which waiting requests join it
+(:class:`Admission`), and the order in which they are considered (``--schedule-policy``).
 
 * ``lpm``, longest prefix match: requests with the most tokens already in the prefix cache go
   first, so cached prefixes are used before they are evicted;
@@ -14,17 +15,22 @@ they fall back to fcfs, as SGLang does. They also share prefixes *within* the qu
 
 from __future__ import annotations
 
+import math
 import random
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from sgl.engine.batch_builder import BatchSeq
+from sgl.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
     from sgl.engine.sequence import Req
-    from sgl.kvcache import BaseCachePolicy, PrefixMatch
+    from sgl.kvcache import BaseCachePolicy, KVPool, PrefixMatch, ReqToTokenPool
 
 __all__ = ["CACHE_AWARE_POLICIES", "CACHE_AWARE_QUEUE_LIMIT", "IN_QUEUE_SHARING_TOKENS",
-           "defer_for_sharing", "order_waiting"]
+           "Admission", "ScheduledBatch", "defer_for_sharing", "order_waiting"]
 
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 #: more waiting requests than this: cache-aware policies fall back to fcfs
@@ -91,3 +97,106 @@ def defer_for_sharing(req: Req, match: PrefixMatch, admitted: set[tuple[int, ...
         return True
     admitted.add(head)
     return False
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: ``(request, number of new tokens)`` pairs, decodes first, then prompt
+    chunks. The forward runs their tokens back to back in this order."""
+
+    items: list[tuple[Req, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    @property
+    def reqs(self) -> list[Req]:
+        return [req for req, _ in self.items]
+
+    @property
+    def mode(self) -> ForwardMode:
+        decode = all(req.pending == 1 for req, _ in self.items)
+        return ForwardMode.DECODE if decode else ForwardMode.EXTEND
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+    def offsets(self) -> list[int]:
+        """Where each request's tokens start in the forward (and, last, the total)."""
+        offsets = [0]
+        for _, n in self.items:
+            offsets.append(offsets[-1] + n)
+        return offsets
+
+    def seqs(self) -> list[BatchSeq]:
+        """The sequences of the forward: each request's next ``n`` tokens after its KV."""
+        return [BatchSeq(r.row, r.kv_len, r.token_slice(r.kv_len, r.kv_len + n))
+                for r, n in self.items]
+
+
+def max_prefix_len(req: Req) -> int:
+    """How many leading tokens of ``req`` may come from the cache: all but the last (whose
+    logits are needed), and none of the prompt positions whose logprobs were asked for."""
+    limit = req.seq_len - 1
+    if req.logprobs.return_logprob and req.next_input_logprob < len(req.input_ids):
+        limit = min(limit, max(req.next_input_logprob - 1, 0))
+    return max(limit, 0)
+
+
+class Admission:
+    """Which waiting requests join the running batch: in the schedule policy's order, each
+    from its longest cached prefix (locked for it), while the token budget, the KV memory
+    they will need, the free request rows and ``--max-running-requests`` allow."""
+
+    def __init__(self, policy: str, cache: BaseCachePolicy, kv_pool: KVPool,
+                 req_to_token_pool: ReqToTokenPool, max_running_requests: int) -> None:
+        self.policy = policy
+        self.cache = cache
+        self.kv_pool = kv_pool
+        self.req_to_token_pool = req_to_token_pool
+        self.max_running_requests = max_running_requests
+
+    def kv_available(self) -> int:
+        """KV slots free now or freeable by evicting unlocked cached prefixes."""
+        return self.kv_pool.num_free + self.cache.evictable_tokens
+
+    def has_room(self, waiting: Sequence[Req], num_running: int, budget: int) -> bool:
+        return bool(waiting and budget > 0 and self.req_to_token_pool.num_free > 0
+                    and num_running < self.max_running_requests)
+
+    def select(self, waiting: Sequence[Req], num_running: int, budget: int, free: int,
+               reserved: int, new_token_ratio: float) -> list[tuple[Req, PrefixMatch, int]]:
+        """``(request, its locked cached prefix, new tokens it runs this step)`` for each
+        request to admit. ``free``: KV slots this step's tokens may still take; ``reserved``:
+        slots the running requests are expected to need for their outputs (a share
+        ``new_token_ratio`` of what they may still generate); a request is admitted only if
+        its prompt and its expected output fit beside them (or it would run alone)."""
+        order, matches = order_waiting(self.policy, waiting, self.cache, max_prefix_len)
+        shared_heads: set[tuple[int, ...]] = set()
+        rows_free = self.req_to_token_pool.num_free
+        chosen: list[tuple[Req, PrefixMatch, int]] = []
+        for req in order:
+            running = num_running + len(chosen)
+            if not (budget > 0 and rows_free > len(chosen)
+                    and running < self.max_running_requests):
+                break
+            match = matches.get(id(req))  # an empty match is falsy: test for None
+            if match is None:
+                match = self.cache.match_prefix(req.token_slice(0, max_prefix_len(req)))
+            if self.policy in CACHE_AWARE_POLICIES and defer_for_sharing(req, match,
+                                                                         shared_heads):
+                continue
+            self.cache.lock(match)
+            pending = req.seq_len - len(match)
+            need = pending + math.ceil(req.remaining_new_tokens() * new_token_ratio)
+            available = self.kv_available()
+            if (need > available - reserved and running) or pending > available:
+                self.cache.unlock(match)  # wait for memory to come back
+                break
+            n = min(pending, budget, free)
+            chosen.append((req, match, max(n, 0)))
+            if n > 0:
+                budget, free = budget - n, free - n
+            reserved += need
+        return chosen

@@ -1,9 +1,17 @@
 """The scheduler process: owns the model, batches requests, samples tokens.
 
-One step of :meth:`Scheduler.event_loop` is the whole cycle: take new requests, make room for
-the running decodes (retracting requests when KV memory runs out), fill the rest of the token
-budget with prefill chunks of waiting prompts, run one forward over the mixed batch, sample,
-send the new tokens back, and free finished requests.
+One :meth:`Scheduler.step` of the event loop is three phases, after the messages from the
+server (:meth:`~Scheduler.recv_requests`, one handler per message type):
+
+1. :meth:`~Scheduler.schedule` returns a :class:`~sgl.engine.schedule_policy.ScheduledBatch`:
+   the running decodes (retracting requests when KV memory runs out), the next chunks of
+   prompts already running, and the waiting requests the
+   :class:`~sgl.engine.schedule_policy.Admission` lets in;
+2. :meth:`~Scheduler.run_batch` runs one forward over the mixed batch;
+3. :meth:`~Scheduler.process_batch_result` computes logprobs, caches prefixes, samples, runs
+   the grammars and checks which requests finished.
+
+Then the new tokens go back to the server and finished requests are freed.
 """
 
 from __future__ import annotations
@@ -17,13 +25,13 @@ import time
 import traceback
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
 
-from sgl.engine.batch_builder import BatchSeq, make_forward_batch
-from sgl.forward_batch import ForwardMode
+from sgl.engine.batch_builder import make_forward_batch
 from sgl.engine.grammar_manager import IDLE_WAIT, make_grammar_manager
 from sgl.engine.logprobs import LogprobRows
 from sgl.engine.messages import (
@@ -39,7 +47,7 @@ from sgl.engine.messages import (
     TokenOutput,
 )
 from sgl.engine.sampler import SamplingInput, sample_next_tokens
-from sgl.engine.schedule_policy import CACHE_AWARE_POLICIES, defer_for_sharing, order_waiting
+from sgl.engine.schedule_policy import Admission, ScheduledBatch
 from sgl.engine.sequence import Req
 from sgl.kernels import cpu
 from sgl.kvcache import BaseCachePolicy, NoPrefixCache, PrefixMatch
@@ -105,7 +113,10 @@ class Scheduler:
             context_length=settings.context_length, page_size=settings.page_size,
             cpu_graphs=not settings.disable_cpu_graph)
         self.eos_token_ids = _eos_ids(self.runner.hf_config)
-        self.cache = make_cache_policy(settings, pm, self.runner)
+        self.admission = Admission(settings.schedule_policy,
+                                   make_cache_policy(settings, pm, self.runner),
+                                   self.runner.kv_pool, self.runner.req_to_token_pool,
+                                   settings.max_running_requests)
         self.grammar = make_grammar_manager(
             settings, pm, tokenizer=self._tokenizer.result, vocab_size=self.runner.vocab_size,
             stop_token_ids=self.eos_token_ids)
@@ -122,11 +133,32 @@ class Scheduler:
         self._replies: list[TokenOutput] = []  # outputs of requests rejected or aborted
         self._step_slots: torch.Tensor | None = None  # KV slots of a forward still running
 
+        #: what each message from the server does
+        self.handlers: dict[type, Callable[[Any], None]] = {
+            GenerateRequest: self.add_request,
+            AbortRequest: lambda msg: self.abort(msg.rid),
+            FlushCacheRequest: lambda msg: self.reply_info(msg.rid, self.flush_cache()),
+            ServerInfoRequest: lambda msg: self.reply_info(msg.rid, self.load_info()),
+            OpenSessionRequest: lambda msg: self.reply_info(
+                msg.rid, self.open_session(msg.session_id)),
+            CloseSessionRequest: lambda msg: self.reply_info(
+                msg.rid, self.close_session(msg.session_id)),
+            ShutdownRequest: lambda msg: self.stop(),
+        }
         self.zmq = zmq.Context()
         self.recv_sock = self.zmq.socket(zmq.PULL)
         self.recv_sock.connect(endpoints["requests"])
         self.send_sock = self.zmq.socket(zmq.PUSH)
         self.send_sock.connect(endpoints["outputs"])
+
+    @property
+    def cache(self) -> BaseCachePolicy:
+        """The prefix cache (the admission's: it matches and locks prefixes in it)."""
+        return self.admission.cache
+
+    @cache.setter
+    def cache(self, cache: BaseCachePolicy) -> None:
+        self.admission.cache = cache
 
     @property
     def tokenizer(self) -> Any:
@@ -158,44 +190,50 @@ class Scheduler:
         return not (self.waiting or self.running or self.grammar.queue)
 
     def step(self) -> None:
-        """Schedule, run one forward, send what changed, free what finished."""
+        """Schedule, run one forward, process its result, send what changed, free what
+        finished."""
         self.admit_compiled()
-        step = self.schedule()
-        if step:
+        batch = self.schedule()
+        if batch:
             try:
-                self.run_step(step)
+                hidden = self.run_batch(batch)
+                self.process_batch_result(batch, hidden)
             except Exception as exc:  # a failing batch must not take the others down
-                logger.error("a batch of %d failed:\n%s", len(step), traceback.format_exc())
-                if self._step_slots is not None:  # taken for the new tokens, never filled
-                    self.runner.kv_pool.free(self._step_slots)
-                    self._step_slots = None
-                for req, _ in step:
-                    self.fail(req, f"internal error while running the model: {exc}", 500)
-        self.send_outputs([req for req, _ in step])
+                self.fail_batch(batch, exc)
+        self.send_outputs(batch.reqs)
         self.release_finished()
 
-    def schedule(self) -> list[tuple[Req, int]]:
-        """Pick this step's work: ``(request, number of new tokens)`` pairs."""
+    # 1. scheduling ---------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        """This step's work: the running decodes (retracting requests while the KV memory
+        cannot hold their next tokens), the next chunks of prompts already running, then
+        waiting requests, as far as the token budget and KV memory allow."""
         decodes = [r for r in self.running if r.pending == 1]
-        while decodes and self.kv_available() < len(decodes):
+        while decodes and self.admission.kv_available() < len(decodes):
             self.retract(decodes.pop())
         if decodes:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                        self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        step = [(r, 1) for r in decodes]
+        batch = ScheduledBatch([(r, 1) for r in decodes])
         budget = self.chunk_size
-        free = self.kv_available() - len(decodes)
+        free = self.admission.kv_available() - len(decodes)
         for req in self.running:  # a prompt whose earlier chunks already ran
             if req.pending > 1 and budget > 0 and free > 0:
                 n = min(req.pending, budget, free)
-                step.append((req, n))
+                batch.items.append((req, n))
                 budget, free = budget - n, free - n
-        if self.can_admit(budget):
-            step += self.admit(budget, free, reserved=sum(
-                math.ceil(r.remaining_new_tokens() * self.new_token_ratio) + r.pending
-                for r in self.running) - len(decodes))
-        self.make_room(sum(n for _, n in step))
-        return step
+        if self.admission.has_room(self.waiting, len(self.running), budget):
+            reserved = sum(math.ceil(r.remaining_new_tokens() * self.new_token_ratio) + r.pending
+                           for r in self.running) - len(decodes)
+            for req, match, n in self.admission.select(self.waiting, len(self.running), budget,
+                                                       free, reserved, self.new_token_ratio):
+                self.waiting.remove(req)
+                self.start(req, match)
+                if n > 0:
+                    batch.items.append((req, n))
+        self.make_room(batch.num_tokens)
+        return batch
 
     def admit_compiled(self) -> None:
         """Requests whose grammar finished compiling join the waiting queue; those whose grammar
@@ -205,42 +243,6 @@ class Scheduler:
         for req, message, status in failed:
             self.fail(req, message, status)
             self._replies.append(self.output_of(req))
-
-    def can_admit(self, budget: int) -> bool:
-        return bool(self.waiting and budget > 0 and self.runner.req_to_token_pool.num_free > 0
-                    and len(self.running) < self.settings.max_running_requests)
-
-    def admit(self, budget: int, free: int, reserved: int) -> list[tuple[Req, int]]:
-        """Move waiting requests into the running batch, in the schedule policy's order, while
-        the token budget, the KV memory they will need and the request limits allow; each
-        starts from its longest cached prefix."""
-        policy = self.settings.schedule_policy
-        order, matches = order_waiting(policy, self.waiting, self.cache, self.max_prefix_len)
-        shared_heads: set[tuple[int, ...]] = set()
-        step = []
-        for req in order:
-            if not self.can_admit(budget):
-                break
-            match = matches.get(id(req))  # an empty match is falsy: test for None
-            if match is None:
-                match = self.cache.match_prefix(req.token_slice(0, self.max_prefix_len(req)))
-            if policy in CACHE_AWARE_POLICIES and defer_for_sharing(req, match, shared_heads):
-                continue
-            self.cache.lock(match)
-            pending = req.seq_len - len(match)
-            need = pending + math.ceil(req.remaining_new_tokens() * self.new_token_ratio)
-            available = self.kv_available()
-            if (need > available - reserved and self.running) or pending > available:
-                self.cache.unlock(match)  # wait for memory to come back
-                break
-            self.waiting.remove(req)
-            self.start(req, match)
-            n = min(req.pending, budget, free)
-            if n > 0:
-                step.append((req, n))
-                budget, free = budget - n, free - n
-            reserved += need
-        return step
 
     def start(self, req: Req, match: PrefixMatch) -> None:
         """Give a request its row, starting from the (locked) cached prefix ``match``."""
@@ -254,18 +256,6 @@ class Scheduler:
             self.cache.stats.hit_tokens += len(match)
         req.scheduled_time = req.scheduled_time or time.time()
         self.running.append(req)
-
-    def max_prefix_len(self, req: Req) -> int:
-        """How many leading tokens of ``req`` may come from the cache: all but the last (whose
-        logits are needed), and none of the prompt positions whose logprobs were asked for."""
-        limit = req.seq_len - 1
-        if req.logprobs.return_logprob and req.next_input_logprob < len(req.input_ids):
-            limit = min(limit, max(req.next_input_logprob - 1, 0))
-        return max(limit, 0)
-
-    def kv_available(self) -> int:
-        """KV slots free now or freeable by evicting unlocked cached prefixes."""
-        return self.runner.kv_pool.num_free + self.cache.evictable_tokens
 
     def make_room(self, num_tokens: int) -> None:
         """Evict cached prefixes until ``num_tokens`` slots are free."""
@@ -286,31 +276,49 @@ class Scheduler:
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
         logger.info("retracted request %s (%d tokens) to free KV memory", req.rid, req.seq_len)
 
-    def run_step(self, step: list[tuple[Req, int]]) -> None:
-        """One forward over the step's tokens, then sampling for every sequence that reached
-        its end, and logprobs for whoever asked."""
-        mode = ForwardMode.DECODE if all(r.pending == 1 for r, _ in step) else ForwardMode.EXTEND
-        seqs = [BatchSeq(r.row, r.kv_len, r.token_slice(r.kv_len, r.kv_len + n)) for r, n in step]
-        batch = make_forward_batch(self.runner, mode, seqs)
-        self._step_slots = batch.out_cache_loc
-        hidden = self.runner.forward(batch)
+    # 2. the forward --------------------------------------------------------------------------
+
+    def run_batch(self, batch: ScheduledBatch) -> torch.Tensor:
+        """One forward over the batch's tokens; returns the hidden states, one row a token.
+        The requests' KV now covers the tokens that ran."""
+        forward = make_forward_batch(self.runner, batch.mode, batch.seqs())
+        self._step_slots = forward.out_cache_loc
+        hidden = self.runner.forward(forward)
         self._step_slots = None  # from here on the requests own them
-        offsets = [0]
-        for _, n in step:
-            offsets.append(offsets[-1] + n)
-        for req, n in step:
+        for req, n in batch.items:
             req.kv_len += n
-        for (req, n), start in zip(step, offsets):
+        return hidden
+
+    def fail_batch(self, batch: ScheduledBatch, exc: Exception) -> None:
+        """A forward or its result processing raised: its requests fail, the others run on."""
+        logger.error("a batch of %d failed:\n%s", len(batch.items), traceback.format_exc())
+        if self._step_slots is not None:  # taken for the new tokens, never filled
+            self.runner.kv_pool.free(self._step_slots)
+            self._step_slots = None
+        for req in batch.reqs:
+            self.fail(req, f"internal error while running the model: {exc}", 500)
+
+    # 3. the result ---------------------------------------------------------------------------
+
+    def process_batch_result(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """Prompt logprobs, cache the prefixes just computed, then for every sequence that
+        reached its end: sample the next token, its logprobs, the grammar, the finish check."""
+        offsets = batch.offsets()
+        for (req, n), start in zip(batch.items, offsets):
             self.input_logprobs(req, req.kv_len - n, n, hidden, start)
-        self.cache_prefills([req for req, n in step if n > 1])
-        sampling = [(req, offsets[i + 1] - 1) for i, (req, _) in enumerate(step)
-                    if req.pending == 0 and not req.finished]
-        to_sample = [(r, row) for r, row in sampling if r.sampling.max_new_tokens > 0]
-        for req, _ in sampling:
+        self.cache_prefills([req for req, n in batch.items if n > 1])
+        to_sample = []
+        for i, req in enumerate(batch.reqs):
+            if req.pending or req.finished:
+                continue
             if req.sampling.max_new_tokens == 0:
                 req.finish_reason = {"type": "length", "length": 0}
-        if not to_sample:
-            return
+            else:
+                to_sample.append((req, offsets[i + 1] - 1))  # the row of its last token
+        if to_sample:
+            self.sample(to_sample, hidden)
+
+    def sample(self, to_sample: list[tuple[Req, int]], hidden: torch.Tensor) -> None:
         rows = torch.tensor([row for _, row in to_sample], dtype=torch.int64)
         logits = self.runner.logits_at(hidden, rows)
         reqs = [r for r, _ in to_sample]
@@ -327,17 +335,19 @@ class Scheduler:
             req.output_ids.append(int(token))
             req.first_token_time = req.first_token_time or now
             if lp is not None and i in wants:
-                j = wants.index(i)
-                opts = req.logprobs
-                req.output_token_logprobs.append(lp.token(j, token))
-                if opts.top_logprobs_num > 0:
-                    req.output_top_logprobs.append(lp.top(j, opts.top_logprobs_num))
-                if opts.token_ids_logprob:
-                    req.output_token_ids_logprobs.append(lp.of_ids(j, opts.token_ids_logprob))
+                self.output_logprobs(req, lp, wants.index(i), token)
             room = min(req.remaining_new_tokens(), self.runner.context_length - req.seq_len)
             if (error := self.grammar.advance(req, room)) is not None:
                 self.fail(req, error, 500)
             self.check_finished(req)
+
+    def output_logprobs(self, req: Req, lp: LogprobRows, row: int, token: int) -> None:
+        opts = req.logprobs
+        req.output_token_logprobs.append(lp.token(row, token))
+        if opts.top_logprobs_num > 0:
+            req.output_top_logprobs.append(lp.top(row, opts.top_logprobs_num))
+        if opts.token_ids_logprob:
+            req.output_token_ids_logprobs.append(lp.of_ids(row, opts.token_ids_logprob))
 
     def cache_prefills(self, reqs: list[Req]) -> None:
         """Hand the prefixes just computed to the cache, so requests admitted from now on
@@ -420,27 +430,23 @@ class Scheduler:
     # messages --------------------------------------------------------------------------------
 
     def recv_requests(self, block: bool) -> None:
+        """Handle every message waiting on the socket (``block``: wait up to a second for
+        one; then also notice a server process that is gone)."""
         timeout = 1000 if block else 0
         while self.recv_sock.poll(timeout):
             timeout = 0
             msg = self.recv_sock.recv_pyobj()
-            if isinstance(msg, GenerateRequest):
-                self.add_request(msg)
-            elif isinstance(msg, AbortRequest):
-                self.abort(msg.rid)
-            elif isinstance(msg, FlushCacheRequest):
-                self.reply_info(msg.rid, self.flush_cache())
-            elif isinstance(msg, ServerInfoRequest):
-                self.reply_info(msg.rid, self.load_info())
-            elif isinstance(msg, OpenSessionRequest):
-                self.reply_info(msg.rid, self.open_session(msg.session_id))
-            elif isinstance(msg, CloseSessionRequest):
-                self.reply_info(msg.rid, self.close_session(msg.session_id))
-            elif isinstance(msg, ShutdownRequest):
-                self.stopping = True
+            handler = self.handlers.get(type(msg))
+            if handler is None:
+                logger.error("ignored a message of unknown type %s", type(msg).__name__)
+                continue
+            handler(msg)
         if block and os.getppid() != self.parent_pid:
             logger.error("the server process is gone; exiting")
-            self.stopping = True
+            self.stop()
+
+    def stop(self) -> None:
+        self.stopping = True
 
     def add_request(self, msg: GenerateRequest) -> None:
         seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(62)
