@@ -201,6 +201,6 @@ def test_the_check_catches_a_name_that_is_gone() -> None:
     assert problem("server/sse.py") == "no such path"
     assert problem("--speculative-algorithm") == "no sgl command has this option"
     assert problem("forward_batch.ForwardBatch") is None
-    assert problem("Scheduler.run_batch") == "Scheduler has no such member"
+    assert problem("Scheduler.run_step") == "Scheduler has no such member"
     assert problem("Scheduler.recv_requests") is None
     assert problem("make_forward_batch(runner, mode, seqs)") is None
