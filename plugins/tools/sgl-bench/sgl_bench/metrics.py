@@ -17,10 +17,11 @@ Percentiles interpolate linearly between the two nearest ranks (numpy's default)
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 __all__ = ["RequestResult", "compute_metrics", "percentile", "summarize"]
 
@@ -66,14 +67,9 @@ class RequestResult:
 
 
 def percentile(values: Sequence[float], p: float) -> float:
-    """The ``p``-th percentile (0-100) with linear interpolation between closest ranks."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    k = (len(xs) - 1) * p / 100.0
-    lo = math.floor(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    """The ``p``-th percentile (0-100), interpolated linearly between closest ranks (numpy's
+    default, as SGLang's bench_serving computes it); NaN for no values."""
+    return float(np.percentile(values, p)) if len(values) else math.nan
 
 
 def summarize(values: Sequence[float], scale: float = 1000.0) -> dict[str, float | None]:
@@ -81,11 +77,9 @@ def summarize(values: Sequence[float], scale: float = 1000.0) -> dict[str, float
     None for each when there are no values."""
     if not values:
         return {"mean": None, "median": None, "p99": None, "std": None, "max": None}
-    return {"mean": statistics.fmean(values) * scale,
-            "median": statistics.median(values) * scale,
-            "p99": percentile(values, 99) * scale,
-            "std": statistics.pstdev(values) * scale,
-            "max": max(values) * scale}
+    xs = np.asarray(values, dtype=np.float64) * scale
+    return {"mean": float(xs.mean()), "median": float(np.median(xs)),
+            "p99": float(np.percentile(xs, 99)), "std": float(xs.std()), "max": float(xs.max())}
 
 
 def compute_metrics(results: Sequence[RequestResult], duration: float) -> dict[str, Any]:
