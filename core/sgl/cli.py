@@ -52,8 +52,14 @@ class GroupedCommand(click.Command):
                 formatter.write_dl(rows)
 
 
-def _option_for(f: dataclasses.Field[Any], tp: Any, *, dest: str, flags: Sequence[str],
-                group: str, env: str, choices: list[str] | None = None) -> click.Option:
+def option_for_field(f: dataclasses.Field[Any], tp: Any, *, dest: str, flags: Sequence[str],
+                     group: str, env: str | None = None,
+                     choices: list[str] | None = None) -> click.Option:
+    """The click option of a settings dataclass field of type ``tp``: a choice for a
+    ``Literal``, repeatable for a tuple, ``--x/--no-x`` for a bool; its help is the field's,
+    with the choices, the default and the environment variable (``env``, if any). The default
+    is None, so that only what the command line gives is taken from it. ``group`` is the
+    heading it is listed under in :class:`GroupedCommand`'s ``--help``."""
     origin = typing.get_origin(tp)
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     base = args[0] if origin in (typing.Union, __import__("types").UnionType) and args else tp
@@ -72,7 +78,8 @@ def _option_for(f: dataclasses.Field[Any], tp: Any, *, dest: str, flags: Sequenc
         help_text += f" [choices: {', '.join(choices) or 'none installed'}]"
     if default not in (None, (), ""):
         help_text += f" [default: {', '.join(default) if isinstance(default, tuple) else default}]"
-    help_text += f" [env: {env}]"
+    if env is not None:
+        help_text += f" [env: {env}]"
     option = click.Option(list(flags) + [dest], help=help_text, **kwargs)
     option.sgl_group = group  # type: ignore[attr-defined]
     return option
@@ -92,14 +99,15 @@ def settings_options(pm: SglPluginManager) -> list[click.Option]:
         if choices is not None:
             choices = [*f.metadata.get("keywords", ()), *choices]
         flags = f.metadata.get("flags") or (f"--{f.name.replace('_', '-')}",)
-        options.append(_option_for(f, hints[f.name], dest=f.name, flags=flags,
+        options.append(option_for_field(f, hints[f.name], dest=f.name, flags=flags,
                                    group="Server options", env=env_var_name(f.name),
                                    choices=choices))
     for pid, cls in pm.config_classes().items():
         phints = _type_hints(cls)
         for f in option_fields(cls):
             flag = f"--{pid}-{f.name}".replace("_", "-").replace(".", "-")
-            options.append(_option_for(f, phints[f.name], dest=f"plugin__{_ident(pid)}__{f.name}",
+            dest = f"plugin__{_ident(pid)}__{f.name}"
+            options.append(option_for_field(f, phints[f.name], dest=dest,
                                        flags=(flag,), group=f"Options of plugin {pid}",
                                        env=env_var_name(f.name, pid)))
     return options

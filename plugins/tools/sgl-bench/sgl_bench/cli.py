@@ -19,7 +19,7 @@ import click
 
 from sgl_bench.datasets import DATASETS, BenchError, BenchRequest
 
-from sgl.cli import GroupedCommand  # engine settings under their own heading in --help
+from sgl.cli import GroupedCommand, option_for_field  # engine settings, as sgl serve's
 
 __all__ = ["RESULT_SCHEMA", "bench"]
 
@@ -211,23 +211,10 @@ def engine_options(names: typing.Iterable[str] | None = None) -> Callable[..., A
     for f in option_fields(ServerSettings):
         if f.name in _SERVER_ONLY or (wanted is not None and f.name not in wanted):
             continue
-        tp = hints[f.name]
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        base = args[0] if typing.get_origin(tp) in (typing.Union, __import__("types").UnionType) \
-            and args else tp
         flag = (f.metadata.get("flags") or (f"--{f.name.replace('_', '-')}",))[0]
-        kwargs: dict[str, Any] = {"default": None, "help": f.metadata.get("help", "")}
-        if typing.get_origin(base) is typing.Literal:
-            kwargs["type"] = click.Choice([str(a) for a in typing.get_args(base)])
-        elif typing.get_origin(base) is tuple:
-            kwargs.update(multiple=True, default=(), type=str)
-        elif base is bool:
-            flag = f"{flag}/--no-{flag[2:]}"
-        elif base in (int, float, str):
-            kwargs["type"] = base
-        option = click.Option([flag, f"engine__{f.name}"], **kwargs)
-        option.sgl_group = "Engine settings (as for sgl serve)"  # type: ignore[attr-defined]
-        options.append(option)
+        options.append(option_for_field(f, hints[f.name], dest=f"engine__{f.name}",
+                                        flags=(flag,),
+                                        group="Engine settings (as for sgl serve)"))
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         params = getattr(command, "__click_params__", [])
