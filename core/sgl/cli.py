@@ -107,9 +107,9 @@ def settings_options(pm: SglPluginManager) -> list[click.Option]:
         for f in option_fields(cls):
             flag = f"--{pid}-{f.name}".replace("_", "-").replace(".", "-")
             dest = f"plugin__{_ident(pid)}__{f.name}"
-            options.append(option_for_field(f, phints[f.name], dest=dest,
-                                       flags=(flag,), group=f"Options of plugin {pid}",
-                                       env=env_var_name(f.name, pid)))
+            options.append(option_for_field(f, phints[f.name], dest=dest, flags=(flag,),
+                                            group=f"Options of plugin {pid}",
+                                            env=env_var_name(f.name, pid)))
     return options
 
 
