@@ -20,6 +20,12 @@ TEXTS = [
 ]
 
 
+@pytest.fixture(params=["DecodeStream", "python"])
+def use_stream(request: pytest.FixtureRequest) -> bool:
+    """Both paths of the detokenizer: tokenizers' DecodeStream and the window decoding."""
+    return request.param == "DecodeStream"
+
+
 @pytest.fixture(scope="module", params=["smollm2", "byte-level", "sentencepiece"])
 def tokenizer(request: pytest.FixtureRequest) -> Any:
     if request.param == "smollm2":
@@ -39,54 +45,69 @@ def run(tok: Any, ids: list[int], splits: list[int], prompt: list[int] = (),  # 
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_one_token_at_a_time_equals_full_decode(tokenizer: Any, text: str) -> None:
+def test_one_token_at_a_time_equals_full_decode(tokenizer: Any, use_stream: bool, text: str) -> None:
     ids = tokenizer.encode(text, add_special_tokens=False)
-    pieces = run(tokenizer, ids, list(range(1, len(ids))))
+    pieces = run(tokenizer, ids, list(range(1, len(ids))), use_stream=use_stream)
     assert "".join(pieces) == tokenizer.decode(ids) == decode_tokens(tokenizer, ids)
     assert not any("\ufffd" in p for p in pieces), pieces
 
 
 @pytest.mark.parametrize("text", TEXTS[:4])
-def test_every_split_point(tokenizer: Any, text: str) -> None:
+def test_every_split_point(tokenizer: Any, use_stream: bool, text: str) -> None:
     ids = tokenizer.encode(text, add_special_tokens=False)
     full = tokenizer.decode(ids)
     for cut in range(len(ids) + 1):
-        pieces = run(tokenizer, ids, [cut])
+        pieces = run(tokenizer, ids, [cut], use_stream=use_stream)
         assert "".join(pieces) == full, cut
         assert not any("\ufffd" in p for p in pieces), (cut, pieces)
 
 
-def test_leading_space_after_the_prompt(tokenizer: Any) -> None:
+def test_leading_space_after_the_prompt(tokenizer: Any, use_stream: bool) -> None:
     """The first output token keeps its leading space: SentencePiece drops it when the token is
     decoded alone, so the prompt's last tokens are decoded with it as context."""
     ids = tokenizer.encode("hello world the fox 😀", add_special_tokens=False)
     prompt, output = ids[:1], ids[1:]
     assert tokenizer.decode(prompt) == "hello"
-    pieces = run(tokenizer, output, list(range(1, len(output))), prompt=prompt)
+    pieces = run(tokenizer, output, list(range(1, len(output))), prompt=prompt,
+                 use_stream=use_stream)
     assert "".join(pieces) == " world the fox 😀"
     assert not any("\ufffd" in p for p in pieces)
 
 
-def test_special_tokens(tokenizer: Any) -> None:
+def test_decode_stream_is_used_where_it_writes_the_same_text(tokenizer: Any) -> None:
+    assert IncrementalDetokenizer(tokenizer).stream is not None
+    kept = IncrementalDetokenizer(tokenizer, skip_special_tokens=False,
+                                  spaces_between_special_tokens=False)
+    assert kept.stream is not None
+    # spaces around kept special tokens are sgl's (decode_tokens): the Python path
+    spaced = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    assert spaced.stream is None
+    assert IncrementalDetokenizer(tokenizer, use_stream=False).stream is None
+
+
+def test_special_tokens(tokenizer: Any, use_stream: bool) -> None:
     im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     body = tokenizer.encode("hello world", add_special_tokens=False)
     ids = [im_start, *body, im_end]
     steps = list(range(1, len(ids)))
-    assert "".join(run(tokenizer, ids, steps)) == "hello world"
+    assert "".join(run(tokenizer, ids, steps, use_stream=use_stream)) == "hello world"
     kept = "".join(run(tokenizer, ids, steps, skip_special_tokens=False,
-                       spaces_between_special_tokens=False))
+                       spaces_between_special_tokens=False, use_stream=use_stream))
     assert kept == tokenizer.decode(ids, skip_special_tokens=False)
     assert kept.startswith("<|im_start|>") and kept.endswith("world<|im_end|>")
-    spaced = "".join(run(tokenizer, ids, steps, skip_special_tokens=False))
+    spaced = "".join(run(tokenizer, ids, steps, skip_special_tokens=False,
+                         use_stream=use_stream))
     assert spaced == decode_tokens(tokenizer, ids, skip_special_tokens=False)
     assert spaced.endswith("world <|im_end|>")
     assert spaced.replace(" ", "") == kept.replace(" ", "")
 
 
-def test_invalid_bytes_are_emitted_rather_than_held_forever() -> None:
+@pytest.mark.parametrize("use_stream", [True, False], ids=["DecodeStream", "python"])
+def test_invalid_bytes_are_emitted_rather_than_held_forever(use_stream: bool) -> None:
     tok = sentencepiece_bpe()
     stray = tok.convert_tokens_to_ids("<0x80>")  # a continuation byte with no lead byte
-    detok = IncrementalDetokenizer(tok)
+    detok = IncrementalDetokenizer(tok, use_stream=use_stream)
+    assert (detok.stream is not None) == use_stream
     pieces = [detok.push([stray]) for _ in range(MAX_PENDING + 2)]
     assert any(pieces), "held back for ever"
     assert "".join(pieces) + detok.flush() == "\ufffd" * (MAX_PENDING + 2)
