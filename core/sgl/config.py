@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import os
 import tomllib
@@ -21,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from pydantic import TypeAdapter, ValidationError
 
 from sgl.threads import check_thread_counts, usable_cores
 
@@ -170,65 +173,39 @@ def _describe(tp: Any) -> str:
         tp, str(tp))
 
 
+@functools.cache
+def _adapter(tp: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(tp)
+
+
+_NULLS = ("", "none", "null")
+
+
 def coerce_value(value: Any, tp: Any, *, key: str, source: str) -> Any:
     """Convert ``value`` (from a file, an env string or click) to type ``tp`` or raise
-    :class:`ConfigError` naming ``key``, the value and ``source``."""
+    :class:`ConfigError` naming ``key``, the value and ``source``.
 
-    def bad() -> ConfigError:
-        return ConfigError(f"{source}: invalid value {value!r} for {key!r}: expected {_describe(tp)}")
-
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
-            return None
-        return coerce_value(value, args[0], key=key, source=source)
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise bad()
-        return value
-    if origin is tuple:
+    pydantic validates: leniently for strings (an environment variable's ``"8"`` or ``"yes"``),
+    strictly for typed values (a YAML ``true`` is no integer). An optional setting takes
+    ``""``, ``none`` or ``null`` as None; a list setting takes a comma-separated string."""
+    given = value
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    optional = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    base = args[0] if optional and args else tp
+    if optional and (value is None or isinstance(value, str) and value.strip().lower() in _NULLS):
+        return None
+    if typing.get_origin(base) is tuple:
         if isinstance(value, str):
-            return tuple(v.strip() for v in value.split(",") if v.strip())
-        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-            return tuple(value)
-        raise bad()
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
-            return False
-        raise bad()
-    if tp is int:
-        if isinstance(value, bool):
-            raise bad()
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                raise bad() from None
-        raise bad()
-    if tp is float:
-        if isinstance(value, bool):
-            raise bad()
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value.strip())
-            except ValueError:
-                raise bad() from None
-        raise bad()
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise bad()
-    return value
+            value = tuple(v.strip() for v in value.split(",") if v.strip())
+        elif isinstance(value, list):
+            value = tuple(value)
+    elif isinstance(value, str) and base is not str:
+        value = value.strip()
+    try:
+        return _adapter(tp).validate_python(value, strict=not isinstance(value, str))
+    except ValidationError:
+        raise ConfigError(f"{source}: invalid value {given!r} for {key!r}: expected "
+                          f"{_describe(tp)}") from None
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
