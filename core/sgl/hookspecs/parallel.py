@@ -16,7 +16,9 @@ def sgl_register_parallel_strategies(register: RegisterFn) -> None:
 
     Call ``register(name, "module:Class")``; the class subclasses
     :class:`sgl.parallel.BaseParallelStrategy`. It decides how many scheduler processes start and
-    how weights are sharded among them.
+    how weights are sharded among them. Nothing runs it yet: sgl starts exactly one scheduler
+    process, so a registration is reported as not used (a warning, and a ``Not used:`` line in
+    ``sgl plugins``).
 
     :param register: ``register(name: str, target: str | type) -> None``.
     :return: nothing.

@@ -15,7 +15,9 @@ def sgl_register_kv_transfer_backends(register: RegisterFn) -> None:
     """Register backends that move KV cache between a prefill and a decode server.
 
     Call ``register(name, "module:Class")``; the class subclasses
-    :class:`sgl.transfer.BaseKVTransfer` and is chosen with ``--kv-transfer-backend NAME``.
+    :class:`sgl.transfer.BaseKVTransfer`. Nothing runs it yet: sgl has no prefill/decode
+    disaggregation, so a registration is reported as not used (a warning, and a ``Not used:``
+    line in ``sgl plugins``).
 
     :param register: ``register(name: str, target: str | type) -> None``.
     :return: nothing.
