@@ -16,7 +16,8 @@ import torch
 from sgl.kernels.cpu import argmax_rows
 from sgl.sampling import SamplingParams
 
-__all__ = ["SamplingInput", "apply_token_bitmask", "sample_next_tokens", "uniform_noise"]
+__all__ = ["NOISE_BITS", "SamplingInput", "apply_token_bitmask", "sample_next_tokens",
+           "to_unit_interval", "uniform_noise"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -37,15 +38,34 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``[batch, vocab]`` numbers in (0, 1), a pure function of ``(seed, step, token)``
-    (splitmix64 over a per-row counter)."""
-    base = seeds[:, None] * _GOLDEN + steps[:, None] * _STEP
-    x = base + torch.arange(vocab, dtype=torch.int64, device=seeds.device)[None, :] * _GOLDEN
+#: random bits per noise value. With 23, ``(k + 0.5) / 2**23`` is exact in float32 for every
+#: k, so the noise is never 0 or 1. (With 24 the largest k rounded to exactly 1.0, whose
+#: exponential ``-log(1)`` is -0.0: every zero probability became 0/-0 = NaN, which ``max``
+#: picks, so a masked or filtered token could be sampled.)
+NOISE_BITS = 23
+
+
+def to_unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """Integers in ``[0, 2**NOISE_BITS)`` -> float32 numbers strictly inside (0, 1)."""
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << NOISE_BITS))
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser: every input bit reaches every output bit."""
     x = (x ^ _shr(x, 30)) * _MIX1
     x = (x ^ _shr(x, 27)) * _MIX2
-    x = x ^ _shr(x, 31)
-    return (_shr(x, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return x ^ _shr(x, 31)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[batch, vocab]`` numbers strictly inside (0, 1), a pure function of
+    ``(seed, step, token)``: splitmix64 over a counter that starts at a hash of
+    ``(seed, step)``, so rows of neighbouring seeds (``n > 1`` samples use ``seed + i``) are
+    unrelated rather than shifted copies of one another."""
+    row = _mix(seeds * _GOLDEN + steps * _STEP)
+    tokens = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    x = row[:, None] + tokens[None, :] * _GOLDEN
+    return to_unit_interval(_shr(_mix(x), 64 - NOISE_BITS))
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
