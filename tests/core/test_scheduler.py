@@ -306,3 +306,29 @@ def test_failing_forward_fails_its_requests_and_frees_their_memory(
     after = one(harness, prompt, max_new_tokens=4, temperature=0)  # the scheduler goes on
     assert after.error is None and len(after.output_ids) == 4
     harness.assert_memory_empty()
+
+
+def test_a_huge_max_new_tokens_does_not_starve_the_next_request(harness: Harness) -> None:
+    """A request asking for 2**31 new tokens is held to what fits in the context, so admission
+    reserves only that; a short request behind it runs while it does (it used to wait until
+    the first finished). The frontends refuse such a request with a 400; this is the
+    scheduler's own defence, for callers that reach it directly."""
+    prompt = harness.chat_ids("Tell me a story.")
+    long = harness.submit(prompt, max_new_tokens=2**31, ignore_eos=True, temperature=0)
+    short = harness.submit(prompt, max_new_tokens=2, temperature=0)
+    s = harness.scheduler
+    known = {r.rid for r in s.waiting}
+    while not {long, short} <= known:  # both have arrived over the socket
+        s.recv_requests(block=True)
+        known = {r.rid for r in s.waiting}
+    finished_short_at = None
+    for step in range(30):
+        s.step()
+        if finished_short_at is None and not any(r.rid == short for r in [*s.running,
+                                                                          *s.waiting]):
+            finished_short_at = step
+    assert finished_short_at is not None, "the short request still waits behind the long one"
+    assert any(r.rid == long for r in s.running)  # it ran beside the long request
+    results = harness.run([short, long], abort={long: 0})
+    assert harness.scheduler.idle and results
+    harness.assert_memory_empty()

@@ -150,12 +150,22 @@ class Admission:
     they will need, the free request rows and ``--max-running-requests`` allow."""
 
     def __init__(self, policy: str, cache: BaseCachePolicy, kv_pool: KVPool,
-                 req_to_token_pool: ReqToTokenPool, max_running_requests: int) -> None:
+                 req_to_token_pool: ReqToTokenPool, max_running_requests: int,
+                 context_length: int) -> None:
         self.policy = policy
+        #: no sequence grows past this: the context, or the whole KV pool if smaller
+        self.max_seq_len = min(context_length, kv_pool.size)
         self.cache = cache
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
         self.max_running_requests = max_running_requests
+
+    def expected_output(self, req: Req, new_token_ratio: float) -> int:
+        """KV slots to keep for the rest of ``req``'s output: a share ``new_token_ratio`` of
+        the new tokens it may still generate, and never more than can fit (a ``max_new_tokens``
+        of 2**31 must not hold up every other request)."""
+        room = max(self.max_seq_len - req.seq_len, 0)
+        return math.ceil(min(req.remaining_new_tokens(), room) * new_token_ratio)
 
     def kv_available(self) -> int:
         """KV slots free now or freeable by evicting unlocked cached prefixes."""
@@ -189,7 +199,7 @@ class Admission:
                 continue
             self.cache.lock(match)
             pending = req.seq_len - len(match)
-            need = pending + math.ceil(req.remaining_new_tokens() * new_token_ratio)
+            need = pending + self.expected_output(req, new_token_ratio)
             available = self.kv_available()
             if (need > available - reserved and running) or pending > available:
                 self.cache.unlock(match)  # wait for memory to come back

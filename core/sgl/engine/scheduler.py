@@ -17,7 +17,6 @@ Then the new tokens go back to the server and finished requests are freed.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import re
@@ -116,7 +115,7 @@ class Scheduler:
         self.admission = Admission(settings.schedule_policy,
                                    make_cache_policy(settings, pm, self.runner),
                                    self.runner.kv_pool, self.runner.req_to_token_pool,
-                                   settings.max_running_requests)
+                                   settings.max_running_requests, self.runner.context_length)
         self.grammar = make_grammar_manager(
             settings, pm, tokenizer=self._tokenizer.result, vocab_size=self.runner.vocab_size,
             stop_token_ids=self.eos_token_ids)
@@ -224,7 +223,7 @@ class Scheduler:
                 batch.items.append((req, n))
                 budget, free = budget - n, free - n
         if self.admission.has_room(self.waiting, len(self.running), budget):
-            reserved = sum(math.ceil(r.remaining_new_tokens() * self.new_token_ratio) + r.pending
+            reserved = sum(self.admission.expected_output(r, self.new_token_ratio) + r.pending
                            for r in self.running) - len(decodes)
             for req, match, n in self.admission.select(self.waiting, len(self.running), budget,
                                                        free, reserved, self.new_token_ratio):
@@ -473,6 +472,11 @@ class Scheduler:
             self.fail(req, error, 400)
             self._replies.append(self.output_of(req))
             return
+        # no output can outgrow the context: admission reserves memory for what can be used
+        room = limit - len(req.input_ids)
+        if req.sampling.max_new_tokens > room:
+            req.sampling.max_new_tokens = room
+            req.sampling.min_new_tokens = min(req.sampling.min_new_tokens, room)
         self.waiting.append(req)
 
     def fail(self, req: Req, message: str, status: int) -> None:

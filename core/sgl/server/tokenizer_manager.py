@@ -224,6 +224,12 @@ class TokenizerManager:
             req.sampling.validate(self.vocab_size)
         except SamplingParamsError as exc:
             raise BadRequestError(f"sampling_params: {exc}", param="sampling_params") from None
+        room = self.context_length - len(ids)
+        if req.sampling.max_new_tokens > room:
+            raise BadRequestError(
+                f"max_new_tokens is {req.sampling.max_new_tokens}, but the prompt has {len(ids)} "
+                f"tokens and the model's context length is {self.context_length}: at most "
+                f"{room} new tokens fit", param="max_new_tokens")
         if self.grammar is not None and req.sampling.constraint is not None:
             try:
                 self.grammar.check(req.sampling)
@@ -231,6 +237,10 @@ class TokenizerManager:
                 raise BadRequestError(f"sampling_params: {exc}",
                                       param=req.sampling.constraint[0]) from None
         opts = req.logprobs
+        if opts.top_logprobs_num > self.vocab_size:
+            raise BadRequestError(f"top_logprobs_num is {opts.top_logprobs_num}, more than the "
+                                  f"vocabulary's {self.vocab_size} tokens",
+                                  param="top_logprobs_num")
         if opts.logprob_start_len >= len(ids):
             raise BadRequestError(
                 f"logprob_start_len must be less than the prompt length ({len(ids)} tokens), got "

@@ -69,10 +69,12 @@ def _prompt_ids(server: ServerContext, req: CountTokensRequest) -> tuple[list[in
     return tm.apply_chat_template(messages), False
 
 
-def _sampling(req: MessagesRequest) -> SamplingParams:
+def _sampling(req: MessagesRequest, room: int) -> SamplingParams:
+    """``max_tokens`` is a cap, as Anthropic treats it: a reply stops where the context ends
+    (``room`` tokens after the prompt), with stop reason ``max_tokens``."""
     try:
         return SamplingParams.from_dict({
-            "max_new_tokens": req.max_tokens,
+            "max_new_tokens": min(req.max_tokens, max(room, 1)),
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": req.top_p, "top_k": req.top_k,
             "stop": req.stop_sequences or None})
@@ -141,7 +143,7 @@ def make_router(server: ServerContext) -> APIRouter:
         req = await _parse(request, MessagesRequest)
         _check_model(server, req.model)
         ids, _ = _prompt_ids(server, req)
-        sampling = _sampling(req)
+        sampling = _sampling(req, server.info.context_length - len(ids))
         obj = GenerateReqInput(input_ids=ids, sampling_params=sampling, stream=req.stream)
         mid = f"msg_{uuid.uuid4().hex}"
         if req.stream:
