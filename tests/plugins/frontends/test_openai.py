@@ -318,3 +318,27 @@ def test_response_format_and_the_grammar_registry() -> None:
     assert "json_schema" in SamplingParams.__dataclass_fields__
     with pytest.raises(OpenAIError, match="schema is required"):
         check_response_format(server, ResponseFormat(type="json_schema"))
+
+
+@pytest.mark.parametrize("status,kind", [(503, "server_error"), (500, "server_error"),
+                                         (400, "invalid_request_error")])
+def test_a_stream_error_event_is_labelled_by_its_status(status: int, kind: str) -> None:
+    """Scheduler death (503) and internal errors (500) half-way through a stream arrive as
+    ``server_error`` events, as the non-streaming response says; they used to be labelled
+    ``invalid_request_error`` whatever the cause (issue 17, item 7)."""
+    import asyncio
+    import json as jsonlib
+
+    from sgl_frontend_openai.common import OpenAIError, sse_stream
+
+    async def events():
+        yield {"id": "x", "choices": []}
+        raise OpenAIError(status, "the scheduler process died")
+
+    async def collect() -> list[bytes]:
+        return [chunk async for chunk in sse_stream(events())]
+
+    chunks = asyncio.run(collect())
+    error = jsonlib.loads(chunks[1].removeprefix(b"data: "))["error"]
+    assert error["type"] == kind and error["code"] == str(status)
+    assert chunks[-1] == b"data: [DONE]\n\n"

@@ -41,11 +41,15 @@ class OpenAIError(Exception):
         return error_response(self.status, self.message, self.param, self.code)
 
 
+def error_type(status: int) -> str:
+    """OpenAI's name for the kind of an error with this HTTP status."""
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
 def error_response(status: int, message: str, param: str | None = None,
                    code: str | None = None) -> JSONResponse:
     """OpenAI's error JSON with ``type`` derived from the status, as OpenAI names them."""
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    return JSONResponse(error_body(message, type=kind, param=param, code=code),
+    return JSONResponse(error_body(message, type=error_type(status), param=param, code=code),
                         status_code=status)
 
 
@@ -146,9 +150,10 @@ async def sse_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[byt
     try:
         async for event in events:
             yield http.sse_event(event)
-    except OpenAIError as exc:
-        yield http.sse_event(error_body(exc.message, param=exc.param, code=exc.code))
+    except OpenAIError as exc:  # the status line is out: the type says what kind it was
+        yield http.sse_event(error_body(exc.message, type=error_type(exc.status),
+                                        param=exc.param, code=exc.code or str(exc.status)))
     except GenerateError as exc:
-        kind = "server_error" if exc.status >= 500 else "invalid_request_error"
-        yield http.sse_event(error_body(str(exc), type=kind, code=str(exc.status)))
+        yield http.sse_event(error_body(str(exc), type=error_type(exc.status),
+                                        code=str(exc.status)))
     yield http.sse_event("[DONE]")
