@@ -216,6 +216,10 @@ def test_the_api_key_opens_routes_and_health_stays_open(guarded: ServerProcess) 
         "text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
     assert response.status_code == 200, response.text
     assert httpx.get(f"{guarded.base_url}/get_model_info", headers=AUTH, timeout=60).status_code == 200
+    # the scheme is case-insensitive (issue 17, item 9)
+    for scheme in ("bearer", "BEARER"):
+        assert httpx.get(f"{guarded.base_url}/get_model_info", timeout=60,
+                         headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
     # Anthropic's clients send the key as x-api-key
     assert httpx.get(f"{guarded.base_url}/get_model_info",
                      headers={"x-api-key": KEY}, timeout=60).status_code == 200

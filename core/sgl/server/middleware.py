@@ -52,8 +52,7 @@ class ApiKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-        self.expected_x_api_key = api_key.encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") == "OPTIONS" \
@@ -61,8 +60,10 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
-        x_api_key = hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected_x_api_key)
+        scheme, _, credentials = headers.get(b"authorization", b"").partition(b" ")
+        # the scheme is case-insensitive (RFC 9110): "bearer KEY" is as good as "Bearer KEY"
+        bearer = scheme.lower() == b"bearer" and hmac.compare_digest(credentials, self.expected)
+        x_api_key = hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected)
         if not (bearer or x_api_key):
             await send_json(send, 401, {"error": {
                 "message": "missing or wrong API key: send 'Authorization: Bearer <key>'",
