@@ -15,7 +15,7 @@ from typing import Any
 #: the constraint fields, as SGLang names them (the same names as sgl.grammar.CONSTRAINT_KINDS)
 CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
-__all__ = ["SamplingParams", "SamplingParamsError"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "SamplingParams", "SamplingParamsError"]
 
 
 class SamplingParamsError(ValueError):
@@ -30,11 +30,15 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+#: new tokens a request gets when it does not say (SGLang's default)
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0

@@ -46,7 +46,7 @@ from sgl.engine.messages import (
     ShutdownRequest,
     TokenBatch,
 )
-from sgl.sampling import SamplingParamsError
+from sgl.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParamsError
 from sgl.server.detokenizer import decode_tokens
 from sgl.server.io_struct import BadRequestError, GenerateError, GenerateReqInput, OneRequest
 from sgl.server.metrics import ServerMetrics
@@ -225,7 +225,10 @@ class TokenizerManager:
         except SamplingParamsError as exc:
             raise BadRequestError(f"sampling_params: {exc}", param="sampling_params") from None
         room = self.context_length - len(ids)
-        if req.sampling.max_new_tokens > room:
+        if req.sampling.max_new_tokens > room and \
+                req.sampling.max_new_tokens == DEFAULT_MAX_NEW_TOKENS:
+            req.sampling.max_new_tokens = room  # the default, not asked for: cut to what fits
+        elif req.sampling.max_new_tokens > room:
             raise BadRequestError(
                 f"max_new_tokens is {req.sampling.max_new_tokens}, but the prompt has {len(ids)} "
                 f"tokens and the model's context length is {self.context_length}: at most "
