@@ -309,8 +309,8 @@ def test_failing_forward_fails_its_requests_and_frees_their_memory(
 
 
 def test_a_huge_max_new_tokens_does_not_starve_the_next_request(harness: Harness) -> None:
-    """A request asking for 2**31 new tokens is held to what fits in the context, so admission
-    reserves only that; a short request behind it runs while it does (it used to wait until
+    """For a request asking for 2**31 new tokens admission reserves only what the context and
+    the KV pool can hold; a short request behind it runs while it does (it used to wait until
     the first finished). The frontends refuse such a request with a 400; this is the
     scheduler's own defence, for callers that reach it directly."""
     prompt = harness.chat_ids("Tell me a story.")

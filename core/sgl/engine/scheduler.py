@@ -472,11 +472,6 @@ class Scheduler:
             self.fail(req, error, 400)
             self._replies.append(self.output_of(req))
             return
-        # no output can outgrow the context: admission reserves memory for what can be used
-        room = limit - len(req.input_ids)
-        if req.sampling.max_new_tokens > room:
-            req.sampling.max_new_tokens = room
-            req.sampling.min_new_tokens = min(req.sampling.min_new_tokens, room)
         self.waiting.append(req)
 
     def fail(self, req: Req, message: str, status: int) -> None:

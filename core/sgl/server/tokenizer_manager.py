@@ -225,14 +225,16 @@ class TokenizerManager:
         except SamplingParamsError as exc:
             raise BadRequestError(f"sampling_params: {exc}", param="sampling_params") from None
         room = self.context_length - len(ids)
-        if req.sampling.max_new_tokens > room and \
-                req.sampling.max_new_tokens == DEFAULT_MAX_NEW_TOKENS:
-            req.sampling.max_new_tokens = room  # the default, not asked for: cut to what fits
-        elif req.sampling.max_new_tokens > room:
-            raise BadRequestError(
-                f"max_new_tokens is {req.sampling.max_new_tokens}, but the prompt has {len(ids)} "
-                f"tokens and the model's context length is {self.context_length}: at most "
-                f"{room} new tokens fit", param="max_new_tokens")
+        if req.sampling.max_new_tokens > room:
+            if req.sampling.max_new_tokens != DEFAULT_MAX_NEW_TOKENS:
+                raise BadRequestError(
+                    f"max_new_tokens is {req.sampling.max_new_tokens}, but the prompt has "
+                    f"{len(ids)} tokens and the model's context length is "
+                    f"{self.context_length}: at most {room} new tokens fit",
+                    param="max_new_tokens")
+            # the default, not asked for: cut to what fits
+            req.sampling.max_new_tokens = room
+            req.sampling.min_new_tokens = min(req.sampling.min_new_tokens, room)
         if self.grammar is not None and req.sampling.constraint is not None:
             try:
                 self.grammar.check(req.sampling)
