@@ -71,12 +71,14 @@ class ServerSettings:
         "the checkpoint's half type.")
     num_threads: int | None = _opt(
         None, "torch intra-op threads of the scheduler; default: 1 where sgl's CPU kernels run "
-        "(they need it), else one less than the usable cores (the process's CPU affinity).")
+        "(they need it), else one less than the usable cores (the process's CPU affinity).",
+        minimum=1)
     kernel_threads: int | None = _opt(
         None, "Threads of sgl's own CPU kernels (the bfloat16 and float32 matmuls, decode "
         "attention, norms), used while torch runs on one thread; they share the work chunk by "
         "chunk, so a busy core slows them little. Default: the usable cores where the kernels "
-        "run, else 1. Not above the usable cores, nor above 1 with --num-threads above 1.")
+        "run, else 1. Not above the usable cores, nor above 1 with --num-threads above 1.",
+        minimum=1)
     cpu_isa: Literal["auto", "amx", "avx512_bf16", "avx512", "avx2", "none"] = _opt(
         "auto", "Highest instruction-set level of sgl's CPU kernels: amx, avx512_bf16 "
         "(vdpbf16ps), avx512, avx2 or none (torch's operators only); never above what the CPU "
@@ -86,13 +88,14 @@ class ServerSettings:
         "the kernel calls recorded for its batch size (CPU; what --disable-cuda-graph is on a "
         "GPU).")
     max_total_tokens: int | None = _opt(
-        None, "Size of the KV pool in tokens; default: from --mem-fraction-static.")
+        None, "Size of the KV pool in tokens; default: from --mem-fraction-static.", minimum=1)
     mem_fraction_static: float = _opt(
         0.1, "Fraction of available memory given to the KV pool when --max-total-tokens is unset.")
-    max_running_requests: int = _opt(64, "Most requests decoded together in one batch.")
+    max_running_requests: int = _opt(64, "Most requests decoded together in one batch.",
+                                     minimum=1)
     context_length: int | None = _opt(
-        None, "Longest sequence (prompt + output); default: the model's own.")
-    page_size: int = _opt(1, "Tokens per page of the KV pool.")
+        None, "Longest sequence (prompt + output); default: the model's own.", minimum=2)
+    page_size: int = _opt(1, "Tokens per page of the KV pool.", minimum=1)
     chunked_prefill_size: int = _opt(
         512, "Most prompt tokens prefilled in one forward pass; longer prompts are split into "
         "chunks interleaved with decoding. -1 turns chunking off.")
@@ -122,9 +125,9 @@ class ServerSettings:
         None, "Require 'Authorization: Bearer <key>' on every route except /health* and "
         "/metrics; default: no key.", secret=True)
     max_request_body_size: int = _opt(
-        32 * 2**20, "Largest HTTP request body in bytes; larger ones get status 413.")
+        32 * 2**20, "Largest HTTP request body in bytes; larger ones get status 413.", minimum=1)
     graceful_shutdown_timeout: float = _opt(
-        30.0, "Seconds SIGTERM waits for in-flight requests before aborting them.")
+        30.0, "Seconds SIGTERM waits for in-flight requests before aborting them.", minimum=0)
     load_plugins: tuple[str, ...] = _opt(
         (), "Load a plugin by entry-point name, module or .py file (repeatable); no:NAME disables.",
         flags=("--plugin",))
@@ -337,37 +340,26 @@ def load_settings(
 
 
 def _check_ranges(s: ServerSettings) -> None:
+    """The bounds of the settings: a field's ``minimum`` metadata, and the rules below."""
     def fail(key: str, msg: str) -> None:
         raise ConfigError(f"{s.sources.get(key, 'default')}: invalid value "
                           f"{getattr(s, key)!r} for {key!r}: {msg}")
 
+    for f in option_fields(ServerSettings):
+        value, low = getattr(s, f.name), f.metadata.get("minimum")
+        if low is not None and value is not None and value < low:
+            fail(f.name, f"expected at least {low}")
     if not 0 < s.port < 65536:
         fail("port", "expected 1-65535")
-    if s.num_threads is not None and s.num_threads < 1:
-        fail("num_threads", "expected at least 1")
-    if s.kernel_threads is not None and s.kernel_threads < 1:
-        fail("kernel_threads", "expected at least 1")
     problem = check_thread_counts(s.num_threads, s.kernel_threads, usable_cores())
     if problem:
         fail("kernel_threads" if s.kernel_threads is not None else "num_threads", problem)
-    if s.max_total_tokens is not None and s.max_total_tokens < 1:
-        fail("max_total_tokens", "expected at least 1")
     if not 0 < s.mem_fraction_static <= 1:
         fail("mem_fraction_static", "expected a fraction in (0, 1]")
-    if s.max_running_requests < 1:
-        fail("max_running_requests", "expected at least 1")
-    if s.context_length is not None and s.context_length < 2:
-        fail("context_length", "expected at least 2")
-    if s.page_size < 1:
-        fail("page_size", "expected at least 1")
     if s.chunked_prefill_size != -1 and s.chunked_prefill_size < 1:
         fail("chunked_prefill_size", "expected -1 (off) or at least 1")
     if s.api_key is not None and not s.api_key.strip():
         fail("api_key", "expected a non-empty key")
-    if s.max_request_body_size < 1:
-        fail("max_request_body_size", "expected at least 1 byte")
-    if s.graceful_shutdown_timeout < 0:
-        fail("graceful_shutdown_timeout", "expected 0 or more seconds")
     if s.chat_template and not Path(s.chat_template).expanduser().is_file() \
             and "{{" not in s.chat_template and "{%" not in s.chat_template:
         fail("chat_template", "no such file (expected a Jinja template file)")

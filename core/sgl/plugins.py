@@ -108,35 +108,28 @@ class PluginSelection:
         )
 
 
+def _registry(kind: str, hook: str) -> Any:
+    return field(default_factory=lambda: Registry(kind), metadata={"hook": hook})
+
+
 @dataclass
 class Registries:
-    """Every registry the core keeps, filled from the plugins' ``sgl_register_*`` hooks."""
+    """Every registry the core keeps, each filled from the plugins' ``sgl_register_*`` hook
+    named in its field's metadata."""
 
-    attention: Registry[Any] = field(default_factory=lambda: Registry("attention backend"))
-    models: Registry[Any] = field(default_factory=lambda: Registry("model architecture"))
-    grammar: Registry[Any] = field(default_factory=lambda: Registry("grammar backend"))
-    cache: Registry[Any] = field(default_factory=lambda: Registry("cache policy"))
-    speculative: Registry[Any] = field(default_factory=lambda: Registry("speculative algorithm"))
-    parallel: Registry[Any] = field(default_factory=lambda: Registry("parallel strategy"))
-    transfer: Registry[Any] = field(default_factory=lambda: Registry("KV transfer backend"))
-    frontends: Registry[Any] = field(default_factory=lambda: Registry("frontend"))
-    kernels: Registry[Any] = field(default_factory=lambda: Registry("kernel library"))
-    tool_parsers: Registry[Any] = field(default_factory=lambda: Registry("tool-call parser"))
-    api_names: Registry[Any] = field(default_factory=lambda: Registry("top-level name"))
+    attention: Registry[Any] = _registry("attention backend", "sgl_register_attention_backends")
+    models: Registry[Any] = _registry("model architecture", "sgl_register_model_archs")
+    grammar: Registry[Any] = _registry("grammar backend", "sgl_register_grammar_backends")
+    cache: Registry[Any] = _registry("cache policy", "sgl_register_cache_policies")
+    speculative: Registry[Any] = _registry("speculative algorithm",
+                                           "sgl_register_speculative_algorithms")
+    parallel: Registry[Any] = _registry("parallel strategy", "sgl_register_parallel_strategies")
+    transfer: Registry[Any] = _registry("KV transfer backend", "sgl_register_kv_transfer_backends")
+    frontends: Registry[Any] = _registry("frontend", "sgl_register_frontends")
+    kernels: Registry[Any] = _registry("kernel library", "sgl_register_kernel_libraries")
+    tool_parsers: Registry[Any] = _registry("tool-call parser", "sgl_register_tool_parsers")
+    api_names: Registry[Any] = _registry("top-level name", "sgl_register_api_names")
 
-    HOOKS = {
-        "attention": "sgl_register_attention_backends",
-        "models": "sgl_register_model_archs",
-        "grammar": "sgl_register_grammar_backends",
-        "cache": "sgl_register_cache_policies",
-        "speculative": "sgl_register_speculative_algorithms",
-        "parallel": "sgl_register_parallel_strategies",
-        "transfer": "sgl_register_kv_transfer_backends",
-        "frontends": "sgl_register_frontends",
-        "kernels": "sgl_register_kernel_libraries",
-        "tool_parsers": "sgl_register_tool_parsers",
-        "api_names": "sgl_register_api_names",
-    }
     #: registries whose hook has a contract but nothing in this sgl that runs it yet
     NOT_RUN_YET = {
         "speculative": "sgl runs no speculative decoding yet",
@@ -238,13 +231,13 @@ class SglPluginManager(pluggy.PluginManager):
     def registries(self) -> Registries:
         """Every registry, built once from the registration hooks of all loaded plugins."""
         registries = Registries()
-        for attr, hook_name in Registries.HOOKS.items():
-            registry: Registry[Any] = getattr(registries, attr)
+        for f in dataclasses.fields(registries):
+            registry: Registry[Any] = getattr(registries, f.name)
 
             def register_for(owner: str, registry: Registry[Any] = registry) -> Any:
                 return lambda name, target: registry.register(name, target, owner=owner)
 
-            for _ in self.call_each(hook_name, per_plugin={"register": register_for}):
+            for _ in self.call_each(f.metadata["hook"], per_plugin={"register": register_for}):
                 pass
         for line in registries.unused():
             logger.warning("%s", line)

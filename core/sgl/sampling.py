@@ -66,8 +66,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> SamplingParams:
         """Validate a JSON ``sampling_params`` object; raise :class:`SamplingParamsError`."""
-        if data is None:
-            data = {}
+        data = {} if data is None else data
         if not isinstance(data, dict):
             raise SamplingParamsError(f"sampling_params must be an object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
@@ -151,11 +150,8 @@ class SamplingParams:
     def constraint(self) -> tuple[str, str] | None:
         """``(kind, spec)`` of the grammar constraint (``json_schema``, ``regex``, ``ebnf`` or
         ``structural_tag``), or None for free text."""
-        for kind in CONSTRAINT_KINDS:
-            spec = getattr(self, kind)
-            if spec is not None:
-                return kind, spec
-        return None
+        return next(((kind, getattr(self, kind)) for kind in CONSTRAINT_KINDS
+                     if getattr(self, kind) is not None), None)
 
     @property
     def greedy(self) -> bool:

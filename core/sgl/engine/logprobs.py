@@ -8,7 +8,7 @@ import torch
 
 from sgl.engine.messages import LogprobEntry
 
-__all__ = ["LogprobRows", "logprob_rows"]
+__all__ = ["LogprobRows"]
 
 
 class LogprobRows:
@@ -28,6 +28,3 @@ class LogprobRows:
         values = self.logprobs[row, list(token_ids)].tolist()
         return [(float(v), int(i), None) for v, i in zip(values, token_ids)]
 
-
-def logprob_rows(logits: torch.Tensor) -> LogprobRows:
-    return LogprobRows(logits)

@@ -96,7 +96,6 @@ class Scheduler:
         cpu.use_plugins(pm)  # the kernel library of the plugins this process loaded
         cpu.set_isa(settings.cpu_isa)
         self.threads = configure_threads(settings.num_threads, settings.kernel_threads)
-        self.num_threads = self.threads.torch_threads
         # the tokenizer (for stop strings) loads while the model does; transformers' lazy
         # module is not safe to import from two threads at once, so import it here first
         from transformers import AutoConfig, AutoTokenizer  # noqa: F401
@@ -167,7 +166,7 @@ class Scheduler:
         r = self.runner
         return SchedulerInfo(
             ok=True, model_path=str(r.model_path), architecture=r.architecture,
-            dtype=str(r.dtype).removeprefix("torch."), num_threads=self.num_threads,
+            dtype=str(r.dtype).removeprefix("torch."), num_threads=self.threads.torch_threads,
             kernel_threads=self.threads.kernel_threads, cpu_isa=cpu.describe_isa(),
             context_length=r.context_length, vocab_size=r.vocab_size,
             max_total_tokens=r.kv_pool.size, kv_pool_bytes=r.kv_pool_bytes,
@@ -269,7 +268,6 @@ class Scheduler:
             return
         self.running.remove(req)
         self.free_memory(req)
-        req.retractions += 1
         self.num_retractions += 1
         self.waiting.appendleft(req)
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)

@@ -34,7 +34,6 @@ class Req:
     error: str | None = None
     error_status: int = 400
     sent: int = 0  # output tokens already sent to the server
-    retractions: int = 0
     scheduled_time: float | None = None
     first_token_time: float | None = None
     next_input_logprob: int = 0  # next prompt position whose logprob is still to be computed

@@ -198,13 +198,13 @@ class Engine:
         keyword arguments are those of :meth:`generate`."""
         if "prompt" in kwargs or "input_ids" in kwargs:
             raise TypeError("chat() takes messages, not prompt or input_ids")
-        ids = self._run(self._template(messages))
-        return self.generate(input_ids=ids, sampling_params=sampling_params, **kwargs)
+        return self.generate(input_ids=self.apply_chat_template(messages),
+                             sampling_params=sampling_params, **kwargs)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The token ids :meth:`chat` would send for ``messages``."""
-        ids = self._run(self._template(messages))
-        return ids  # type: ignore[return-value]
+    def apply_chat_template(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
+                            ) -> list[int] | list[list[int]]:
+        """The token ids :meth:`chat` sends for ``messages`` (one list per conversation)."""
+        return self._run(self._template(messages))
 
     # --- control --------------------------------------------------------------------------------
 

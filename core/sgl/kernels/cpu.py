@@ -98,11 +98,6 @@ class CpuKernels:
         return self.isa in ("amx", "avx512_bf16")
 
     @functools.cached_property
-    def avx512(self) -> bool:
-        """The AVX-512 kernels; at ``avx2`` their AVX2 versions run instead."""
-        return self.isa != "avx2"
-
-    @functools.cached_property
     def bf16_dot_matmul(self) -> bool:
         """Whether the bfloat16 matmul without AMX uses ``vdpbf16ps`` rather than widening to
         fp32 FMAs: on AMD only. On Intel (Sapphire Rapids with AMX capped, 2 cores) the widened
@@ -215,6 +210,7 @@ def recording() -> Iterator[KernelTape]:
         tape.library, tape.calls, tape.count = recorded.library, recorded.calls, recorded.count
         tape.inputs, tape.outputs = recorded.inputs, recorded.outputs
 
+
 def _cpu_flags() -> dict[str, bool]:
     caps = getattr(torch._C._cpu, "_get_cpu_capability", lambda: {})()
     return {k: bool(caps.get(k)) for k in ("avx2", "fma", "avx512_f", "avx512_bw", "avx512_vl",
@@ -228,8 +224,6 @@ def _amx_permitted() -> bool:
         return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA
     except (OSError, AttributeError):
         return False
-
-
 
 
 @functools.cache

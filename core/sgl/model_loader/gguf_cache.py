@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 __all__ = ["cached_from_gguf", "cache_root"]
 

@@ -170,15 +170,13 @@ class ReqState:
             "cached_tokens": self.cached_tokens,
         }
         opts = self.req.logprobs
-        if opts.return_logprob:
-            meta["input_token_logprobs"] = logprob_slices["input_token_logprobs"]
-            meta["output_token_logprobs"] = logprob_slices["output_token_logprobs"]
-            if opts.top_logprobs_num > 0:
-                meta["input_top_logprobs"] = logprob_slices["input_top_logprobs"]
-                meta["output_top_logprobs"] = logprob_slices["output_top_logprobs"]
-            if opts.token_ids_logprob:
-                meta["input_token_ids_logprobs"] = logprob_slices["input_token_ids_logprobs"]
-                meta["output_token_ids_logprobs"] = logprob_slices["output_token_ids_logprobs"]
+        if opts.return_logprob:  # each kind asked for, prompt and output
+            kinds = [kind for kind, wanted in (("token_logprobs", True),
+                                               ("top_logprobs", opts.top_logprobs_num > 0),
+                                               ("token_ids_logprobs", bool(opts.token_ids_logprob)))
+                     if wanted]
+            meta.update({key: logprob_slices[key] for kind in kinds
+                         for key in (f"input_{kind}", f"output_{kind}")})
         if self.finished_time is not None:
             meta["e2e_latency"] = self.finished_time - self.arrival_time
             meta["queue_time"] = self.queue_time

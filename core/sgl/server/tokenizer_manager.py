@@ -311,10 +311,7 @@ class TokenizerManager:
 
     async def _submit(self, prepared: list[tuple[OneRequest, list[int]]], received: float
                       ) -> tuple[list[ReqState], asyncio.Event]:
-        if self.dead_reason is not None:
-            raise GenerateError(self.dead_reason, status=503)
-        if self._zmq is None:
-            raise GenerateError("the tokenizer manager is not running", status=503)
+        self._check_running()
         waker = asyncio.Event()
         states = []
         for req, ids in prepared:
@@ -346,13 +343,8 @@ class TokenizerManager:
             if self._states.get(st.rid) is st:
                 del self._states[st.rid]
             self._log_finished(st)
-            if st.finished or self.dead_reason is not None or self._zmq is None:
-                continue
-            try:
-                self._send.send_pyobj(AbortRequest(st.rid), flags=zmq.NOBLOCK).add_done_callback(
-                    _ignore_result)
-            except zmq.ZMQError:
-                pass
+            if not st.finished:
+                self._send_abort(st.rid)
 
     def _log_finished(self, st: ReqState) -> None:
         """One INFO line and the metrics of a request that is over, however it ended."""
@@ -380,13 +372,18 @@ class TokenizerManager:
                 continue
             state.abort("aborted by an abort request")
             aborted.append(state.rid)
-            if self._zmq is not None and self.dead_reason is None:
-                try:
-                    self._send.send_pyobj(AbortRequest(state.rid), flags=zmq.NOBLOCK) \
-                        .add_done_callback(_ignore_result)
-                except zmq.ZMQError:
-                    pass
+            self._send_abort(state.rid)
         return aborted
+
+    def _send_abort(self, rid: str) -> None:
+        """Tell a running scheduler to drop ``rid`` (without waiting: best effort)."""
+        if self._zmq is None or self.dead_reason is not None:
+            return
+        try:
+            self._send.send_pyobj(AbortRequest(rid), flags=zmq.NOBLOCK).add_done_callback(
+                _ignore_result)
+        except zmq.ZMQError:
+            pass
 
     # --- control round trips ------------------------------------------------------------------
 
@@ -432,10 +429,7 @@ class TokenizerManager:
 
     async def _ask(self, msg: FlushCacheRequest | ServerInfoRequest | OpenSessionRequest
                    | CloseSessionRequest) -> dict[str, Any]:
-        if self.dead_reason is not None:
-            raise GenerateError(self.dead_reason, status=503)
-        if self._zmq is None:
-            raise GenerateError("the tokenizer manager is not running", status=503)
+        self._check_running()
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._info_waiters[msg.rid] = future
         try:
@@ -446,6 +440,12 @@ class TokenizerManager:
                                 f"{INFO_TIMEOUT:.0f} s", status=504) from None
         finally:
             self._info_waiters.pop(msg.rid, None)
+
+    def _check_running(self) -> None:
+        if self.dead_reason is not None:
+            raise GenerateError(self.dead_reason, status=503)
+        if self._zmq is None:
+            raise GenerateError("the tokenizer manager is not running", status=503)
 
     async def _send_msg(self, msg: Any, check: bool = True) -> None:
         """Send without ever blocking on a scheduler that is gone: a PUSH socket without a
