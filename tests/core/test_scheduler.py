@@ -332,3 +332,48 @@ def test_a_huge_max_new_tokens_does_not_starve_the_next_request(harness: Harness
     results = harness.run([short, long], abort={long: 0})
     assert harness.scheduler.idle and results
     harness.assert_memory_empty()
+
+
+def test_a_request_whose_logprobs_fail_fails_alone(harness: Harness) -> None:
+    """More top logprobs than the vocabulary has makes ``topk`` raise for that request (the
+    frontends refuse it with a 400; this request reaches the scheduler directly). It used to
+    fail every request of its batch; now the others run on, token for token as alone."""
+    prompts = [harness.chat_ids(q) for q in QUESTIONS[:3]]
+    alone = [one(harness, p, max_new_tokens=6, temperature=0).output_ids for p in prompts]
+    bad = LogprobOptions(return_logprob=True, top_logprobs_num=10**6)
+    rids = [harness.submit(prompts[0], max_new_tokens=6, temperature=0),
+            harness.submit(prompts[1], logprobs=bad, max_new_tokens=6, temperature=0),
+            harness.submit(prompts[2], max_new_tokens=6, temperature=0)]
+    results = harness.run(rids)
+    failed = results[rids[1]]
+    assert failed.finish_reason["type"] == "abort" and "internal error" in failed.error
+    for rid, expected in zip([rids[0], rids[2]], [alone[0], alone[2]]):
+        assert results[rid].error is None and results[rid].output_ids == expected
+    harness.assert_memory_empty()
+
+
+def test_a_forward_that_fails_for_one_request_fails_it_alone(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fake fault: the real model has no input that makes its forward raise. It raises for any
+    # batch holding the poison token, as a kernel would fail on one sequence's shape.
+    runner = harness.scheduler.runner
+    real_forward = runner.forward
+    poison = 12345
+
+    def forward(batch: Any) -> Any:
+        if bool((batch.input_ids == poison).any()):
+            raise RuntimeError("injected fault")
+        return real_forward(batch)
+
+    monkeypatch.setattr(runner, "forward", forward)
+    prompts = [harness.chat_ids(q) for q in QUESTIONS[3:6]]
+    assert all(poison not in p for p in prompts)
+    alone = [one(harness, p, max_new_tokens=5, temperature=0).output_ids for p in prompts]
+    rids = [harness.submit(prompts[0], max_new_tokens=5, temperature=0),
+            harness.submit([*prompts[1], poison], max_new_tokens=5, temperature=0),
+            harness.submit(prompts[2], max_new_tokens=5, temperature=0)]
+    results = harness.run(rids)
+    assert "injected fault" in (results[rids[1]].error or "")
+    for rid, expected in zip([rids[0], rids[2]], [alone[0], alone[2]]):
+        assert results[rid].error is None and results[rid].output_ids == expected
+    harness.assert_memory_empty()

@@ -11,6 +11,10 @@ server (:meth:`~Scheduler.recv_requests`, one handler per message type):
 3. :meth:`~Scheduler.process_batch_result` computes logprobs, caches prefixes, samples, runs
    the grammars and checks which requests finished.
 
+A failure fails only the request it concerns: a forward that raises is run again request by
+request (:meth:`~Scheduler.forward_failed`), a batched sampling step likewise, and each request's
+own share of the result processing is :meth:`~Scheduler.guarded`.
+
 Then the new tokens go back to the server and finished requests are freed.
 """
 
@@ -193,11 +197,7 @@ class Scheduler:
         self.admit_compiled()
         batch = self.schedule()
         if batch:
-            try:
-                hidden = self.run_batch(batch)
-                self.process_batch_result(batch, hidden)
-            except Exception as exc:  # a failing batch must not take the others down
-                self.fail_batch(batch, exc)
+            self.execute(batch)
         self.send_outputs(batch.reqs)
         self.release_finished()
 
@@ -286,14 +286,47 @@ class Scheduler:
             req.kv_len += n
         return hidden
 
-    def fail_batch(self, batch: ScheduledBatch, exc: Exception) -> None:
-        """A forward or its result processing raised: its requests fail, the others run on."""
-        logger.error("a batch of %d failed:\n%s", len(batch.items), traceback.format_exc())
+    def execute(self, batch: ScheduledBatch) -> None:
+        """Phases 2 and 3 for ``batch``; what raises fails only the requests it concerns."""
+        try:
+            hidden = self.run_batch(batch)
+        except Exception as exc:
+            self.forward_failed(batch, exc)
+            return
+        try:
+            self.process_batch_result(batch, hidden)
+        except Exception as exc:  # a bug in the batched part: these requests cannot go on
+            logger.error("processing a batch of %d failed:\n%s", len(batch.items),
+                         traceback.format_exc())
+            for req in batch.reqs:
+                if not req.finished:
+                    self.fail(req, f"internal error while processing the model's output: {exc}",
+                              500)
+
+    def forward_failed(self, batch: ScheduledBatch, exc: Exception) -> None:
+        """A forward that raised changed no request (it only took KV slots for the new tokens,
+        given back here), so each request of a larger batch runs again alone: only one that
+        fails by itself fails."""
+        logger.error("a forward of %d requests failed:\n%s", len(batch.items),
+                     traceback.format_exc())
         if self._step_slots is not None:  # taken for the new tokens, never filled
             self.runner.kv_pool.free(self._step_slots)
             self._step_slots = None
-        for req in batch.reqs:
-            self.fail(req, f"internal error while running the model: {exc}", 500)
+        if len(batch.items) == 1:
+            self.fail(batch.items[0][0], f"internal error while running the model: {exc}", 500)
+            return
+        for item in batch.items:
+            self.execute(ScheduledBatch([item]))
+
+    def guarded(self, req: Req, stage: str, work: Callable[..., None], *args: Any) -> None:
+        """``work(*args)``: one request's share of the result processing; if it raises, that
+        request fails (status 500) and the batch goes on."""
+        try:
+            work(*args)
+        except Exception as exc:
+            logger.error("request %s failed while %s:\n%s", req.rid, stage,
+                         traceback.format_exc())
+            self.fail(req, f"internal error while {stage}: {exc}", 500)
 
     # 3. the result ---------------------------------------------------------------------------
 
@@ -302,7 +335,8 @@ class Scheduler:
         reached its end: sample the next token, its logprobs, the grammar, the finish check."""
         offsets = batch.offsets()
         for (req, n), start in zip(batch.items, offsets):
-            self.input_logprobs(req, req.kv_len - n, n, hidden, start)
+            self.guarded(req, "computing prompt logprobs", self.input_logprobs,
+                         req, req.kv_len - n, n, hidden, start)
         self.cache_prefills([req for req, n in batch.items if n > 1])
         to_sample = []
         for i, req in enumerate(batch.reqs):
@@ -312,10 +346,19 @@ class Scheduler:
                 req.finish_reason = {"type": "length", "length": 0}
             else:
                 to_sample.append((req, offsets[i + 1] - 1))  # the row of its last token
-        if to_sample:
+        if not to_sample:
+            return
+        try:
             self.sample(to_sample, hidden)
+        except Exception:  # find the request that makes the batch fail: sample each alone
+            logger.error("sampling %d requests failed, sampling each alone:\n%s",
+                         len(to_sample), traceback.format_exc())
+            for item in to_sample:
+                self.guarded(item[0], "sampling", self.sample, [item], hidden)
 
     def sample(self, to_sample: list[tuple[Req, int]], hidden: torch.Tensor) -> None:
+        """Sample the next token of each request from its row of ``hidden``; nothing about a
+        request changes before every token is drawn (so a failure can be retried)."""
         rows = torch.tensor([row for _, row in to_sample], dtype=torch.int64)
         logits = self.runner.logits_at(hidden, rows)
         reqs = [r for r, _ in to_sample]
@@ -331,12 +374,18 @@ class Scheduler:
         for i, (req, token) in enumerate(zip(reqs, next_ids)):
             req.output_ids.append(int(token))
             req.first_token_time = req.first_token_time or now
-            if lp is not None and i in wants:
-                self.output_logprobs(req, lp, wants.index(i), token)
-            room = min(req.remaining_new_tokens(), self.runner.context_length - req.seq_len)
-            if (error := self.grammar.advance(req, room)) is not None:
-                self.fail(req, error, 500)
-            self.check_finished(req)
+            row = wants.index(i) if i in wants else None
+            self.guarded(req, "processing its new token", self.take_token, req, int(token), lp, row)
+
+    def take_token(self, req: Req, token: int, lp: LogprobRows | None, row: int | None) -> None:
+        """After ``token`` was sampled for ``req``: its logprobs (row ``row`` of ``lp``, if it
+        asked for them), the grammar, the finish check."""
+        if lp is not None and row is not None:
+            self.output_logprobs(req, lp, row, token)
+        room = min(req.remaining_new_tokens(), self.runner.context_length - req.seq_len)
+        if (error := self.grammar.advance(req, room)) is not None:
+            self.fail(req, error, 500)
+        self.check_finished(req)
 
     def output_logprobs(self, req: Req, lp: LogprobRows, row: int, token: int) -> None:
         opts = req.logprobs
