@@ -377,3 +377,35 @@ def test_a_forward_that_fails_for_one_request_fails_it_alone(
     for rid, expected in zip([rids[0], rids[2]], [alone[0], alone[2]]):
         assert results[rid].error is None and results[rid].output_ids == expected
     harness.assert_memory_empty()
+
+
+def test_open_sessions_are_bounded(harness: Harness) -> None:
+    """Sessions used to have no limit: a client could open them until memory ran out."""
+    from sgl.engine.scheduler import MAX_OPEN_SESSIONS
+
+    s = harness.scheduler
+    opened = [f"bounded-{i}" for i in range(MAX_OPEN_SESSIONS - len(s.sessions))]
+    try:
+        assert all(s.open_session(sid)["success"] for sid in opened)
+        refused = s.open_session("one-too-many")
+        assert not refused["success"] and f"{MAX_OPEN_SESSIONS} sessions" in refused["message"]
+        assert s.close_session(opened[0])["success"]
+        assert s.open_session("one-too-many")["success"]  # room again after a close
+        opened[0] = "one-too-many"
+    finally:
+        for sid in opened:
+            s.close_session(sid)
+
+
+def test_a_pool_smaller_than_the_output_says_why_it_stopped(tmp_path: Path) -> None:
+    """With a KV pool of 64 tokens a longer generation stops at the pool's end; the finish
+    reason used to say only "length", as if max_new_tokens had been reached."""
+    h = Harness(tmp_path, max_total_tokens=64)
+    try:
+        with torch.inference_mode():
+            r = one(h, h.chat_ids("Tell me a long story."), max_new_tokens=200, ignore_eos=True,
+                    temperature=0)
+        assert r.finish_reason["type"] == "length" and len(r.output_ids) < 200
+        assert "KV pool (64 tokens" in r.finish_reason["message"]
+    finally:
+        h.close()

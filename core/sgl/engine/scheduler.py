@@ -71,6 +71,8 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002
 #: output tokens a stop_regex is matched against (the end of the output)
 STOP_REGEX_WINDOW = 32
+#: the most sessions open at once (each is an entry here and a protected cache prefix)
+MAX_OPEN_SESSIONS = 1024
 
 
 def configure_threads(num_threads: int | None, kernel_threads: int | None) -> ThreadPlan:
@@ -115,6 +117,11 @@ class Scheduler:
             context_length=settings.context_length, page_size=settings.page_size,
             cpu_graphs=not settings.disable_cpu_graph)
         self.eos_token_ids = _eos_ids(self.runner.hf_config)
+        if self.runner.kv_pool.size < self.runner.context_length:
+            logger.warning("the KV pool (%d tokens) is smaller than the context length (%d): a "
+                           "request that fills it alone stops there (finish reason length); "
+                           "raise --max-total-tokens to avoid that", self.runner.kv_pool.size,
+                           self.runner.context_length)
         self.admission = Admission(settings.schedule_policy,
                                    make_cache_policy(settings, pm, self.runner),
                                    self.runner.kv_pool, self.runner.req_to_token_pool,
@@ -264,7 +271,8 @@ class Scheduler:
     def retract(self, req: Req) -> None:
         """Give a running request's KV memory back; it waits again and resumes from its tokens."""
         if len(self.running) == 1:  # alone and still out of memory: it can never continue
-            req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+            req.finish_reason = {"type": "length", "length": len(req.output_ids), "message": (
+                f"the KV pool ({self.runner.kv_pool.size} tokens, --max-total-tokens) is full")}
             return
         self.running.remove(req)
         self.free_memory(req)
@@ -552,6 +560,9 @@ class Scheduler:
     def open_session(self, session_id: str) -> dict[str, Any]:
         if session_id in self.sessions:
             return {"success": False, "message": f"session {session_id!r} is already open"}
+        if len(self.sessions) >= MAX_OPEN_SESSIONS:
+            return {"success": False, "message": f"{MAX_OPEN_SESSIONS} sessions are open, the "
+                    "most this server keeps; close one (/close_session) first"}
         self.sessions[session_id] = PrefixMatch()
         return {"success": True, "session_id": session_id}
 

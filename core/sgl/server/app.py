@@ -11,11 +11,12 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from sgl.server.http import SCHEMAS_KEY
 from sgl.server.io_struct import GenerateError
 from sgl.server.metrics import CONTENT_TYPE_LATEST
 from sgl.server.middleware import (
@@ -57,7 +58,7 @@ def create_app(server: ServerContext) -> FastAPI:
         return JSONResponse({"status": "unhealthy",
                              "reason": server.tokenizer_manager.dead_reason}, status_code=503)
 
-    @app.get("/metrics", tags=["core"])
+    @app.get("/metrics", tags=["core"], response_class=PlainTextResponse)
     async def metrics() -> Response:
         """Prometheus metrics: request counters and latency histograms, and the scheduler's
         load as gauges."""
@@ -80,6 +81,17 @@ def create_app(server: ServerContext) -> FastAPI:
         router = entry.load()(server)
         app.include_router(router)
         logger.info("frontend %r mounted (plugin %s)", name, entry.owner)
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema, with the sub-schemas of the documented bodies in ``components``."""
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for operation in (op for path in schema["paths"].values() for op in path.values()):
+                components.update(operation.pop(SCHEMAS_KEY, {}))
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 

@@ -12,6 +12,8 @@ abort their requests when the client goes away.
   the garbage collector gets to it.
 * :func:`answering` decorates a route so that the exceptions a frontend knows are answered in
   its error shape, and a returned dict is sent as JSON.
+* :func:`documented_body` puts the JSON schema of what a route reads into ``/openapi.json``
+  (the routes parse their bodies themselves, so FastAPI cannot see them).
 * :func:`sse_event` frames one server-sent event (``data:``, with an ``event:`` line when
   named); :func:`dumps` writes strict JSON (non-finite floats as ``null``).
 """
@@ -25,18 +27,22 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Send
 
-__all__ = ["MAX_JSON_DEPTH", "BodyError", "EventStreamResponse", "StreamResponse", "answering",
-           "dumps", "parse_body", "read_json", "sse_event"]
+from sgl.server.io_struct import unpaired_surrogate
+
+__all__ = ["MAX_JSON_DEPTH", "SCHEMAS_KEY", "BodyError", "EventStreamResponse", "StreamResponse",
+           "answering", "documented_body", "dumps", "parse_body", "read_json", "sse_event"]
 
 M = TypeVar("M", bound=BaseModel)
 
 #: how deep a request body may nest objects and arrays (Python's parser recurses per level)
 MAX_JSON_DEPTH = 64
+#: where :func:`documented_body` leaves the sub-schemas for the app's ``/openapi.json``
+SCHEMAS_KEY = "x-sgl-schemas"
 
 
 class BodyError(ValueError):
@@ -64,8 +70,8 @@ def _depth_exceeds(raw: bytes, limit: int) -> bool:
 
 async def read_json(request: Request, *, empty: str | None = None) -> Any:
     """The body as JSON. :class:`BodyError` when it is not valid JSON, nests deeper than
-    :data:`MAX_JSON_DEPTH`, or is empty (``empty`` is then the message; None: parse it as
-    any other body)."""
+    :data:`MAX_JSON_DEPTH`, holds a string that is not Unicode (an unpaired ``\\ud800``
+    escape), or is empty (``empty`` is then the message; None: parse it as any other body)."""
     raw = await request.body()
     if empty is not None and not raw.strip():
         raise BodyError(empty)
@@ -73,9 +79,14 @@ async def read_json(request: Request, *, empty: str | None = None) -> Any:
                                                                            MAX_JSON_DEPTH):
         raise BodyError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BodyError(f"the request body is not valid JSON: {exc}") from None
+    if b"\\u" in raw and (where := unpaired_surrogate(body)) is not None:
+        raise BodyError(f"{where or 'the request body'}: the text holds an unpaired surrogate "
+                        "(a \\ud800-\\udfff escape without its pair); send valid Unicode",
+                        param=where or None)
+    return body
 
 
 def validation_message(exc: ValidationError) -> tuple[str, str | None]:
@@ -95,14 +106,29 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
-    """The body validated as ``model``; :class:`BodyError` naming the field."""
+    """The body validated as ``model``, strictly (``"stream": "yes"`` or ``"max_tokens": true``
+    is refused, not coerced); :class:`BodyError` naming the field."""
     body = await read_json(request)
     if not isinstance(body, dict):
         raise BodyError(f"the request body must be a JSON object, got {type(body).__name__}")
     try:
-        return model.model_validate(body)
+        return model.model_validate(body, strict=True)
     except ValidationError as exc:
         raise BodyError(*validation_message(exc)) from None
+
+
+def documented_body(tp: Any, *, required: bool = True) -> dict[str, Any]:
+    """``openapi_extra`` for a route that reads a body of type ``tp`` itself (a pydantic model,
+    dataclass or TypedDict): its JSON schema in ``/openapi.json``, for client generators and
+    fuzzers. Sub-schemas are named after ``tp``'s package (``sgl_frontend_openai.ChatMessage``)
+    so that two frontends' models of one name do not clash; the app moves them (under
+    :data:`SCHEMAS_KEY`) into ``components``."""
+    package = tp.__module__.split(".")[0]
+    schema = TypeAdapter(tp).json_schema(ref_template=f"#/components/schemas/{package}.{{model}}")
+    defs = {f"{package}.{name}": sub for name, sub in schema.pop("$defs", {}).items()}
+    return {"requestBody": {"required": required,
+                            "content": {"application/json": {"schema": schema}}},
+            SCHEMAS_KEY: defs}
 
 
 Route = Callable[..., Awaitable[Any]]
@@ -144,9 +170,10 @@ def dumps(obj: Any) -> bytes:
     """Strict JSON: non-finite floats (a logprob of ``-inf``) become ``null``, as orjson
     writes them in SGLang."""
     try:
-        return json.dumps(obj, allow_nan=False, ensure_ascii=False).encode()
+        text = json.dumps(obj, allow_nan=False, ensure_ascii=False)
     except ValueError:
-        return json.dumps(_finite(obj), allow_nan=False, ensure_ascii=False).encode()
+        text = json.dumps(_finite(obj), allow_nan=False, ensure_ascii=False)
+    return text.encode("utf-8", "backslashreplace")  # a lone surrogate as its JSON escape
 
 
 def sse_event(obj: Any, event: str | None = None) -> bytes:

@@ -18,7 +18,8 @@ from typing import Any
 from sgl.engine.messages import LogprobOptions
 from sgl.sampling import SamplingParams, SamplingParamsError
 
-__all__ = ["BadRequestError", "GenerateError", "GenerateReqInput", "OneRequest"]
+__all__ = ["BadRequestError", "GenerateError", "GenerateReqInput", "OneRequest",
+           "unpaired_surrogate"]
 
 
 class GenerateError(RuntimeError):
@@ -50,6 +51,29 @@ class OneRequest:
     return_text_in_logprobs: bool
     field_name: str  # "text" or "input_ids", for error messages (with the batch index)
     session_id: str | None = None
+
+
+def unpaired_surrogate(value: Any, path: str = "") -> str | None:
+    """The path (``messages[0].content``; ``""`` for ``value`` itself) of the first string in
+    ``value`` that holds an unpaired UTF-16 surrogate, or None. JSON's ``"\\ud800"`` escape
+    decodes to one; it is not Unicode text, and no tokenizer takes it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = (value.items() if isinstance(value, dict)
+             else enumerate(value) if isinstance(value, (list, tuple)) else ())
+    for key, item in items:
+        shown = str(key).encode("utf-8", "backslashreplace").decode()  # printable as it is
+        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{shown}".lstrip(".")
+        found = unpaired_surrogate(key, where) if isinstance(key, str) else None
+        if found is None:
+            found = unpaired_surrogate(item, where)
+        if found is not None:
+            return found
+    return None
 
 
 def _is_int(v: Any) -> bool:

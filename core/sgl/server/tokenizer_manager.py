@@ -48,7 +48,13 @@ from sgl.engine.messages import (
 )
 from sgl.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParamsError
 from sgl.server.detokenizer import decode_tokens
-from sgl.server.io_struct import BadRequestError, GenerateError, GenerateReqInput, OneRequest
+from sgl.server.io_struct import (
+    BadRequestError,
+    GenerateError,
+    GenerateReqInput,
+    OneRequest,
+    unpaired_surrogate,
+)
 from sgl.server.metrics import ServerMetrics
 from sgl.server.request_state import ReqState
 
@@ -64,6 +70,13 @@ logger = logging.getLogger("sgl.tokenizer_manager")
 
 #: seconds to wait for the scheduler to answer a flush-cache or server-info request
 INFO_TIMEOUT = 60.0
+#: the longest session id /open_session takes
+MAX_SESSION_ID_LENGTH = 256
+#: arguments of the tokenizer's ``apply_chat_template`` that the server sets or that change
+#: what it returns: a request's ``chat_template_kwargs`` may not set them
+TEMPLATE_CALL_ARGUMENTS = ("conversation", "messages", "chat_template", "tokenize", "return_dict",
+                           "return_tensors", "padding", "truncation", "max_length",
+                           "return_assistant_tokens_mask", "tokenizer_kwargs")
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -130,7 +143,7 @@ class TokenizerManager:
 
     # --- encoding -----------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], *,
+    def apply_chat_template(self, messages: list[dict[str, Any]], /, *,
                             add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
         """Token ids of a chat, formatted by the chat template (``--chat-template`` or the
         model's own), ready for the assistant's reply."""
@@ -145,6 +158,14 @@ class TokenizerManager:
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise BadRequestError(f"messages[{i}] must be an object with a 'role' and "
                                       "'content'", param="messages")
+        if (where := unpaired_surrogate(messages)) is not None:
+            raise BadRequestError(f"messages{where}: the text holds an unpaired surrogate; send "
+                                  "valid Unicode", param="messages")
+        taken = [name for name in TEMPLATE_CALL_ARGUMENTS if name in template_kwargs]
+        if taken:
+            raise BadRequestError(f"chat_template_kwargs may not set {taken[0]!r}: the server "
+                                  "passes that argument of the chat template itself",
+                                  param="chat_template_kwargs")
         try:
             ids = self.tokenizer.apply_chat_template(
                 messages, chat_template=self.chat_template,
@@ -190,6 +211,10 @@ class TokenizerManager:
         tokenized: dict[int, list[int]] = {}  # n > 1 shares one prompt: tokenize it once
         for req in requests:
             if req.text is not None:
+                if unpaired_surrogate(req.text) is not None:
+                    raise BadRequestError(f"{req.field_name}: the text holds an unpaired "
+                                          "surrogate; send valid Unicode",
+                                          param=req.field_name.split("[")[0])
                 key = id(req.text)
                 if key not in tokenized:
                     tokenized[key] = list(self.tokenizer.encode(req.text))
@@ -409,6 +434,9 @@ class TokenizerManager:
         :raises BadRequestError: when a session of that id is already open.
         """
         session_id = session_id or uuid.uuid4().hex
+        if len(session_id) > MAX_SESSION_ID_LENGTH:
+            raise BadRequestError(f"session_id has {len(session_id)} characters, more than "
+                                  f"{MAX_SESSION_ID_LENGTH}", param="session_id")
         reply = await self._ask(OpenSessionRequest(rid=uuid.uuid4().hex, session_id=session_id))
         if not reply.get("success"):
             raise BadRequestError(str(reply.get("message")), param="session_id")

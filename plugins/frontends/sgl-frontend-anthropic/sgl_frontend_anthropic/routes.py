@@ -156,7 +156,7 @@ def make_router(server: ServerContext) -> APIRouter:
         return JSONResponse(_message(server, mid, content, _stop(meta), meta["prompt_tokens"],
                                      meta["completion_tokens"], meta.get("cached_tokens", 0)))
 
-    @router.post("/v1/messages")
+    @router.post("/v1/messages", openapi_extra=http.documented_body(MessagesRequest))
     async def messages(request: Request) -> Response:
         try:
             return await answer(request)
@@ -165,7 +165,8 @@ def make_router(server: ServerContext) -> APIRouter:
         except GenerateError as exc:
             return JSONResponse(error_body(exc.status, str(exc)), status_code=exc.status)
 
-    @router.post("/v1/messages/count_tokens")
+    @router.post("/v1/messages/count_tokens",
+                 openapi_extra=http.documented_body(CountTokensRequest))
     async def count_tokens(request: Request) -> Response:
         try:
             req = await _parse(request, CountTokensRequest)

@@ -14,9 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
+from typing_extensions import TypedDict  # pydantic reads typing's only from Python 3.12
 
 from sgl.server.io_struct import BadRequestError, GenerateError, GenerateReqInput
-from sgl.server.http import BodyError, EventStreamResponse, dumps, read_json, sse_event
+from sgl.server.http import (
+    BodyError,
+    EventStreamResponse,
+    documented_body,
+    dumps,
+    read_json,
+    sse_event,
+)
 
 if TYPE_CHECKING:
     from sgl.server.context import ServerContext
@@ -25,6 +33,26 @@ __all__ = ["make_router"]
 
 #: seconds /health_generate waits for its one token before answering 503
 HEALTH_GENERATE_TIMEOUT = 20.0
+
+
+class AbortRequestBody(TypedDict, total=False):
+    """``/abort_request``: the request to stop, or all of them."""
+
+    rid: str
+    abort_all: bool
+
+
+class OpenSessionBody(TypedDict, total=False):
+    """``/open_session``: the id to open (default: a new one)."""
+
+    session_id: str | None
+    capacity_of_str_len: int
+
+
+class CloseSessionBody(TypedDict):
+    """``/close_session``: the session to close."""
+
+    session_id: str
 
 
 def _json(status: int, body: Any) -> Response:
@@ -79,7 +107,8 @@ def make_router(server: ServerContext) -> APIRouter:
     tm = server.tokenizer_manager
     model_facts: dict[str, Any] = {}
 
-    @router.api_route("/generate", methods=["POST", "PUT"])
+    @router.api_route("/generate", methods=["POST", "PUT"],
+                      openapi_extra=documented_body(GenerateReqInput))
     async def generate(request: Request) -> Response:
         """SGLang's ``/generate``: one prompt or a batch, streamed or not."""
         try:
@@ -138,7 +167,7 @@ def make_router(server: ServerContext) -> APIRouter:
         """The same as ``/get_server_info``."""
         return await server_info()
 
-    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    @router.api_route("/flush_cache", methods=["GET", "POST"], response_class=PlainTextResponse)
     async def flush_cache() -> Response:
         """Drop cached prefixes; 400 with the scheduler's reason when requests are running."""
         try:
@@ -150,7 +179,8 @@ def make_router(server: ServerContext) -> APIRouter:
             return PlainTextResponse(f"Cache flushed.\n{message}\n".rstrip() + "\n")
         return PlainTextResponse(f"Cache not flushed: {message}\n", status_code=400)
 
-    @router.post("/abort_request")
+    @router.post("/abort_request", response_class=Response,
+                 openapi_extra=documented_body(AbortRequestBody))
     async def abort_request(request: Request) -> Response:
         """Stop a request by ``rid`` (or all with ``abort_all``); 200 even if it is unknown."""
         try:
@@ -163,7 +193,7 @@ def make_router(server: ServerContext) -> APIRouter:
         tm.abort_request(rid, abort_all=abort_all)
         return Response(status_code=200)
 
-    @router.post("/open_session")
+    @router.post("/open_session", openapi_extra=documented_body(OpenSessionBody, required=False))
     async def open_session(request: Request) -> Response:
         """Open a session whose conversation stays cached between its requests (send
         ``"session_params": {"id": ...}`` with each); answers the session id as a JSON string.
@@ -181,7 +211,8 @@ def make_router(server: ServerContext) -> APIRouter:
         except GenerateError as exc:
             return _error(exc.status, str(exc))
 
-    @router.post("/close_session")
+    @router.post("/close_session", response_class=Response,
+                 openapi_extra=documented_body(CloseSessionBody))
     async def close_session(request: Request) -> Response:
         """Close a session: its conversation may be evicted from the cache again."""
         try:
@@ -198,7 +229,7 @@ def make_router(server: ServerContext) -> APIRouter:
             return _error(exc.status, str(exc))
         return Response(status_code=200)
 
-    @router.get("/health_generate")
+    @router.get("/health_generate", response_class=Response)
     async def health_generate() -> Response:
         """200 once the model has generated one token, 503 if it cannot within 20 s."""
         body = {"input_ids": tm.encode("Hello") or [0], "rid": f"HEALTH_CHECK_{uuid.uuid4().hex}",

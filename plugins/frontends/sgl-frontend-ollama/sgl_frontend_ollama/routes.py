@@ -212,7 +212,7 @@ def make_router(server: ServerContext) -> APIRouter:
                              **shape(result["text"], meta),  # type: ignore[index]
                              **_done_fields(meta, started)})
 
-    @router.post("/api/chat")
+    @router.post("/api/chat", openapi_extra=http.documented_body(ChatRequest))
     @answered
     async def chat(request: Request) -> Response:
         started = time.perf_counter()
@@ -233,7 +233,7 @@ def make_router(server: ServerContext) -> APIRouter:
 
         return await run(obj, req.stream, started, shape)
 
-    @router.post("/api/generate")
+    @router.post("/api/generate", openapi_extra=http.documented_body(GenerateRequest))
     @answered
     async def generate(request: Request) -> Response:
         started = time.perf_counter()
@@ -280,7 +280,7 @@ def make_router(server: ServerContext) -> APIRouter:
                             "modified_at": _created_at(), "size": _size(server),
                             "digest": "", "details": _details(server)}]}
 
-    @router.post("/api/show")
+    @router.post("/api/show", openapi_extra=http.documented_body(ShowRequest))
     @answered
     async def show(request: Request) -> Response:
         req = await _parse(request, ShowRequest)

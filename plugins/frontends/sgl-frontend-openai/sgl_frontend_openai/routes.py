@@ -59,19 +59,19 @@ def make_router(server: ServerContext) -> APIRouter:
         check_model(server, model)
         return _model_card(server)
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", openapi_extra=http.documented_body(ChatCompletionRequest))
     @answered
     async def chat_completions(request: Request) -> Response:
         req = await parse_body(request, ChatCompletionRequest)
         return await create_chat_completion(server, parser, req)
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", openapi_extra=http.documented_body(CompletionRequest))
     @answered
     async def completions(request: Request) -> Response:
         req = await parse_body(request, CompletionRequest)
         return await create_completion(server, req)
 
-    @router.post("/v1/tokenize")
+    @router.post("/v1/tokenize", openapi_extra=http.documented_body(TokenizeRequest))
     @answered
     async def tokenize(request: Request) -> Response:
         req = await parse_body(request, TokenizeRequest)
@@ -94,7 +94,7 @@ def make_router(server: ServerContext) -> APIRouter:
             body["token_strs"] = [tm.token_text(t) for t in ids]
         return body
 
-    @router.post("/v1/detokenize")
+    @router.post("/v1/detokenize", openapi_extra=http.documented_body(DetokenizeRequest))
     @answered
     async def detokenize(request: Request) -> Response:
         req = await parse_body(request, DetokenizeRequest)
