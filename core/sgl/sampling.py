@@ -30,6 +30,9 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+#: the parameters that are real numbers
+FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                "presence_penalty")
 #: new tokens a request gets when it does not say (SGLang's default)
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -92,6 +95,9 @@ class SamplingParams:
         return params
 
     def validate(self, vocab_size: int | None = None) -> None:
+        """Raise :class:`SamplingParamsError` naming the first bad parameter; then make the
+        number parameters floats (a JSON ``1e30`` written as an integer does not fit a
+        tensor's int64)."""
         def need(ok: bool, name: str, what: str) -> None:
             if not ok:
                 raise SamplingParamsError(f"{name} must be {what}, got {getattr(self, name)!r}")
@@ -145,6 +151,9 @@ class SamplingParams:
                 if bad:
                     raise SamplingParamsError(
                         f"{name} has token id {bad[0]}, outside the vocabulary (size {vocab_size})")
+        for name in FLOAT_PARAMS:
+            setattr(self, name, float(getattr(self, name)))
+        self.logit_bias = {k: float(v) for k, v in self.logit_bias.items()}
 
     @property
     def constraint(self) -> tuple[str, str] | None:

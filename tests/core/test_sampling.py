@@ -138,3 +138,16 @@ def test_a_million_sampled_steps_never_leave_the_mask() -> None:
                             [[]] * rows_per_call, [[]] * rows_per_call)
         picked |= set(sample_next_tokens(logits_row.repeat(rows_per_call, 1), inp).tolist())
     assert picked == {7}
+
+
+@pytest.mark.parametrize("name,value", [("temperature", 2**63), ("top_k", 10**33),
+                                        ("repetition_penalty", 10**20), ("top_p", 1)])
+def test_integers_beyond_int64_sample_like_their_meaning(name: str, value: int) -> None:
+    """Found by the hostile corpus: ``temperature: 9223372036854775808`` (a JSON integer) or a
+    top_k beyond int64 used to fail the sampler ("Overflow when unpacking long long", a 500)."""
+    params = SamplingParams.from_dict({name: value, "seed": 3})
+    logits = torch.randn(2, 50)
+    ids = sample_next_tokens(logits, SamplingInput(
+        params=[params, params], seeds=[3, 4], steps=[0, 0], output_ids=[[], []],
+        prompt_ids=[[1], [2]], banned=[[], []]))
+    assert ids.shape == (2,) and bool(((0 <= ids) & (ids < 50)).all())

@@ -161,7 +161,8 @@ def sample_next_tokens(logits: torch.Tensor, inp: SamplingInput) -> torch.Tensor
     device, vocab = logits.device, logits.shape[-1]
     temps = torch.tensor([max(p.temperature, 1e-5) for p in params], device=device)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
+                         device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     min_p = torch.tensor([p.min_p for p in params], device=device)
     needs_sort = bool((top_k < vocab).any() or (top_p < 1).any())

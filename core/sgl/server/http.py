@@ -117,14 +117,29 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise BodyError(*validation_message(exc)) from None
 
 
-def documented_body(tp: Any, *, required: bool = True) -> dict[str, Any]:
+def _closed(node: Any) -> None:
+    """Mark every object schema under ``node`` as refusing fields it does not list."""
+    if isinstance(node, dict):
+        if "properties" in node:
+            node.setdefault("additionalProperties", False)
+        for value in node.values():
+            _closed(value)
+    elif isinstance(node, list):
+        for value in node:
+            _closed(value)
+
+
+def documented_body(tp: Any, *, required: bool = True, closed: bool = False) -> dict[str, Any]:
     """``openapi_extra`` for a route that reads a body of type ``tp`` itself (a pydantic model,
     dataclass or TypedDict): its JSON schema in ``/openapi.json``, for client generators and
-    fuzzers. Sub-schemas are named after ``tp``'s package (``sgl_frontend_openai.ChatMessage``)
-    so that two frontends' models of one name do not clash; the app moves them (under
-    :data:`SCHEMAS_KEY`) into ``components``."""
+    fuzzers. ``closed``: the route refuses unknown fields (as a pydantic model with
+    ``extra="forbid"`` says by itself). Sub-schemas are named after ``tp``'s package
+    (``sgl_frontend_openai.ChatMessage``) so that two frontends' models of one name do not
+    clash; the app moves them (under :data:`SCHEMAS_KEY`) into ``components``."""
     package = tp.__module__.split(".")[0]
     schema = TypeAdapter(tp).json_schema(ref_template=f"#/components/schemas/{package}.{{model}}")
+    if closed:
+        _closed(schema)
     defs = {f"{package}.{name}": sub for name, sub in schema.pop("$defs", {}).items()}
     return {"requestBody": {"required": required,
                             "content": {"application/json": {"schema": schema}}},

@@ -108,7 +108,7 @@ def make_router(server: ServerContext) -> APIRouter:
     model_facts: dict[str, Any] = {}
 
     @router.api_route("/generate", methods=["POST", "PUT"],
-                      openapi_extra=documented_body(GenerateReqInput))
+                      openapi_extra=documented_body(GenerateReqInput, closed=True))
     async def generate(request: Request) -> Response:
         """SGLang's ``/generate``: one prompt or a batch, streamed or not."""
         try:
