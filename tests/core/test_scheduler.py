@@ -409,3 +409,52 @@ def test_a_pool_smaller_than_the_output_says_why_it_stopped(tmp_path: Path) -> N
         assert "KV pool (64 tokens" in r.finish_reason["message"]
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_short_requests_keep_their_latency_beside_one_that_fills_the_context(
+        tmp_path: Path, policy: str) -> None:
+    """Fairness, counted in scheduler steps (one forward each, so the bound holds on any
+    machine): while one request generates to the end of the context, short requests that
+    arrive one after another each finish in as many steps as alone, give or take one."""
+    h = Harness(tmp_path, context_length=256, schedule_policy=policy)
+    s = h.scheduler
+    try:
+        with torch.inference_mode():
+            prompts = [h.chat_ids(q) for q in QUESTIONS]
+
+            def steps_to_finish(rid: str, limit: int = 100) -> int:
+                for step in range(1, limit + 1):
+                    s.recv_requests(block=False)
+                    s.step()
+                    while h.pull.poll(0):  # its outputs are not looked at: only when it ends
+                        h.pull.recv_pyobj()
+                    if not any(r.rid == rid for r in [*s.running, *s.waiting]) and step > 1:
+                        return step
+                raise AssertionError(f"{rid} did not finish in {limit} steps")
+
+            def arrive(rid: str) -> None:
+                while not any(r.rid == rid for r in [*s.running, *s.waiting]):
+                    s.recv_requests(block=True)
+
+            alone = []
+            for prompt in prompts:
+                rid = h.submit(prompt, max_new_tokens=8, ignore_eos=True, temperature=0)
+                arrive(rid)
+                alone.append(steps_to_finish(rid))
+            long = h.submit(prompts[0], max_new_tokens=256 - len(prompts[0]), ignore_eos=True,
+                            temperature=0)
+            arrive(long)
+            beside = []
+            for prompt in prompts:
+                rid = h.submit(prompt, max_new_tokens=8, ignore_eos=True, temperature=0)
+                arrive(rid)
+                beside.append(steps_to_finish(rid))
+                assert any(r.rid == long for r in s.running), "the long request ran meanwhile"
+            results = h.run([long])
+        reason = results[long].finish_reason  # it filled the context
+        assert reason["type"] == "length" and reason["length"] + len(prompts[0]) == 256
+        assert all(b <= a + 1 for a, b in zip(alone, beside)), (alone, beside)
+        h.assert_memory_empty()
+    finally:
+        h.close()
