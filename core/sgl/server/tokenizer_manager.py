@@ -419,7 +419,7 @@ class TokenizerManager:
     async def get_server_info(self) -> dict[str, Any]:
         """Settings, the model's facts and the scheduler's live state (SGLang's shape:
         settings and scheduler facts at the top level, ``internal_states`` and ``version``)."""
-        internal = await self.get_load()
+        internal = {**await self.get_load(), "num_tracked_requests": len(self._states)}
         facts = {k: v for k, v in dataclasses.asdict(self.info).items() if k not in ("ok", "error")}
         settings = self.settings.to_dict() if self.settings is not None else {}
         if settings.get("api_key"):
