@@ -587,6 +587,7 @@ class Scheduler:
     def load_info(self) -> dict[str, Any]:
         pool = self.runner.kv_pool
         return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
+                "num_waiting_tokens": sum(len(r.input_ids) for r in self.waiting),
                 "kv_used_tokens": pool.num_used, "kv_total_tokens": pool.size,
                 "kv_free_tokens": pool.num_free, "new_token_ratio": self.new_token_ratio,
                 "num_retractions": self.num_retractions,

@@ -88,7 +88,11 @@ UNSUPPORTED_SGLANG_FIELDS = frozenset({
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank", "priority",
     "log_metrics", "no_logs", "extra_key", "background", "conversation_id", "label",
     "return_routed_experts", "routed_dp_rank", "return_entropy",  # sent by SGLang's bench_serving
+    "model", "return_bytes",  # sent by SGLang's router
 })
+#: of those, the ones whose value does not matter: accepted whatever it is (``model``: this
+#: server serves one model)
+IGNORED_SGLANG_FIELDS = frozenset({"log_metrics", "model"})
 
 
 @dataclass
@@ -117,7 +121,7 @@ class GenerateReqInput:
         body = dict(body)
         for name in sorted(UNSUPPORTED_SGLANG_FIELDS.intersection(body)):
             value = body.pop(name)
-            if value not in (None, False, "", [], {}) and name != "log_metrics":
+            if value not in (None, False, "", [], {}) and name not in IGNORED_SGLANG_FIELDS:
                 raise BadRequestError(f"{name} is not supported by sgl", param=name)
         unknown = sorted(set(body) - set(known))
         if unknown:

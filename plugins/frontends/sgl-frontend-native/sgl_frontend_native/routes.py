@@ -229,6 +229,22 @@ def make_router(server: ServerContext) -> APIRouter:
             return _error(exc.status, str(exc))
         return Response(status_code=200)
 
+    @router.get("/get_load")
+    async def get_load() -> Response:
+        """The load as SGLang's workers report it, one entry per data-parallel rank: requests
+        running or waiting, and ``num_tokens``, the KV tokens the running requests hold (not
+        what the cache keeps and could evict) plus the prompt tokens waiting. SGLang's router
+        balances on ``num_tokens``."""
+        try:
+            load = await tm.get_load()
+        except GenerateError as exc:
+            return _error(exc.status, str(exc))
+        held = load["kv_used_tokens"] - load.get("evictable_tokens", 0)
+        return _json(200, [{"dp_rank": 0,
+                            "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                            "num_waiting_reqs": load["num_waiting_reqs"],
+                            "num_tokens": held + load["num_waiting_tokens"]}])
+
     @router.get("/health_generate", response_class=Response)
     async def health_generate() -> Response:
         """200 once the model has generated one token, 503 if it cannot within 20 s."""

@@ -97,6 +97,8 @@ def plan_chat(server: ServerContext, parser: BaseToolParser,
     kwargs = dict(req.chat_template_kwargs or {})
     if tools_on and req.tools and "tools" in template:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+    if req.continue_final_message:  # SGLang's extension: go on with the last assistant turn
+        kwargs.update(add_generation_prompt=False, continue_final_message=True)
     input_ids = tm.apply_chat_template(messages, **kwargs)
     prefix = ""
     if tools_on and (req.tool_choice == "required" or isinstance(req.tool_choice,

@@ -117,8 +117,10 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = None
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool = False
+    no_stop_trim: bool = False  # keep the stop string at the end of the text
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    return_hidden_states: Literal[False] = False  # SGLang's router sends false; not supported
     regex: str | None = None  # constrained decoding (SGLang's extra body fields)
     ebnf: str | None = None
 
@@ -153,6 +155,11 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # SGLang's extensions (its router sends them): continue the last assistant message instead of
+    # starting a new one; the reasoning fields have no effect (no reasoning parser in sgl yet)
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
