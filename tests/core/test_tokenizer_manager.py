@@ -340,3 +340,16 @@ def test_chat_template_override(template_file: str) -> None:
     plain = TokenizerManager(TOK, {}, info)
     with pytest.raises(BadRequestError, match="no chat template"):
         plain.apply_chat_template([{"role": "user", "content": "hello"}])
+
+
+def test_a_lone_surrogate_is_a_bad_request_without_http(template_file: str) -> None:
+    """``sgl.Engine`` callers pass Python strings, which may hold an unpaired surrogate; it is a
+    400 naming the field, not the tokenizer's own error."""
+    from sgl.config import ServerSettings
+
+    info = SchedulerInfo(ok=True, context_length=CONTEXT, vocab_size=len(TOK))
+    tm = TokenizerManager(TOK, {}, info, ServerSettings(chat_template=template_file))
+    with pytest.raises(BadRequestError, match="text: the text holds an unpaired surrogate"):
+        tm.prepare({"text": "a\ud800b"})
+    with pytest.raises(BadRequestError, match=r"messages\[0\]\.content: .*unpaired surrogate"):
+        tm.apply_chat_template([{"role": "user", "content": "a\ud800b"}])

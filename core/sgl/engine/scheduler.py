@@ -379,11 +379,12 @@ class Scheduler:
             prompt_ids=[r.input_ids for r in reqs], banned=[self.banned(r) for r in reqs],
         )).tolist()
         now = time.time()
+        lp_row = {i: row for row, i in enumerate(wants)}  # request -> its row of lp
         for i, (req, token) in enumerate(zip(reqs, next_ids)):
             req.output_ids.append(int(token))
             req.first_token_time = req.first_token_time or now
-            row = wants.index(i) if i in wants else None
-            self.guarded(req, "processing its new token", self.take_token, req, int(token), lp, row)
+            self.guarded(req, "processing its new token", self.take_token, req, int(token), lp,
+                         lp_row.get(i))
 
     def take_token(self, req: Req, token: int, lp: LogprobRows | None, row: int | None) -> None:
         """After ``token`` was sampled for ``req``: its logprobs (row ``row`` of ``lp``, if it

@@ -158,9 +158,6 @@ class TokenizerManager:
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise BadRequestError(f"messages[{i}] must be an object with a 'role' and "
                                       "'content'", param="messages")
-        if (where := unpaired_surrogate(messages)) is not None:
-            raise BadRequestError(f"messages{where}: the text holds an unpaired surrogate; send "
-                                  "valid Unicode", param="messages")
         taken = [name for name in TEMPLATE_CALL_ARGUMENTS if name in template_kwargs]
         if taken:
             raise BadRequestError(f"chat_template_kwargs may not set {taken[0]!r}: the server "
@@ -170,7 +167,11 @@ class TokenizerManager:
             ids = self.tokenizer.apply_chat_template(
                 messages, chat_template=self.chat_template,
                 add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs)
-        except Exception as exc:  # jinja errors from the template itself
+        except Exception as exc:  # jinja errors from the template itself, or text no
+            # tokenizer takes (looked for only now, off the path of every request)
+            if (where := unpaired_surrogate(messages)) is not None:
+                raise BadRequestError(f"messages{where}: the text holds an unpaired surrogate; "
+                                      "send valid Unicode", param="messages") from None
             raise BadRequestError(f"cannot apply the chat template: {exc}",
                                   param="messages") from exc
         if isinstance(ids, dict) or hasattr(ids, "keys"):
@@ -211,13 +212,9 @@ class TokenizerManager:
         tokenized: dict[int, list[int]] = {}  # n > 1 shares one prompt: tokenize it once
         for req in requests:
             if req.text is not None:
-                if unpaired_surrogate(req.text) is not None:
-                    raise BadRequestError(f"{req.field_name}: the text holds an unpaired "
-                                          "surrogate; send valid Unicode",
-                                          param=req.field_name.split("[")[0])
                 key = id(req.text)
                 if key not in tokenized:
-                    tokenized[key] = list(self.tokenizer.encode(req.text))
+                    tokenized[key] = self._encode_prompt(req)
                 ids = list(tokenized[key])
             else:
                 ids = list(req.input_ids or [])
@@ -231,6 +228,17 @@ class TokenizerManager:
                 params.stop_token_ids = [*params.stop_token_ids, int(eos)]
             prepared.append((req, ids))
         return prepared, as_list
+
+    def _encode_prompt(self, req: OneRequest) -> list[int]:
+        """The prompt's ids; a text no tokenizer takes (an unpaired surrogate, which the HTTP
+        toolkit refuses already) is a :class:`BadRequestError` naming the field."""
+        try:
+            return list(self.tokenizer.encode(req.text))
+        except Exception:
+            if unpaired_surrogate(req.text) is None:
+                raise
+            raise BadRequestError(f"{req.field_name}: the text holds an unpaired surrogate; "
+                                  "send valid Unicode", param=req.field_name.split("[")[0]) from None
 
     def _check(self, req: OneRequest, ids: list[int]) -> None:
         where = req.field_name
