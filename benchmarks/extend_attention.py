@@ -6,7 +6,7 @@ new tokens with no cached prefix, at the instruction-set level this process runs
 ``MKL_ENABLE_INSTRUCTIONS`` and ``ONEDNN_MAX_CPU_ISA`` to stand in for a smaller CPU: SDPA's
 products are MKL's). The kernel runs on 1 and 2 of its own
 threads, SDPA on one torch thread, as the scheduler runs them; median of ``--reps``, ms. This is
-the measurement behind ``CpuKernels.extend_attention_faster``.
+the measurement behind ``CpuKernelLibrary.extend_attention_faster``.
 
     .venv/bin/python benchmarks/extend_attention.py
     SGL_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\

@@ -64,7 +64,7 @@ def timed_batch(program, backend, args, run: int, warmup: bool) -> Run:
 
 def main() -> None:
     import sgl
-    from sgl.testing import ServerProcess
+    from sgl_testing import ServerProcess
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--programs", type=int, default=32)

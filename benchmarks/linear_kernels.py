@@ -49,7 +49,7 @@ def main() -> int:
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         pack = cpu.pack_bf16_weight if dtype == torch.bfloat16 else cpu.pack_f32_weight
-        op = kernels.linear_bf16 if dtype == torch.bfloat16 else kernels.linear_f32
+        op = torch.ops.sgl.linear_bf16 if dtype == torch.bfloat16 else torch.ops.sgl.linear_f32
         weights = {}
         for n, k in set(SHAPES):
             w = torch.randn(n, k).to(dtype)

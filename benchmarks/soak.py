@@ -325,7 +325,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.url:
         sys.exit(asyncio.run(soak(args, args.url, None)))
-    from sgl.testing import ServerProcess
+    from sgl_testing import ServerProcess
 
     server = ServerProcess(*shlex.split(args.server_args))
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl.testing import ServerProcess
+from sgl_testing import ServerProcess
 
 ROUTE_PLUGIN = textwrap.dedent('''
     """A plugin in a single file: one route, and start-up notes written to a file."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sgl.config import ConfigError, load_settings, read_config_file
-from sgl.testing import run_cli
+from sgl_testing import run_cli
 
 
 def test_precedence_flag_env_file_default(tmp_path: Path) -> None:

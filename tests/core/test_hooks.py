@@ -108,7 +108,7 @@ def test_a_registration_nothing_runs_yet_is_reported(plugin_manager, register_pl
 
 
 def test_sgl_plugins_lists_what_is_not_used(tmp_path) -> None:
-    from sgl.testing import run_cli
+    from sgl_testing import run_cli
 
     path = tmp_path / "eager_spec.py"
     path.write_text("from sgl import hookimpl\n\n@hookimpl\n"

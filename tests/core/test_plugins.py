@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from sgl.plugins import PluginError, PluginLoadError, PluginSelection, create_plugin_manager
-from sgl.testing import run_cli
+from sgl_testing import run_cli
 
 DEFAULT_PLUGINS = {"model-llama", "attn-torch", "frontend-openai"}
 

@@ -451,6 +451,8 @@ def test_short_requests_keep_their_latency_beside_one_that_fills_the_context(
                 arrive(rid)
                 beside.append(steps_to_finish(rid))
                 assert any(r.rid == long for r in s.running), "the long request ran meanwhile"
+            while h.pull.poll(200):  # the last short request's final output, still in flight
+                h.pull.recv_pyobj()
             results = h.run([long])
         reason = results[long].finish_reason  # it filled the context
         assert reason["type"] == "length" and reason["length"] + len(prompts[0]) == 256

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from sgl.testing import run_cli
+from sgl_testing import run_cli
 from sgl.threads import ThreadPlan, check_thread_counts, plan_threads, usable_cores
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sgl.testing import ServerProcess, run_cli
+from sgl_testing import ServerProcess, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,7 +22,7 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from sgl.testing import ServerProcess
+from sgl_testing import ServerProcess
 
 pytestmark = pytest.mark.slow
 

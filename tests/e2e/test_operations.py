@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sgl.testing import ServerProcess
+from sgl_testing import ServerProcess
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

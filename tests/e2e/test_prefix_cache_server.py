@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sgl.testing import ServerProcess
+from sgl_testing import ServerProcess
 
 pytestmark = pytest.mark.slow
 

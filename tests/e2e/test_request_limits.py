@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from sgl.testing import ServerProcess
+from sgl_testing import ServerProcess
 
 HUGE = 2**31
 

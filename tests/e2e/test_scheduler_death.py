@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from sgl.testing import ServerProcess
+from sgl_testing import ServerProcess
 
 
 def scheduler_pid(server_pid: int) -> int:

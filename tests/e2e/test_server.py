@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sgl.testing import ServerProcess
+from sgl_testing import ServerProcess
 
 
 def chat(server: ServerProcess, content: str, **extra) -> httpx.Response:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sgl.testing import ServerProcess, free_port
+from sgl_testing import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -92,10 +92,13 @@ class KernelLibrary(abc.ABC):
     levels: ClassVar[tuple[str, ...]] = ()
 
     @abc.abstractmethod
-    def set_level(self, level: str, bf16_dot_matmul: bool) -> None:
-        """Run the kernels of ``level`` from now on (one of :attr:`levels`); with
-        ``bf16_dot_matmul``, the bfloat16 matmul without AMX multiplies with ``vdpbf16ps``
-        rather than widening to float32 FMAs."""
+    def detect_isa(self) -> str:
+        """The best level of :data:`sgl.kernels.cpu.ISA_LEVELS` this machine runs (``none``
+        where it runs none of the library's)."""
+
+    @abc.abstractmethod
+    def set_level(self, level: str) -> None:
+        """Run the kernels of ``level`` (one of :attr:`levels`) from now on."""
 
     @abc.abstractmethod
     def set_threads(self, threads: int) -> int:
@@ -123,6 +126,16 @@ class KernelLibrary(abc.ABC):
         library's matmuls (:func:`sgl.layers.packed_linear.pack_weight` asks), or None where it
         has none for that dtype."""
         return None
+
+    def extend_attention_faster(self, dtype: torch.dtype) -> bool:
+        """Whether ``sgl::extend_attention`` beats torch's SDPA (on one thread) for ``dtype`` at
+        the level and threads in use."""
+        return False
+
+    def decode_attention_fits(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                              v_dim: int) -> bool:
+        """Whether the attention kernels take heads of this shape."""
+        return False
 
     def describe(self) -> str:
         """A few words for logs: what the library is and where it was built."""

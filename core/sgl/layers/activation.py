@@ -27,9 +27,8 @@ class GatedActivation(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.name == "silu" and x.dim() == 2 and x.device.type == "cpu":
-            kernels = cpu.load()
-            if kernels is not None and cpu.fits(x):  # one pass, same rounding as below
-                return kernels.silu_mul(x)
+            if cpu.load() is not None and cpu.fits(x):  # one pass, same rounding as below
+                return torch.ops.sgl.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         if self.name == "silu":
             return F.silu(gate) * up

@@ -69,8 +69,7 @@ def _cpu_embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | No
     if (ids.device.type != "cpu" or ids.dim() != 1 or ids.dtype != torch.int64
             or not ids.is_contiguous() or not cpu.fits(weight)):
         return None
-    kernels = cpu.load()
-    return None if kernels is None else kernels.embedding(weight, ids)
+    return None if cpu.load() is None else torch.ops.sgl.embedding(weight, ids)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

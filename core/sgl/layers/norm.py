@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,27 +19,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     bfloat16); elsewhere ``F.rms_norm``, which upcasts half types internally, so it is
     bit-identical to spelling the float32 formula out, in one or two ops instead of eight.
     """
-    kernels = _kernels(x, weight)
-    if kernels is not None:
-        return kernels.rmsnorm(x.view(-1, x.shape[-1]), None, weight.view(1, -1),
-                               eps)[0].view(x.shape)
+    if _kernels_take(x, weight):
+        return torch.ops.sgl.rmsnorm(x.view(-1, x.shape[-1]), weight.view(1, -1),
+                                     eps).view(x.shape)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
 
 
-def _kernels(x: torch.Tensor, weight: torch.Tensor,
-             residual: torch.Tensor | None = None) -> Any:
-    """sgl's CPU kernels when they take these tensors (one call for add + norm), else None."""
+def _kernels_take(x: torch.Tensor, weight: torch.Tensor,
+                  residual: torch.Tensor | None = None) -> bool:
+    """Whether sgl's CPU kernels take these tensors (one call for add + norm)."""
     if x.device.type != "cpu" or x.dim() < 2 or (x.dim() > 2 and not x.is_contiguous()):
-        return None
-    kernels = cpu.load()
-    if kernels is None or not cpu.fits(x.view(-1, x.shape[-1]), weight.view(1, -1),
-                                       None if residual is None else residual):
-        return None
+        return False
     if residual is not None and (residual.shape != x.shape or x.dim() != 2):
-        return None
-    return kernels
+        return False
+    return cpu.load() is not None and cpu.fits(x.view(-1, x.shape[-1]), weight.view(1, -1),
+                                               residual)
 
 
 class RMSNorm(nn.Module):
@@ -76,9 +70,9 @@ class RMSNorm(nn.Module):
         row-strided view in place; elsewhere the rows are reshaped (a copy for a strided view)."""
         if (not self.weight_offset and x.dim() == 2 and x.device.type == "cpu"
                 and x.shape[1] % head_dim == 0):
-            kernels = cpu.load()
-            if kernels is not None and cpu.fits(x, self.weight.view(1, -1)):
-                return kernels.rmsnorm_heads(x, self.weight.view(1, -1), self.eps, head_dim)
+            if cpu.load() is not None and cpu.fits(x, self.weight.view(1, -1)):
+                return torch.ops.sgl.rmsnorm_heads(x, self.weight.view(1, -1), self.eps,
+                                                   head_dim)
         normed, _ = self(x.reshape(-1, head_dim))
         return normed.view(x.shape[0], -1)
 
@@ -86,9 +80,8 @@ class RMSNorm(nn.Module):
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(norm(x + residual), x + residual)``; without ``residual``, ``(norm(x), x)``."""
         if residual is not None and not self.weight_offset:
-            kernels = _kernels(x, self.weight, residual)
-            if kernels is not None:  # the add and the norm in one pass
-                return kernels.rmsnorm(x, residual, self.weight.view(1, -1), self.eps)
+            if _kernels_take(x, self.weight, residual):  # the add and the norm in one pass
+                return torch.ops.sgl.add_rmsnorm(x, residual, self.weight.view(1, -1), self.eps)
         if residual is not None:
             x = x + residual
         return self._norm(x), x

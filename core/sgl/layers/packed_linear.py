@@ -43,10 +43,10 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
     (not on CPU, not 2-D, nothing faster for its dtype on this CPU, or turned off)."""
     if weight.device.type != "cpu" or weight.dim() != 2 or not _packing_enabled():
         return None
-    kernels = cpu.load()
+    library = cpu.load()
     with torch.no_grad():
-        if kernels is not None:
-            packed = kernels.library.pack_linear(weight, bias)
+        if library is not None:
+            packed = library.pack_linear(weight, bias)
             if packed is not None:
                 return packed
         if (weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()

@@ -156,8 +156,7 @@ class RotaryEmbedding(nn.Module):
         When ``k`` directly follows ``q`` in memory (both split from one fused qkv output),
         both are rotated in one pass and returned as views of one new tensor."""
         both = _adjacent(q, k)
-        kernels = cpu.load() if q.device.type == "cpu" else None
-        if kernels is not None and cpu.fits(q, k):  # sgl's CPU kernel, bit-identical
+        if q.device.type == "cpu" and cpu.load() is not None and cpu.fits(q, k):  # sgl's CPU kernel, bit-identical
             # the kernel reads each token's row of the whole table itself, so a forward pass
             # needs no torch op here (sgl.engine.cpu_graph replays it)
             pos: torch.Tensor | None = positions
@@ -168,10 +167,10 @@ class RotaryEmbedding(nn.Module):
                 table, pos = self._table_rows(positions, q.dtype), None
             dim, hd = self.rotary_dim, self.head_dim
             if both is not None:
-                out = kernels.rotary(both, both.shape[1] // hd, hd, dim, table, pos)
+                out = torch.ops.sgl.rotary(both, both.shape[1] // hd, hd, dim, table, pos)
                 return out[:, :q.shape[1]], out[:, q.shape[1]:]
-            return (kernels.rotary(q, q.shape[1] // hd, hd, dim, table, pos),
-                    kernels.rotary(k, k.shape[1] // hd, hd, dim, table, pos))
+            return (torch.ops.sgl.rotary(q, q.shape[1] // hd, hd, dim, table, pos),
+                    torch.ops.sgl.rotary(k, k.shape[1] // hd, hd, dim, table, pos))
         cos2, sin2 = self._rows(positions, q.dtype)
         if both is not None:
             out = self._rotate(both, cos2, sin2)

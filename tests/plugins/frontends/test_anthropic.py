@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from sgl.plugins import create_plugin_manager
-from sgl.testing import ServerProcess
+from sgl_testing import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 import sgl
-from sgl.testing import ServerProcess, run_cli
+from sgl_testing import ServerProcess, run_cli
 
 GREEDY = {"temperature": 0}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl.testing import ServerProcess
+from sgl_testing import ServerProcess
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 EXAMPLES = sorted((DOCS / "examples").glob("lang_*.py"))

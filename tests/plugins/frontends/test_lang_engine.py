@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import sgl
-from sgl.testing import ServerProcess
+from sgl_testing import ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sgl.testing import ServerProcess, run_cli
+from sgl_testing import ServerProcess, run_cli
 
 PROMPT = "The capital of France is"
 GREEDY = {"temperature": 0, "max_new_tokens": 8}

@@ -11,7 +11,7 @@ import pytest
 
 from sgl import hookimpl
 from sgl.registry import UnknownNameError
-from sgl.testing import ServerProcess, run_cli
+from sgl_testing import ServerProcess, run_cli
 from sgl.tools import BaseToolParser, ParsedOutput
 from sgl_frontend_openai.tool_parsers import HermesToolParser, JsonToolParser, select_tool_parser
 

@@ -14,7 +14,7 @@ from _cases import (
     check_regex,
 )
 
-from sgl.testing import ServerProcess
+from sgl_testing import ServerProcess
 
 pytestmark = pytest.mark.slow
 

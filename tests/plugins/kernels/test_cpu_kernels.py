@@ -14,16 +14,18 @@ import torch.nn.functional as F
 
 from sgl.kernels import cpu
 from sgl.kernels import ops
-from sgl.kernels.library import PackedWeight
+from sgl.kernels.library import KernelLibrary, PackedWeight
 from sgl.layers.packed_linear import linear, pack_weight
 from sgl.layers.rotary import RotaryEmbedding
 
+sgl_ops = torch.ops.sgl
+
 
 @pytest.fixture
-def kernels(kernel_isa: str) -> cpu.CpuKernels:
-    """The kernels at the test's level."""
+def kernels(kernel_isa: str) -> KernelLibrary:
+    """The kernel library at the test's level."""
     loaded = cpu.load()
-    assert loaded is not None and loaded.isa == kernel_isa
+    assert loaded is not None and cpu.cpu_isa() == kernel_isa
     return loaded
 
 
@@ -47,7 +49,7 @@ def reference_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 40), (48, 64)])
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 16, 17, 32, 33, 64])
 @pytest.mark.usefixtures("one_torch_thread")  # the kernel runs where torch runs on one thread
-def test_bf16_linear(kernels: cpu.CpuKernels, n: int, k: int, rows: int) -> None:
+def test_bf16_linear(kernels: KernelLibrary, n: int, k: int, rows: int) -> None:
     """The bfloat16 matmul of the level: AMX tiles, AVX512-BF16 dot products or widened AVX-512
     FMAs, all on the same packed weight."""
     torch.manual_seed(n + k + rows)
@@ -59,7 +61,7 @@ def test_bf16_linear(kernels: cpu.CpuKernels, n: int, k: int, rows: int) -> None
     expected = F.linear(x.float(), weight.float(), bias.float())
     with cpu.recording() as tape:
         got = linear(x, weight, bias, packed).float()
-    assert tape.names == [bf16_kernel_name(kernels.isa)]
+    assert tape.names == [bf16_kernel_name(cpu.cpu_isa())]
     torch.testing.assert_close(got, expected, rtol=0.02, atol=0.05)
 
 
@@ -69,29 +71,29 @@ def test_bf16_dot_and_widened_matmuls_agree(avx512_isa: str, n: int, k: int, row
     """Both AVX-512 bfloat16 matmuls, whichever the CPU's vendor picks: the widened one at
     every AVX-512 level, the vdpbf16ps one where the level has AVX512-BF16."""
     kernels = cpu.load()
-    assert kernels is not None and kernels.isa == avx512_isa
+    assert kernels is not None and cpu.cpu_isa() == avx512_isa
     torch.manual_seed(rows + n)
     weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).float()
     packed = cpu.pack_bf16_weight(weight)
     x = torch.randn(rows, k).bfloat16()
     expected = F.linear(x.float(), weight.float(), bias)
     try:
-        for level, dot in ([("avx512", False), ("avx512_bf16", True)] if kernels.avx512_bf16
-                           else [("avx512", False)]):
-            kernels.library.set_level(level, dot)
+        for level, dot in ([("avx512", False), ("avx512_bf16", True)]
+                           if cpu.isa_at_least(avx512_isa, "avx512_bf16") else [("avx512", False)]):
+            kernels.set_level(level, dot)
             with cpu.recording() as tape:
-                y = kernels.linear_bf16(x, packed, n, bias)
+                y = sgl_ops.linear_bf16(x, packed, n, bias)
             assert tape.names == ["sgl_linear_bf16_avx512"]
             assert int(tape.calls[0, 10]) == int(dot)  # the kernel's dp argument
             torch.testing.assert_close(y.float(), expected, rtol=0.02, atol=0.05)
     finally:
-        kernels.library.set_level(kernels.isa, kernels.bf16_dot_matmul)
+        kernels.set_level(avx512_isa)
 
 
 @pytest.mark.parametrize("n,k", [(49152, 576), (960, 576), (100, 40)])
 @pytest.mark.parametrize("rows", [1, 17, 300])
 @pytest.mark.usefixtures("one_torch_thread", "restore_kernel_threads")
-def test_bf16_linear_threads_share_the_columns(kernels: cpu.CpuKernels, n: int, k: int,
+def test_bf16_linear_threads_share_the_columns(kernels: KernelLibrary, n: int, k: int,
                                                rows: int) -> None:
     """On two kernel threads the product has the same bits as on one (each column is computed
     by one thread, in the same order): a chunk that no thread ran would leave torch.empty's
@@ -102,12 +104,12 @@ def test_bf16_linear_threads_share_the_columns(kernels: cpu.CpuKernels, n: int, 
     assert packed is not None and packed.kind == "bf16"
     x = torch.randn(rows, k).bfloat16()
     assert cpu.set_threads(1) == 1
-    one = kernels.linear_bf16(x, packed.tensor, n, packed.bias)
+    one = sgl_ops.linear_bf16(x, packed.tensor, n, packed.bias)
     assert cpu.set_threads(2) == 2 == cpu.kernel_threads()
-    two = [kernels.linear_bf16(x, packed.tensor, n, packed.bias) for _ in range(3)]
+    two = [sgl_ops.linear_bf16(x, packed.tensor, n, packed.bias) for _ in range(3)]
     with cpu.recording() as tape:
         via_layer = linear(x, weight, bias, packed)
-    assert tape.names == [bf16_kernel_name(kernels.isa)]
+    assert tape.names == [bf16_kernel_name(cpu.cpu_isa())]
     for got in two + [via_layer]:
         assert torch.equal(got, one)
     torch.testing.assert_close(one.float(), F.linear(x.float(), weight.float(), bias.float()),
@@ -134,7 +136,7 @@ def test_f32_linear(n: int, k: int, rows: int, with_bias: bool) -> None:
 @pytest.mark.parametrize("n,k", [(49152, 576), (960, 576), (49, 7)])
 @pytest.mark.parametrize("rows", [1, 3, 17, 300])
 @pytest.mark.usefixtures("one_torch_thread", "restore_kernel_threads")
-def test_f32_linear_threads_share_the_columns(kernels: cpu.CpuKernels, n: int, k: int,
+def test_f32_linear_threads_share_the_columns(kernels: KernelLibrary, n: int, k: int,
                                               rows: int) -> None:
     """On two kernel threads the float32 kernel splits its column panels: same bits as one
     thread, and linear() takes it for any row count (with one thread only for 4-64 rows)."""
@@ -144,9 +146,9 @@ def test_f32_linear_threads_share_the_columns(kernels: cpu.CpuKernels, n: int, k
     assert packed is not None and packed.kind == "f32"
     x = torch.randn(rows, k)
     cpu.set_threads(1)
-    one = kernels.linear_f32(x, packed.tensor, n, packed.bias)
+    one = sgl_ops.linear_f32(x, packed.tensor, n, packed.bias)
     cpu.set_threads(2)
-    two = [kernels.linear_f32(x, packed.tensor, n, packed.bias) for _ in range(3)]
+    two = [sgl_ops.linear_f32(x, packed.tensor, n, packed.bias) for _ in range(3)]
     with cpu.recording() as tape:
         via_layer = linear(x, weight, bias, packed)
     for got in two + [via_layer]:
@@ -158,17 +160,17 @@ def test_f32_linear_threads_share_the_columns(kernels: cpu.CpuKernels, n: int, k
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,width", [(1, 576), (33, 576), (5, 40), (3, 4096)])
-def test_rmsnorm_and_silu(kernels: cpu.CpuKernels, dtype: torch.dtype, rows: int,
+def test_rmsnorm_and_silu(kernels: KernelLibrary, dtype: torch.dtype, rows: int,
                           width: int) -> None:
     torch.manual_seed(rows * width)
     x = (torch.randn(rows, width) * 3).to(dtype)
     residual = torch.randn(rows, width).to(dtype)
     weight = (torch.rand(width) + 0.5).to(dtype)
-    out, summed = kernels.rmsnorm(x, residual, weight.view(1, -1), 1e-5)
+    out, summed = sgl_ops.add_rmsnorm(x, residual, weight.view(1, -1), 1e-5)
     assert torch.equal(summed, x + residual)
     expected = reference_rmsnorm(x + residual, weight, 1e-5)
     gate_up = (torch.randn(rows, 2 * width) * 4).to(dtype)
-    silu = kernels.silu_mul(gate_up)
+    silu = sgl_ops.silu_mul(gate_up)
     silu_expected = F.silu(gate_up[:, :width]) * gate_up[:, width:]
     if dtype == torch.bfloat16:  # same roundings as torch: bit for bit
         assert torch.equal(out, expected)
@@ -180,7 +182,7 @@ def test_rmsnorm_and_silu(kernels: cpu.CpuKernels, dtype: torch.dtype, rows: int
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (64, 48), (96, 40), (128, 128)])
-def test_rotary_bit_identical(kernels: cpu.CpuKernels, dtype: torch.dtype, head_dim: int,
+def test_rotary_bit_identical(kernels: KernelLibrary, dtype: torch.dtype, head_dim: int,
                               rotary_dim: int) -> None:
     torch.manual_seed(head_dim + rotary_dim)
     rope = RotaryEmbedding(head_dim, rotary_dim, 4096,
@@ -191,45 +193,45 @@ def test_rotary_bit_identical(kernels: cpu.CpuKernels, dtype: torch.dtype, head_
     positions = torch.randint(0, 4000, (tokens,))
     cos, sin = rope._rows(positions, dtype)
     expected = rope._rotate(q, cos, sin)  # the torch path
-    got = kernels.rotary(q, q_heads, head_dim, rotary_dim, rope._table_rows(positions, dtype))
+    got = sgl_ops.rotary(q, q_heads, head_dim, rotary_dim, rope._table_rows(positions, dtype), None)
     assert torch.equal(got, expected)
     # the whole table with the positions, as RotaryEmbedding passes it
     table = rope._full_table(dtype)
-    assert torch.equal(kernels.rotary(q, q_heads, head_dim, rotary_dim, table, positions),
+    assert torch.equal(sgl_ops.rotary(q, q_heads, head_dim, rotary_dim, table, positions),
                        expected)
     assert torch.equal(rope(positions, q, k)[0], expected)
 
 
-def test_rotary_position_outside_the_table(kernels: cpu.CpuKernels) -> None:
+def test_rotary_position_outside_the_table(kernels: KernelLibrary) -> None:
     rope = RotaryEmbedding(64, 64, 128, {"rope_type": "default", "rope_theta": 10000.0})
     q = torch.randn(2, 3 * 64)
     table = rope._full_table(torch.float32)
     for bad in (128, -1):
         with pytest.raises(IndexError, match="outside the 128 rows"):
-            kernels.rotary(q, 3, 64, 64, table, torch.tensor([5, bad]))
+            sgl_ops.rotary(q, 3, 64, 64, table, torch.tensor([5, bad]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_embedding_kernel(kernels: cpu.CpuKernels, dtype: torch.dtype) -> None:
+def test_embedding_kernel(kernels: KernelLibrary, dtype: torch.dtype) -> None:
     from sgl.layers.embedding import VocabParallelEmbedding
 
     torch.manual_seed(1)
     emb = VocabParallelEmbedding(100, 24, dtype=dtype)
     emb.weight.data.copy_(torch.randn(100, 24))
     ids = torch.tensor([0, 99, 7, 7, 42])
-    assert torch.equal(kernels.embedding(emb.weight, ids), F.embedding(ids, emb.weight))
+    assert torch.equal(sgl_ops.embedding(emb.weight, ids), F.embedding(ids, emb.weight))
     assert torch.equal(emb(ids), F.embedding(ids, emb.weight))
-    assert kernels.embedding(emb.weight, ids[:0]).shape == (0, 24)
+    assert sgl_ops.embedding(emb.weight, ids[:0]).shape == (0, 24)
     for bad in (100, -1):
         with pytest.raises(IndexError, match="outside the embedding table of 100 rows"):
             emb(torch.tensor([3, bad]))
 
 
-def test_recording_keeps_the_calls_and_replays_them(kernels: cpu.CpuKernels) -> None:
+def test_recording_keeps_the_calls_and_replays_them(kernels: KernelLibrary) -> None:
     x = torch.randn(3, 8)
     weight = torch.randn(1, 8)
     with cpu.recording() as tape:
-        out, _ = kernels.rmsnorm(x, None, weight, 1e-6)
+        out = sgl_ops.rmsnorm(x, weight, 1e-6)
         with pytest.raises(RuntimeError, match="already recording"):
             with cpu.recording():
                 pass
@@ -239,17 +241,17 @@ def test_recording_keeps_the_calls_and_replays_them(kernels: cpu.CpuKernels) -> 
     x.copy_(torch.randn(3, 8))  # replay reads the recorded tensors as they are now
     tape.replay()
     assert not torch.equal(out, first)
-    torch.testing.assert_close(out, kernels.rmsnorm(x, None, weight, 1e-6)[0], rtol=0, atol=0)
-    kernels.rmsnorm(x, None, weight, 1e-6)  # outside the block: not recorded
+    torch.testing.assert_close(out, sgl_ops.rmsnorm(x, weight, 1e-6), rtol=0, atol=0)
+    sgl_ops.rmsnorm(x, weight, 1e-6)  # outside the block: not recorded
     assert len(tape) == 1
 
 
-def test_replay_reports_the_call_that_failed(kernels: cpu.CpuKernels) -> None:
+def test_replay_reports_the_call_that_failed(kernels: KernelLibrary) -> None:
     table = torch.randn(10, 4)
     ids = torch.tensor([1, 2])
     with cpu.recording() as tape:
-        rows = kernels.embedding(table, ids)
-        out = kernels.silu_mul(rows)
+        rows = sgl_ops.embedding(table, ids)
+        out = sgl_ops.silu_mul(rows)
     ids[1] = 10  # outside the table: sgl_embedding refuses, silu_mul does not run
     before = out.clone()
     with pytest.raises(RuntimeError, match="sgl_embedding failed on replay"):
@@ -260,13 +262,13 @@ def test_replay_reports_the_call_that_failed(kernels: cpu.CpuKernels) -> None:
     assert torch.equal(rows, table[[1, 3]])
 
 
-def test_replay_refuses_a_call_it_does_not_know(kernels: cpu.CpuKernels) -> None:
+def test_replay_refuses_a_call_it_does_not_know(kernels: KernelLibrary) -> None:
     """A recorded row whose kernel the library does not have fails with its kind, and nothing
     after it runs."""
     x = torch.randn(2, 8)
     with cpu.recording() as tape:
-        kernels.silu_mul(x)
-        out = kernels.silu_mul(x)
+        sgl_ops.silu_mul(x)
+        out = sgl_ops.silu_mul(x)
     tape.calls[0, 0] = 99
     out.zero_()
     with pytest.raises(RuntimeError, match="kind 99 failed on replay"):
@@ -275,7 +277,7 @@ def test_replay_refuses_a_call_it_does_not_know(kernels: cpu.CpuKernels) -> None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rmsnorm_per_head_on_a_strided_view(kernels: cpu.CpuKernels,
+def test_rmsnorm_per_head_on_a_strided_view(kernels: KernelLibrary,
                                             dtype: torch.dtype) -> None:
     """Qwen3's q/k norms: each head's features normed on their own, read in place from q and k
     split off a fused qkv output."""
@@ -295,13 +297,13 @@ def test_rmsnorm_per_head_on_a_strided_view(kernels: cpu.CpuKernels,
         else:  # another summation order
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="not whole heads of 32"):  # narrower than one head
-        kernels.rmsnorm_heads(torch.randn(2, 16).to(dtype), norm.weight.view(1, -1), 1e-6, 32)
+        sgl_ops.rmsnorm_heads(torch.randn(2, 16).to(dtype), norm.weight.view(1, -1), 1e-6, 32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [3, 8, 9, 33, 200])
 @pytest.mark.usefixtures("restore_kernel_threads")
-def test_row_kernels_on_two_threads(kernels: cpu.CpuKernels, dtype: torch.dtype,
+def test_row_kernels_on_two_threads(kernels: KernelLibrary, dtype: torch.dtype,
                                     rows: int) -> None:
     """Norm, SiLU x up and rotary split their rows over the kernel threads (8 or more rows per
     chunk): every row is written, with the bits of one thread."""
@@ -314,9 +316,8 @@ def test_row_kernels_on_two_threads(kernels: cpu.CpuKernels, dtype: torch.dtype,
     positions = torch.randint(0, 1024, (rows,))
 
     def run_all() -> list[torch.Tensor]:
-        return [*kernels.rmsnorm(x, residual, weight, 1e-6), kernels.rmsnorm(x, None, weight,
-                                                                               1e-6)[0],
-                kernels.silu_mul(gate_up), kernels.rotary(x, 9, 64, 64, table, positions)]
+        return [*sgl_ops.add_rmsnorm(x, residual, weight, 1e-6), sgl_ops.rmsnorm(x, weight, 1e-6),
+                sgl_ops.silu_mul(gate_up), sgl_ops.rotary(x, 9, 64, 64, table, positions)]
 
     cpu.set_threads(1)
     one = run_all()

@@ -16,7 +16,7 @@ from sgl.engine.batch_builder import BatchSeq, make_forward_batch, release_seque
 from sgl.forward_batch import ForwardMode
 from sgl.engine.model_runner import ModelRunner
 from sgl.plugins import create_plugin_manager
-from sgl.testing import run_cli
+from sgl_testing import run_cli
 
 __all__ = ["assert_plugin_installed", "check_ragged_extend_prefix_decode", "greedy", "hf_greedy",
            "make_runner", "randomize_norms", "reference_logits"]

@@ -9,4 +9,4 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def _on_one_torch_thread(one_torch_thread: None) -> None:
-    """Every test here uses ``one_torch_thread`` (from sgl.testing)."""
+    """Every test here uses ``one_torch_thread`` (from sgl_testing)."""

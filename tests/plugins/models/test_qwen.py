@@ -21,7 +21,7 @@ from sgl.forward_batch import ForwardMode
 from sgl.engine.model_runner import ModelRunner
 from sgl.layers import Attention, FusedMoE
 from sgl.plugins import Registries, create_plugin_manager
-from sgl.testing import run_cli
+from sgl_testing import run_cli
 
 # float32 on CPU: sgl and transformers differ only in summation order (observed max 2.4e-7)
 ATOL = 1e-4

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from sgl.testing import ServerProcess, free_port
+from sgl_testing import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 

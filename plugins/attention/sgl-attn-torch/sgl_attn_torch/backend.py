@@ -39,6 +39,7 @@ import torch
 from sgl.attention.base import AttentionLayerSpec, BaseAttentionBackend
 from sgl.forward_batch import ForwardMode
 from sgl.kernels import cpu
+from sgl.kernels.library import KernelLibrary
 from sgl_attn_torch.kernels import attend, decode_mask, extend_mask
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class TorchAttentionMetadata:
 class _NativeDecode:
     """The per-batch arguments of ``sgl::decode_attention`` (see :mod:`sgl.kernels.ops`)."""
 
-    kernels: cpu.CpuKernels
+    kernels: KernelLibrary
     rows: torch.Tensor  # [batch] int64, contiguous
     lens: torch.Tensor
     loc: torch.Tensor
@@ -96,7 +97,7 @@ class _NativeDecode:
 class _NativeExtend:
     """The per-batch arguments of ``sgl::extend_attention`` (see :mod:`sgl.kernels.ops`)."""
 
-    kernels: cpu.CpuKernels
+    kernels: KernelLibrary
     rows: torch.Tensor  # [batch] int64, contiguous
     q_starts: torch.Tensor
     prefix_lens: torch.Tensor

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
+from sgl.kernels import cpu
 from sgl.kernels import ops as _ops  # noqa: F401  (declares the sgl operators _C implements)
 from sgl.kernels.library import KernelLibrary, KernelLibraryUnavailable, KernelTape
 from sgl.kernels.library import PackedWeight
-from sgl_kernels_cpu import linear
+from sgl_kernels_cpu import isa, linear
 
 __all__ = ["KERNEL_NAMES", "CpuKernelLibrary", "compiled_path"]
 
@@ -77,9 +78,27 @@ class CpuKernelLibrary(KernelLibrary):
     def __init__(self) -> None:
         self.path = _load()
         self._ops = torch.ops.sgl_cpu
+        self.isa = "none"  # set_level's
 
-    def set_level(self, level: str, bf16_dot_matmul: bool) -> None:
+    def detect_isa(self) -> str:
+        return isa.detect_isa()
+
+    def set_level(self, level: str, bf16_dot_matmul: bool | None = None) -> None:
+        """Run the kernels of ``level``; ``bf16_dot_matmul`` (default: :meth:`bf16_dot_matmul`)
+        chooses the bfloat16 matmul without AMX."""
+        if bf16_dot_matmul is None:
+            bf16_dot_matmul = self.bf16_dot_matmul(level)
         self._ops.set_level(level, bf16_dot_matmul)
+        self.isa = level
+
+    @staticmethod
+    def bf16_dot_matmul(level: str) -> bool:
+        """Whether the bfloat16 matmul without AMX uses ``vdpbf16ps`` rather than widening to
+        fp32 FMAs: on AMD only. On Intel (Sapphire Rapids with AMX capped, 2 cores) the widened
+        kernel measured 1.65x the dot-product one at 32 rows (134 vs 81 GFLOP/s on one thread)
+        and equal at 1 row; on Zen 4 ``vdpbf16ps`` does twice the products of an FMA at the same
+        rate (not measured here)."""
+        return level == "avx512_bf16" and isa.cpu_vendor() == "AuthenticAMD"
 
     def set_threads(self, threads: int) -> int:
         return int(self._ops.set_threads(threads))
@@ -105,6 +124,26 @@ class CpuKernelLibrary(KernelLibrary):
     def pack_linear(self, weight: torch.Tensor,
                     bias: torch.Tensor | None) -> PackedWeight | None:
         return linear.pack(weight, bias)
+
+    def extend_attention_faster(self, dtype: torch.dtype) -> bool:
+        """One layer of a 1024-token SmolLM2 prefill (9 heads, 3 KV heads, 64 wide; 2-core
+        Sapphire Rapids, ms, kernel on 1 / 2 threads vs SDPA on 1): float32 19.8 / 11.6 vs 24.4;
+        bfloat16 at ``amx`` 19.1 / 11.3 vs 10.5 (SDPA's bfloat16 runs on AMX tiles), at
+        ``avx512_bf16`` 19.4 / 10.4 vs 14.3 (oneDNN capped likewise), at ``avx512`` 29.6 / 12.1
+        vs 19.0; at ``avx2`` (torch capped alike: ``ATEN_CPU_CAPABILITY=avx2``,
+        ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX2``; two runs) float32
+        40-53 / 24-31 vs 32-36, bfloat16 46-53 / 23-30 vs 40-41
+        (``benchmarks/extend_attention.py``). The kernel computes in float32 at every level."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            return False
+        if self.isa == "avx2":  # 8 lanes: ahead of SDPA only on two or more threads
+            return cpu.kernel_threads() >= 2
+        return dtype == torch.float32 or (self.isa != "amx" and cpu.kernel_threads() >= 2)
+
+    def decode_attention_fits(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                              v_dim: int) -> bool:
+        return (num_kv_heads >= 1 and num_heads % num_kv_heads == 0 and num_heads <= 256
+                and all(d % 16 == 0 and 16 <= d <= 256 for d in (head_dim, v_dim)))
 
     def describe(self) -> str:
         return f"sgl-kernels-cpu, {self.path.name}"

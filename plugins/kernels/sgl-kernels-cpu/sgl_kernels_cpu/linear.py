@@ -8,7 +8,7 @@ the weight into its blocked layout on every call. The copies:
 * ``"bf16"``: bfloat16 weights at every kernel level (:data:`sgl.kernels.cpu.KERNEL_LEVELS`),
   the layout of :func:`sgl.kernels.ops.pack_bf16_weight`, multiplied by ``sgl::linear_bf16``: on AMX
   tiles, or on AVX-512 vectors without AMX (``vdpbf16ps`` on AMD, widened FMAs elsewhere; see
-  ``CpuKernels.bf16_dot_matmul``), or widened on AVX2 vectors. Both read the
+  ``CpuKernelLibrary.bf16_dot_matmul``), or widened on AVX2 vectors. Both read the
   weight in one sequential pass, split over the kernel's own threads
   (:func:`sgl.kernels.cpu.set_threads`). Used when torch runs on one thread: for any number of
   rows with two or more kernel threads, for up to :data:`AMX_MAX_ROWS` rows with one; otherwise
