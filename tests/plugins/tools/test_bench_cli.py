@@ -103,6 +103,33 @@ def test_serving_openai_backends(server: ServerProcess, tmp_path: Path) -> None:
     _check_serving_doc(completions, "openai-completions", n=4, out_len=4, rate=50.0)
 
 
+def test_serving_takes_sglang_bench_serving_flags(server: ServerProcess, tmp_path: Path) -> None:
+    """A command line in SGLang's bench_serving spelling: --host/--port, --dataset-name, its
+    backend names, --extra-request-body merged into every request."""
+    port = server.base_url.rsplit(":", 1)[1]
+    common = ["--host", "127.0.0.1", "--port", port, "--dataset-name", "random",
+              "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4",
+              "--random-range-ratio", "1.0", "--max-concurrency", "2", "--disable-tqdm"]
+    native = tmp_path / "sglang.json"
+    out = sgl("bench", "serving", "--backend", "sglang", *common, "--output-file", str(native))
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads(native.read_text())
+    assert doc["server"] == {**doc["server"], "backend": "sgl", "base_url": server.base_url}
+    assert doc["metrics"]["completed"] == 4 and doc["metrics"]["total_output_tokens"] == 16
+    oai = tmp_path / "sglang-oai.json"
+    out = sgl("bench", "serving", "--backend", "sglang-oai", *common, "--output-file", str(oai),
+              "--extra-request-body", '{"max_tokens": 2}')
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads(oai.read_text())
+    assert doc["server"]["backend"] == "openai-completions"
+    assert doc["metrics"]["total_output_tokens"] == 4 * 2  # the extra body's max_tokens won
+    for bad, message in ((["--extra-request-body", "{"], "--extra-request-body"),
+                         (["--extra-request-body", "[1]"], "expected a JSON object"),
+                         (["--base-url", server.base_url], "not both")):
+        out = sgl("bench", "serving", *common, *bad)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
 def test_unreachable_server_is_a_clear_error() -> None:
     out = sgl("bench", "serving", "--base-url", f"http://127.0.0.1:{free_port()}")
     assert out.returncode == 1

@@ -44,12 +44,22 @@ Results file (--output-file, JSON, one object):
 """
 
 
+#: ``--backend`` names of SGLang's bench_serving, and sgl's backend that speaks the same routes
+BENCH_SERVING_BACKENDS = {
+    "sglang": "sgl", "sglang-native": "sgl", "sglang-oai": "openai-completions",
+    "sglang-oai-chat": "openai-chat", "vllm": "openai-completions", "vllm-chat": "openai-chat",
+    "lmdeploy": "openai-completions", "openai": "openai-completions",
+}
+BACKENDS = ("sgl", "openai-chat", "openai-completions", *BENCH_SERVING_BACKENDS)
+
+
 # --- shared options -----------------------------------------------------------------------------
 
 def dataset_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """The dataset flags shared by ``serving`` and ``offline``."""
     options = [
-        click.option("--dataset", type=click.Choice(DATASETS), default="random",
+        click.option("--dataset", "--dataset-name", "dataset", type=click.Choice(DATASETS),
+                     default="random",
                      show_default=True, help="Which prompts to send."),
         click.option("--dataset-path", type=click.Path(dir_okay=False),
                      help="sharegpt: the ShareGPT-format JSON file."),
@@ -244,10 +254,17 @@ def bench() -> None:
 @bench.command("serving", epilog=RESULTS_HELP)
 @click.option("--base-url", default="http://127.0.0.1:30000", show_default=True,
               help="The server: sgl serve, SGLang, vLLM, llama.cpp's llama-server ...")
-@click.option("--backend", type=click.Choice(["sgl", "openai-chat", "openai-completions"]),
-              default="sgl", show_default=True,
+@click.option("--host", help="With --port, the server's address as SGLang's bench_serving "
+                             "takes it (--base-url http://HOST:PORT); default 127.0.0.1.")
+@click.option("--port", type=click.IntRange(1, 65535),
+              help="The server's port, as SGLang's bench_serving takes it; default 30000.")
+@click.option("--backend", type=click.Choice(BACKENDS), default="sgl", show_default=True,
+              metavar="[sgl|openai-chat|openai-completions]",
               help="sgl: native /generate (sgl, SGLang); openai-*: /v1/chat/completions or "
-                   "/v1/completions of any OpenAI-compatible server.")
+                   "/v1/completions of any OpenAI-compatible server. SGLang's bench_serving "
+                   "names work too: sglang and sglang-native (/generate), sglang-oai, vllm, "
+                   "lmdeploy and openai (/v1/completions), sglang-oai-chat and vllm-chat "
+                   "(/v1/chat/completions).")
 @click.option("--model", help="Model name for the OpenAI backends; default: the first of "
                               "GET /v1/models, else 'default'.")
 @click.option("--tokenizer", help="Tokenizer (HF folder or .gguf) for prompts and counts; "
@@ -266,6 +283,9 @@ def bench() -> None:
 @click.option("--flush-cache", is_flag=True,
               help="POST /flush_cache before the run (after the warm-up), when the server has it.")
 @click.option("--timeout", type=float, help="Seconds a request may take; default: no limit.")
+@click.option("--extra-request-body", metavar="JSON",
+              help="A JSON object merged into every request body, as in SGLang's bench_serving "
+                   "(for example '{\"top_p\": 0.9}').")
 @click.option("--output-details", is_flag=True,
               help="Also write each request's lengths, TTFT, ITLs and error to the results file.")
 def serving_cmd(**params: Any) -> None:
@@ -279,6 +299,29 @@ def serving_cmd(**params: Any) -> None:
         _serving(params)
     except BenchError as exc:
         raise _fail(exc) from None
+
+
+def _base_url(p: dict[str, Any]) -> str:
+    """--base-url, or bench_serving's --host/--port; both at once is an error."""
+    source = click.get_current_context().get_parameter_source("base_url")
+    given = source is not None and source.name != "DEFAULT"
+    if p["host"] is None and p["port"] is None:
+        return p["base_url"].rstrip("/")
+    if given:
+        raise click.UsageError("give --base-url or --host/--port, not both")
+    return f"http://{p['host'] or '127.0.0.1'}:{p['port'] or 30000}"
+
+
+def _extra_body(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--extra-request-body") from None
+    if not isinstance(body, dict):
+        raise click.BadParameter("expected a JSON object", param_hint="--extra-request-body")
+    return body
 
 
 def warmup_request(req: BenchRequest) -> BenchRequest:
@@ -305,7 +348,9 @@ def _serving(p: dict[str, Any]) -> None:
         server_tokenizer_path,
     )
 
-    base = p["base_url"].rstrip("/")
+    base = _base_url(p)
+    backend = BENCH_SERVING_BACKENDS.get(p["backend"], p["backend"])
+    extra_body = _extra_body(p["extra_request_body"])
     key = p["api_key"]
     check_server(base, key)
     tokenizer_path = p["tokenizer"]
@@ -313,11 +358,12 @@ def _serving(p: dict[str, Any]) -> None:
         served = server_tokenizer_path(base, key)
         tokenizer_path = served if served and os.path.exists(served) else None
     tokenizer = load_tokenizer(tokenizer_path)
-    model = p["model"] or (resolve_model(base, key) if p["backend"] != "sgl" else None) or "default"
-    requests = build_requests(p, tokenizer, as_text=p["backend"] != "sgl")
-    run = ServingRun(base_url=base, backend=p["backend"], model=model,
-                     ignore_eos=not p["disable_ignore_eos"], api_key=key, timeout=p["timeout"])
-    click.echo(f"{p['backend']} backend at {base}, model {model}, tokenizer "
+    model = p["model"] or (resolve_model(base, key) if backend != "sgl" else None) or "default"
+    requests = build_requests(p, tokenizer, as_text=backend != "sgl")
+    run = ServingRun(base_url=base, backend=backend, model=model,
+                     ignore_eos=not p["disable_ignore_eos"], api_key=key, timeout=p["timeout"],
+                     extra_body=extra_body)
+    click.echo(f"{backend} backend at {base}, model {model}, tokenizer "
                f"{tokenizer_path or 'bundled SmolLM2'}; {len(requests)} requests, "
                f"{sum(r.prompt_len for r in requests)} prompt tokens")
 
@@ -327,7 +373,7 @@ def _serving(p: dict[str, Any]) -> None:
         failed = [r for r in results if not r.success]
         if failed:
             raise BenchError(f"the warm-up request failed: {failed[0].error} (check --backend "
-                             f"{p['backend']!r}, --base-url and --model)")
+                             f"{backend!r}, --base-url and --model)")
     if p["flush_cache"]:
         click.echo(flush_cache(base, key))
 
@@ -341,7 +387,7 @@ def _serving(p: dict[str, Any]) -> None:
     if errors:
         click.echo(f"{len(errors)} request(s) failed; the first: {errors[0]}", err=True)
     print_report("Serving benchmark", [
-        ("Backend:", p["backend"]),
+        ("Backend:", backend),
         ("Request rate (req/s):",
          "inf" if p["request_rate"] == float("inf") else p["request_rate"]),
         ("Max concurrency:", p["max_concurrency"] or "-"),
@@ -358,7 +404,7 @@ def _serving(p: dict[str, Any]) -> None:
     ], {"End-to-end latency": metrics["e2e_latency_ms"], "Time to first token":
         metrics["ttft_ms"], "Time per output token (excl. 1st)": metrics["tpot_ms"],
         "Inter-token latency": metrics["itl_ms"]})
-    extra: dict[str, Any] = {"server": {"base_url": base, "backend": p["backend"], "model": model,
+    extra: dict[str, Any] = {"server": {"base_url": base, "backend": backend, "model": model,
                                         "tokenizer": tokenizer_path}}
     if p["output_details"]:
         extra["requests"] = [

@@ -46,6 +46,7 @@ class ServingRun:
     ignore_eos: bool = True
     api_key: str | None = None
     timeout: float | None = None
+    extra_body: dict[str, Any] | None = None  # merged into every request (--extra-request-body)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -53,7 +54,12 @@ class ServingRun:
 
 
 def _payload(run: ServingRun, req: BenchRequest) -> tuple[str, dict[str, Any]]:
-    """The route and body of one streamed request."""
+    """The route and body of one streamed request, ``run.extra_body`` merged in."""
+    route, body = _route_and_body(run, req)
+    return route, {**body, **(run.extra_body or {})}
+
+
+def _route_and_body(run: ServingRun, req: BenchRequest) -> tuple[str, dict[str, Any]]:
     if run.backend == "sgl":
         key = "text" if isinstance(req.prompt, str) else "input_ids"
         prompt = req.text if isinstance(req.prompt, str) else req.prompt
