@@ -89,6 +89,17 @@ def test_values_of_the_wrong_type_are_refused_not_coerced(server: ServerProcess,
     assert field in response.text
 
 
+@pytest.mark.parametrize("prompt", [[5, -16415855063], [[5, 471835616]], [[1], [2, 10**6]]])
+def test_echo_of_token_ids_outside_the_vocabulary(server: ServerProcess, prompt: list) -> None:
+    """Found by the fuzz suite: with ``echo`` the prompt ids were decoded before they were
+    checked, and the tokenizer's OverflowError was a 500."""
+    response = post(server, "/v1/completions", {"model": "default", "prompt": prompt,
+                                                "echo": True, "max_tokens": 1})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and "outside the vocabulary" in error["message"]
+
+
 def test_a_float_field_takes_an_integer(server: ServerProcess) -> None:
     """Strict types, but JSON's ``0`` is a number: ``temperature: 0`` stays valid."""
     response = post(server, "/v1/chat/completions", {

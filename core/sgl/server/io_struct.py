@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,9 @@ from sgl.engine.messages import LogprobOptions
 from sgl.sampling import SamplingParams, SamplingParamsError
 
 __all__ = ["BadRequestError", "GenerateError", "GenerateReqInput", "OneRequest",
-           "unpaired_surrogate"]
+           "drop_unsupported", "unpaired_surrogate"]
+
+logger = logging.getLogger(__name__)
 
 
 class GenerateError(RuntimeError):
@@ -80,19 +83,52 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-#: fields of SGLang's GenerateReqInput that sgl does not implement; clients (SGLang's benchmark,
-#: its frontend language) send them with empty values, which are accepted and ignored
+#: fields of SGLang's GenerateReqInput (as of its io_struct.py of late 2026) that sgl does not
+#: implement: accepted when empty (None, false, 0, "", [], {}), which is how SGLang's own clients
+#: (its router, bench_serving, frontend language) send them; any other value is a 400 naming the
+#: field. docs/api.md has the table.
 UNSUPPORTED_SGLANG_FIELDS = frozenset({
-    "image_data", "video_data", "audio_data", "modalities", "input_embeds", "lora_path",
-    "lora_id", "custom_logit_processor", "return_hidden_states",
-    "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank", "priority",
-    "log_metrics", "no_logs", "extra_key", "background", "conversation_id", "label",
-    "return_routed_experts", "routed_dp_rank", "return_entropy",  # sent by SGLang's bench_serving
-    "model", "return_bytes",  # sent by SGLang's router
+    # multimodal input
+    "image_data", "video_data", "audio_data", "modalities", "input_embeds", "mm_hashes",
+    "mm_content_hashes", "use_audio_in_video", "video_config", "max_dynamic_patch",
+    "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch", "images_config",
+    "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls",
+    # outputs sgl does not compute
+    "return_hidden_states", "return_routed_experts", "routed_experts_start_len",
+    "return_indexer_topk", "return_sampling_mask", "return_flat_raw_top_logprobs",
+    "return_flat_raw_top_logprobs_b64", "return_entropy", "return_bytes",
+    "return_prompt_token_ids", "multi_item_delimiter_indices", "positional_embed_overrides",
+    # adapters, custom sampling, reasoning budgets
+    "lora_path", "lora_id", "custom_logit_processor", "require_reasoning", "max_thinking_tokens",
+    # disaggregation and data parallelism (one server here)
+    "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",
+    "data_parallel_rank", "routed_dp_rank", "disagg_prefill_dp_rank", "kv_router_hint",
+    # scheduling, caching and bookkeeping
+    "priority", "extra_key", "cache_salt", "session_id", "background", "routing_key",
+    "conversation_id", "label", "http_worker_ipc", "received_time", "external_trace_header",
+    "custom_labels", "log_metrics", "no_logs", "model",
 })
-#: of those, the ones whose value does not matter: accepted whatever it is (``model``: this
-#: server serves one model)
-IGNORED_SGLANG_FIELDS = frozenset({"log_metrics", "model"})
+#: of those, the ones whose value changes nothing here, accepted whatever it is: ``model`` (this
+#: server serves one model; SGLang's router sends it), metrics and log controls, trace and
+#: routing labels (SGLang's ``session_id`` is one: unlike ``session_params`` it changes no prompt)
+IGNORED_SGLANG_FIELDS = frozenset({"model", "log_metrics", "no_logs", "custom_labels",
+                                   "session_id", "conversation_id", "label", "routing_key",
+                                   "received_time", "external_trace_header", "http_worker_ipc"})
+
+
+def drop_unsupported(body: dict[str, Any], unsupported: frozenset[str],
+                     ignored: frozenset[str] = IGNORED_SGLANG_FIELDS) -> dict[str, Any]:
+    """``body`` without the fields of ``unsupported`` (SGLang's fields sgl does not implement),
+    each logged at debug level; BadRequestError naming the first one whose value would matter
+    (not empty, and not in ``ignored``)."""
+    kept = dict(body)
+    for name in sorted(unsupported.intersection(body)):
+        value = kept.pop(name)
+        if value not in (None, False, "", [], {}) and name not in ignored:
+            raise BadRequestError(f"{name}: not supported by sgl (accepted only when empty; "
+                                  "see docs/api.md)", param=name)
+        logger.debug("ignored SGLang field %s=%r", name, value)
+    return kept
 
 
 @dataclass
@@ -118,11 +154,7 @@ class GenerateReqInput:
             raise BadRequestError(f"the request body must be a JSON object, got "
                                   f"{type(body).__name__}")
         known = [f.name for f in dataclasses.fields(cls)]
-        body = dict(body)
-        for name in sorted(UNSUPPORTED_SGLANG_FIELDS.intersection(body)):
-            value = body.pop(name)
-            if value not in (None, False, "", [], {}) and name not in IGNORED_SGLANG_FIELDS:
-                raise BadRequestError(f"{name} is not supported by sgl", param=name)
+        body = drop_unsupported(body, UNSUPPORTED_SGLANG_FIELDS)
         unknown = sorted(set(body) - set(known))
         if unknown:
             raise BadRequestError(f"unknown field(s): {', '.join(unknown)}; supported: "

@@ -11,6 +11,7 @@ A result has SGLang's ``/generate`` shape::
                    "e2e_latency", "queue_time", "time_to_first_token",
                    # with return_logprob:
                    "input_token_logprobs", "output_token_logprobs",
+                   "output_token_logprobs_length",
                    # with top_logprobs_num > 0:
                    "input_top_logprobs", "output_top_logprobs",
                    # with token_ids_logprob:
@@ -177,6 +178,8 @@ class ReqState:
                      if wanted]
             meta.update({key: logprob_slices[key] for kind in kinds
                          for key in (f"input_{kind}", f"output_{kind}")})
+            # all output entries so far: a stream chunk holds only the new ones (SGLang's key)
+            meta["output_token_logprobs_length"] = len(self.logprobs["output_token_logprobs"])
         if self.finished_time is not None:
             meta["e2e_latency"] = self.finished_time - self.arrival_time
             meta["queue_time"] = self.queue_time

@@ -139,6 +139,7 @@ def test_stream_is_cumulative_and_ends_with_done(server: ServerProcess) -> None:
         new = chunk["meta_info"]["output_token_logprobs"]
         assert len(new) == len(chunk["output_ids"]) - seen
         seen += len(new)
+        assert chunk["meta_info"]["output_token_logprobs_length"] == seen  # SGLang's running count
         logprobs += new
     assert [e[1] for e in logprobs] == whole["output_ids"]
     for got, want in zip(logprobs, whole["meta_info"]["output_token_logprobs"]):
@@ -164,6 +165,7 @@ def test_logprobs(server: ServerProcess) -> None:
     assert "".join(text for _, _, text in inputs) == PROMPT
     outputs = meta["output_token_logprobs"]
     assert [tid for _, tid, _ in outputs] == body["output_ids"]
+    assert meta["output_token_logprobs_length"] == len(outputs) == 8
     assert len(meta["output_top_logprobs"]) == 8
     for chosen, top in zip(outputs, meta["output_top_logprobs"]):
         assert len(top) == 3

@@ -56,6 +56,22 @@ def test_openai_response_format_and_extra_body(client: openai.OpenAI) -> None:
     check_ebnf(r.choices[0].text)
 
 
+def test_completions_take_response_format_and_sglang_json_schema(client: openai.OpenAI) -> None:
+    """/v1/completions takes chat's response_format and SGLang's json_schema string; two
+    constraints at once are a 400 naming the first."""
+    for extra in ({"response_format": {"type": "json_schema",
+                                       "json_schema": {"name": "person", "schema": PERSON}}},
+                  {"json_schema": json.dumps(PERSON)}):
+        r = client.completions.create(model="default", prompt=PERSON_PROMPT, temperature=0,
+                                      max_tokens=120, extra_body=extra)
+        assert r.choices[0].finish_reason == "stop"
+        check_json(r.choices[0].text, PERSON)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="default", prompt="Hi", max_tokens=4,
+                                  extra_body={"regex": REGEX, "json_schema": json.dumps(PERSON)})
+    assert exc.value.body["param"] == "regex" and "json_schema" in exc.value.body["message"]
+
+
 def test_native_generate_batch_mixing_constraints(server: ServerProcess) -> None:
     tag = {"type": "structural_tag", "format": {
         "type": "tag", "begin": "<city>", "end": "</city>",

@@ -95,6 +95,9 @@ def plan_chat(server: ServerContext, parser: BaseToolParser,
     tools_on = bool(req.tools) and req.tool_choice != "none"
     messages = _messages(req, parser, template, tools_on)
     kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:  # as SGLang: the two keys templates read
+        for key in ("thinking", "enable_thinking"):
+            kwargs.setdefault(key, req.reasoning_effort != "none")
     if tools_on and req.tools and "tools" in template:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
     if req.continue_final_message:  # SGLang's extension: go on with the last assistant turn

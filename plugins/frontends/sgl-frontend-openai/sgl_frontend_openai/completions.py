@@ -17,6 +17,7 @@ from sgl_frontend_openai.common import (
     OpenAIError,
     build_sampling,
     check_model,
+    check_response_format,
     new_id,
     now,
     room_for,
@@ -24,6 +25,7 @@ from sgl_frontend_openai.common import (
     usage,
 )
 from sgl_frontend_openai.logprobs import completion_logprobs
+from sgl_frontend_openai.protocol import ResponseFormat
 
 if TYPE_CHECKING:
     from sgl.server.context import ServerContext
@@ -37,7 +39,6 @@ DEFAULT_MAX_TOKENS = 16
 
 def _prompts(server: ServerContext, req: CompletionRequest) -> tuple[dict[str, Any], list[str]]:
     """The prompt as GenerateReqInput fields, and each prompt's text (for ``echo``)."""
-    tm = server.tokenizer_manager
     prompt = req.prompt
     if isinstance(prompt, str):
         return {"text": prompt}, [prompt]
@@ -45,19 +46,34 @@ def _prompts(server: ServerContext, req: CompletionRequest) -> tuple[dict[str, A
         return {"text": list(prompt)}, list(prompt)  # type: ignore[arg-type]
     if all(isinstance(p, int) for p in prompt):
         ids = list(prompt)  # type: ignore[arg-type]
-        return {"input_ids": ids}, [tm.decode(ids) if req.echo else ""]
+        return {"input_ids": ids}, [_echo_text(server, ids) if req.echo else ""]
     if all(isinstance(p, list) for p in prompt):
         batch = [list(p) for p in prompt]  # type: ignore[union-attr]
-        return {"input_ids": batch}, [tm.decode(p) if req.echo else "" for p in batch]
+        return {"input_ids": batch}, [_echo_text(server, p) if req.echo else "" for p in batch]
     raise OpenAIError(400, "prompt must be a string, a list of strings, a list of token ids or "
                            "a list of token-id lists", "prompt")
+
+
+def _echo_text(server: ServerContext, ids: list[int]) -> str:
+    """The text of prompt ids for ``echo``, decoded before the ids reach the TokenizerManager's
+    own checks: one outside the vocabulary is a 400 here, not the tokenizer's OverflowError."""
+    tm = server.tokenizer_manager
+    bad = next((t for t in ids if not 0 <= t < tm.vocab_size), None)
+    if bad is not None:
+        raise OpenAIError(400, f"prompt: token id {bad} is outside the vocabulary (ids must be in "
+                               f"[0, {tm.vocab_size}))", "prompt")
+    return tm.decode(ids)
 
 
 def _request(server: ServerContext, req: CompletionRequest) -> tuple[GenerateReqInput, list[str]]:
     check_model(server, req.model)
     fields, texts = _prompts(server, req)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    sampling = build_sampling(req, max_tokens)
+    extra = check_response_format(server, req.response_format)
+    if req.json_schema is not None:  # SGLang's extension, the schema as text
+        extra = {**check_response_format(server, ResponseFormat(type="json_object")),
+                 "json_schema": req.json_schema}
+    sampling = build_sampling(req, max_tokens, extra)
     want_logprobs = req.logprobs is not None
     obj = GenerateReqInput(**fields, sampling_params=sampling, return_logprob=want_logprobs,
                            top_logprobs_num=req.logprobs or 0,

@@ -2,7 +2,9 @@
 
 Unknown fields are refused (status 400, naming the field) rather than silently ignored. A few
 fields that only matter to OpenAI's own service (``store``, ``metadata``, ``service_tier``,
-``parallel_tool_calls``, ``user``) are accepted and ignored.
+``parallel_tool_calls``, ``user``) are accepted and ignored, and so are SGLang's extensions that
+sgl does not implement (:data:`UNSUPPORTED_SGLANG_FIELDS`) when they are empty, as SGLang's
+router and clients send them. See the field table in docs/api.md.
 """
 
 from __future__ import annotations
@@ -11,9 +13,26 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sgl.server.io_struct import drop_unsupported
+
 __all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest",
            "DetokenizeRequest", "FunctionDef", "ResponseFormat", "StreamOptions",
            "TokenizeRequest", "Tool", "ToolChoiceFunction", "error_body"]
+
+#: SGLang's extensions of the OpenAI requests (its entrypoints/openai/protocol.py of late 2026)
+#: that sgl does not implement: accepted when empty, a 400 naming the field otherwise
+UNSUPPORTED_SGLANG_FIELDS = frozenset({
+    "return_hidden_states", "return_routed_experts", "routed_experts_start_len",
+    "return_cached_tokens_details", "return_token_ids", "return_prompt_token_ids",
+    "return_meta_info", "stop_regex", "lora_path", "session_id", "session_params",
+    "custom_params", "custom_logit_processor", "images_config", "max_dynamic_patch",
+    "min_dynamic_patch", "use_audio_in_video", "input_ids", "task", "rid", "extra_key",
+    "cache_salt", "ngram_corpus_id", "priority", "bootstrap_host", "bootstrap_port",
+    "bootstrap_room", "routed_dp_rank", "disagg_prefill_dp_rank", "data_parallel_rank",
+    "custom_labels",
+})
+#: of those, the ones accepted whatever their value (they change nothing here)
+IGNORED_SGLANG_FIELDS = frozenset({"custom_labels", "session_id"})
 
 #: the range of seeds the sampler takes (a signed 64-bit integer)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -120,9 +139,16 @@ class _SamplingFields(_Strict):
     no_stop_trim: bool = False  # keep the stop string at the end of the text
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
-    return_hidden_states: Literal[False] = False  # SGLang's router sends false; not supported
     regex: str | None = None  # constrained decoding (SGLang's extra body fields)
     ebnf: str | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_sglang_extensions(cls, body: Any) -> Any:
+        if not isinstance(body, dict):
+            return body
+        return drop_unsupported(body, UNSUPPORTED_SGLANG_FIELDS, IGNORED_SGLANG_FIELDS)
 
     @model_validator(mode="after")
     def _check(self) -> _SamplingFields:
@@ -138,8 +164,11 @@ class _SamplingFields(_Strict):
                              "seed + n - 1 must too)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
-        if self.regex is not None and self.ebnf is not None:
-            raise ValueError("regex: give at most one of regex and ebnf")
+        given = [name for name in ("regex", "ebnf", "response_format", "json_schema")
+                 if getattr(self, name, None) is not None
+                 and not (name == "response_format" and self.response_format.type == "text")]
+        if len(given) > 1:
+            raise ValueError(f"{given[0]}: give at most one of {' and '.join(given)}")
         return self
 
 
@@ -150,7 +179,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
     parallel_tool_calls: bool | None = None
@@ -160,6 +188,10 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    # OpenAI's reasoning control; SGLang passes it to the chat template as thinking /
+    # enable_thinking (false for "none"), and so does sgl
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None \
+        = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -183,6 +215,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
+    json_schema: str | None = None  # SGLang's extension: a JSON schema, as text
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
