@@ -105,24 +105,29 @@ def test_serving_openai_backends(server: ServerProcess, tmp_path: Path) -> None:
 
 def test_serving_takes_sglang_bench_serving_flags(server: ServerProcess, tmp_path: Path) -> None:
     """A command line in SGLang's bench_serving spelling: --host/--port, --dataset-name, its
-    backend names, --extra-request-body merged into every request."""
+    backend names, --extra-request-body merged into every request, --disable-stream, and a
+    .jsonl results file that each run appends one line with bench_serving's keys to."""
     port = server.base_url.rsplit(":", 1)[1]
     common = ["--host", "127.0.0.1", "--port", port, "--dataset-name", "random",
               "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4",
               "--random-range-ratio", "1.0", "--max-concurrency", "2", "--disable-tqdm"]
-    native = tmp_path / "sglang.json"
-    out = sgl("bench", "serving", "--backend", "sglang", *common, "--output-file", str(native))
+    results = tmp_path / "results.jsonl"
+    out = sgl("bench", "serving", "--backend", "sglang", *common, "--output-file", str(results))
     assert out.returncode == 0, out.stdout + out.stderr
-    doc = json.loads(native.read_text())
-    assert doc["server"] == {**doc["server"], "backend": "sgl", "base_url": server.base_url}
-    assert doc["metrics"]["completed"] == 4 and doc["metrics"]["total_output_tokens"] == 16
-    oai = tmp_path / "sglang-oai.json"
-    out = sgl("bench", "serving", "--backend", "sglang-oai", *common, "--output-file", str(oai),
-              "--extra-request-body", '{"max_tokens": 2}')
+    out = sgl("bench", "serving", "--backend", "sglang-oai", *common, "--output-file",
+              str(results), "--extra-request-body", '{"max_tokens": 2}', "--disable-stream")
     assert out.returncode == 0, out.stdout + out.stderr
-    doc = json.loads(oai.read_text())
-    assert doc["server"]["backend"] == "openai-completions"
-    assert doc["metrics"]["total_output_tokens"] == 4 * 2  # the extra body's max_tokens won
+    native, oai = (json.loads(line) for line in results.read_text().splitlines())
+    assert native["server"] == {**native["server"], "backend": "sgl",
+                                "base_url": server.base_url}
+    assert (native["backend"], native["dataset_name"], native["completed"]) == ("sgl", "random", 4)
+    assert native["total_output_tokens"] == 16 and native["mean_itl_ms"] > 0
+    assert native["mean_ttft_ms"] == native["metrics"]["ttft_ms"]["mean"]
+    assert oai["backend"] == "openai-completions"
+    assert oai["total_output_tokens"] == 4 * 2  # the extra body's max_tokens won
+    # not streamed: the whole response is the first token, and there is no ITL
+    assert oai["mean_itl_ms"] is None
+    assert oai["mean_ttft_ms"] == pytest.approx(oai["mean_e2e_latency_ms"], rel=0.05)
     for bad, message in ((["--extra-request-body", "{"], "--extra-request-body"),
                          (["--extra-request-body", "[1]"], "expected a JSON object"),
                          (["--base-url", server.base_url], "not both")):

@@ -41,6 +41,10 @@ Results file (--output-file, JSON, one object):
              without samples); one-batch: a list, one object per case
   requests   serving with --output-details: per request success, error,
              prompt_len, output_len, ttft_ms, e2e_latency_ms, itl_ms (list)
+  serving also has SGLang bench_serving's flat keys (backend, dataset_name,
+             request_rate, duration, completed, output_throughput,
+             mean_ttft_ms, median_itl_ms, p99_e2e_latency_ms, ...).
+A file named *.jsonl gets each run appended as one line, as bench_serving does.
 """
 
 
@@ -164,9 +168,36 @@ def result_document(command: str, config: dict[str, Any], metrics: Any,
 
 
 def write_results(path: str | None, doc: dict[str, Any]) -> None:
-    if path:
-        Path(path).write_text(json.dumps(doc, indent=2) + "\n")
-        click.echo(f"results written to {path}")
+    """The document as the file (indented JSON); a ``.jsonl`` file gets it appended as one line,
+    as SGLang's bench_serving writes its results (a sweep appends a line per run)."""
+    if not path:
+        return
+    if path.endswith(".jsonl"):
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(doc) + "\n")
+        click.echo(f"results appended to {path}")
+        return
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    click.echo(f"results written to {path}")
+
+
+def bench_serving_fields(p: dict[str, Any], backend: str, metrics: dict[str, Any]
+                         ) -> dict[str, Any]:
+    """The flat keys of SGLang's bench_serving results line, from this run, so that scripts
+    that read bench_serving's output read sgl's too."""
+    fields: dict[str, Any] = {
+        "backend": backend, "dataset_name": p["dataset"], "request_rate": p["request_rate"],
+        "max_concurrency": p["max_concurrency"], "random_input_len": p["random_input_len"],
+        "random_output_len": p["random_output_len"],
+        "random_range_ratio": p["random_range_ratio"], "duration": metrics["duration_s"],
+        **{key: metrics[key] for key in (
+            "completed", "total_input_tokens", "total_output_tokens", "request_throughput",
+            "input_throughput", "output_throughput", "total_throughput", "concurrency")}}
+    for name in ("e2e_latency", "ttft", "tpot", "itl"):
+        stats = metrics[f"{name}_ms"] or {}
+        for stat in ("mean", "median", "std", "p99"):
+            fields[f"{stat}_{name}_ms"] = stats.get(stat)
+    return fields
 
 
 def _progress(total: int, desc: str, disable: bool, unit: str = "req") -> Any:
@@ -283,6 +314,9 @@ def bench() -> None:
 @click.option("--flush-cache", is_flag=True,
               help="POST /flush_cache before the run (after the warm-up), when the server has it.")
 @click.option("--timeout", type=float, help="Seconds a request may take; default: no limit.")
+@click.option("--disable-stream", is_flag=True,
+              help="Send each request without streaming (as SGLang's bench_serving does with it):"
+                   " TTFT is then the whole request's latency, and there are no ITLs.")
 @click.option("--extra-request-body", metavar="JSON",
               help="A JSON object merged into every request body, as in SGLang's bench_serving "
                    "(for example '{\"top_p\": 0.9}').")
@@ -362,7 +396,7 @@ def _serving(p: dict[str, Any]) -> None:
     requests = build_requests(p, tokenizer, as_text=backend != "sgl")
     run = ServingRun(base_url=base, backend=backend, model=model,
                      ignore_eos=not p["disable_ignore_eos"], api_key=key, timeout=p["timeout"],
-                     extra_body=extra_body)
+                     extra_body=extra_body, stream=not p["disable_stream"])
     click.echo(f"{backend} backend at {base}, model {model}, tokenizer "
                f"{tokenizer_path or 'bundled SmolLM2'}; {len(requests)} requests, "
                f"{sum(r.prompt_len for r in requests)} prompt tokens")
@@ -413,6 +447,7 @@ def _serving(p: dict[str, Any]) -> None:
              "ttft_ms": r.ttft * 1000 if r.ttft is not None else None,
              "e2e_latency_ms": r.latency * 1000, "itl_ms": [g * 1000 for g in r.itl]}
             for r in results]
+    extra.update(bench_serving_fields(p, backend, metrics))
     write_results(p["output_file"], result_document("serving", p, metrics, **extra))
     if metrics["completed"] == 0:
         raise BenchError("every request failed")

@@ -47,6 +47,7 @@ class ServingRun:
     api_key: str | None = None
     timeout: float | None = None
     extra_body: dict[str, Any] | None = None  # merged into every request (--extra-request-body)
+    stream: bool = True  # False: one response per request (--disable-stream)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -56,6 +57,9 @@ class ServingRun:
 def _payload(run: ServingRun, req: BenchRequest) -> tuple[str, dict[str, Any]]:
     """The route and body of one streamed request, ``run.extra_body`` merged in."""
     route, body = _route_and_body(run, req)
+    if not run.stream:
+        body["stream"] = False
+        body.pop("stream_options", None)
     return route, {**body, **(run.extra_body or {})}
 
 
@@ -102,9 +106,18 @@ def _error_text(event: Any) -> str | None:
     return None
 
 
+async def _whole(response: httpx.Response) -> AsyncIterator[Any]:
+    """A response that is not streamed, as the one event it is."""
+    try:
+        yield json.loads(await response.aread())
+    except json.JSONDecodeError:
+        raise BenchError("the server's response is not JSON") from None
+
+
 async def send_request(client: httpx.AsyncClient, run: ServingRun,
                        req: BenchRequest) -> RequestResult:
-    """Send one request, read its stream and time each chunk that adds output."""
+    """Send one request, read its stream and time each chunk that adds output (without
+    streaming: the one response, whose arrival is both the first token and the end)."""
     import httpx
 
     route, body = _payload(run, req)
@@ -119,7 +132,7 @@ async def send_request(client: httpx.AsyncClient, run: ServingRun,
                 text = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {text[:500]}"
                 return result
-            async for event in _events(response):
+            async for event in (_events(response) if run.stream else _whole(response)):
                 now = time.perf_counter()
                 if (err := _error_text(event)) is not None:
                     result.error = err
@@ -166,7 +179,7 @@ def _progress(backend: str, event: Any, seen: int | None) -> tuple[bool, int | N
         if backend == "openai-completions":
             new = new or bool(choice.get("text"))
         else:
-            delta = choice.get("delta") or {}
+            delta = choice.get("delta") or choice.get("message") or {}
             new = new or bool(delta.get("content") or delta.get("reasoning_content"))
     return new, prompt_tokens, out_tokens
 
