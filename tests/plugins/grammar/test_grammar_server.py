@@ -72,6 +72,29 @@ def test_completions_take_response_format_and_sglang_json_schema(client: openai.
     assert exc.value.body["param"] == "regex" and "json_schema" in exc.value.body["message"]
 
 
+def test_anthropic_output_config_format(server: ServerProcess) -> None:
+    """The current Anthropic client asks for structured output with ``output_config`` (and
+    ``effort``, accepted with no effect)."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="none")
+    reply = client.messages.create(
+        model="default", max_tokens=120, messages=[{"role": "user", "content": PERSON_PROMPT}],
+        output_config={"format": {"type": "json_schema", "schema": PERSON}, "effort": "low"})
+    assert reply.stop_reason == "end_turn"
+    check_json(reply.content[0].text, PERSON)
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        client.messages.create(model="default", max_tokens=4,
+                               messages=[{"role": "user", "content": "Hi"}],
+                               output_config={"format": {"type": "json_schema",
+                                                         "schema": {"type": "nonsense"}}})
+    assert exc.value.status_code == 400
+    with pytest.raises(anthropic.BadRequestError, match="effort"):
+        client.messages.create(model="default", max_tokens=4,
+                               messages=[{"role": "user", "content": "Hi"}],
+                               output_config={"effort": "extreme"})
+
+
 def test_native_generate_batch_mixing_constraints(server: ServerProcess) -> None:
     tag = {"type": "structural_tag", "format": {
         "type": "tag", "begin": "<city>", "end": "</city>",

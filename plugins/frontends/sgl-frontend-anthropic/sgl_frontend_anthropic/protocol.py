@@ -6,7 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["CountTokensRequest", "Message", "MessagesRequest", "TextBlock", "error_body"]
+__all__ = ["CountTokensRequest", "JsonOutputFormat", "Message", "MessagesRequest", "OutputConfig",
+           "TextBlock", "error_body"]
 
 #: HTTP status -> Anthropic's error type
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -51,6 +52,22 @@ class CountTokensRequest(_Strict):
         return "".join(block.text for block in self.system) or None
 
 
+class JsonOutputFormat(_Strict):
+    """Structured output: the reply is JSON that matches ``schema``."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    """``output_config`` (the current Anthropic client's way to ask for structured output):
+    ``format`` runs on the grammar backends; ``effort`` is accepted and changes nothing (sgl has
+    no reasoning budget)."""
+
+    format: JsonOutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class MessagesRequest(CountTokensRequest):
     """The body of ``POST /v1/messages``."""
 
@@ -62,6 +79,7 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    output_config: OutputConfig | None = None
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ is returned, as Anthropic does. Stop reasons: ``end_turn`` (the model's end-of-t
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -69,15 +70,22 @@ def _prompt_ids(server: ServerContext, req: CountTokensRequest) -> tuple[list[in
     return tm.apply_chat_template(messages), False
 
 
-def _sampling(req: MessagesRequest, room: int) -> SamplingParams:
+def _sampling(server: ServerContext, req: MessagesRequest, room: int) -> SamplingParams:
     """``max_tokens`` is a cap, as Anthropic treats it: a reply stops where the context ends
-    (``room`` tokens after the prompt), with stop reason ``max_tokens``."""
+    (``room`` tokens after the prompt), with stop reason ``max_tokens``. ``output_config.format``
+    becomes a JSON-schema constraint."""
+    fmt = req.output_config.format if req.output_config is not None else None
+    if fmt is not None and not server.plugin_manager.registries.grammar.names():
+        raise AnthropicError(400, "output_config.format needs constrained decoding, and no "
+                                  "grammar backend is installed; install a grammar backend "
+                                  "plugin such as sgl-grammar-xgrammar")
     try:
         return SamplingParams.from_dict({
             "max_new_tokens": min(req.max_tokens, max(room, 1)),
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": req.top_p, "top_k": req.top_k,
-            "stop": req.stop_sequences or None})
+            "stop": req.stop_sequences or None,
+            "json_schema": json.dumps(fmt.schema_) if fmt is not None else None})
     except SamplingParamsError as exc:
         raise AnthropicError(400, str(exc)) from None
 
@@ -143,7 +151,7 @@ def make_router(server: ServerContext) -> APIRouter:
         req = await _parse(request, MessagesRequest)
         _check_model(server, req.model)
         ids, _ = _prompt_ids(server, req)
-        sampling = _sampling(req, server.info.context_length - len(ids))
+        sampling = _sampling(server, req, server.info.context_length - len(ids))
         obj = GenerateReqInput(input_ids=ids, sampling_params=sampling, stream=req.stream)
         mid = f"msg_{uuid.uuid4().hex}"
         if req.stream:
