@@ -5,6 +5,7 @@ worker's real load from ``/get_load``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -30,21 +31,20 @@ def second_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
     proc.stop()
 
 
-@pytest.fixture(scope="module")
-def router(server: ServerProcess, second_worker: ServerProcess,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextlib.contextmanager
+def launch_router(policy: str, workers: list[str], log: Path) -> Iterator[str]:
+    """``python -m sglang_router.launch_router`` on a free port; its URL once it has
+    registered every worker."""
     port = free_port()
-    log = tmp_path_factory.mktemp("router") / "router.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-             "--port", str(port), "--policy", "cache_aware",
-             "--prometheus-port", str(free_port()),
-             "--worker-urls", server.base_url, second_worker.base_url],
+             "--port", str(port), "--policy", policy, "--prometheus-port", str(free_port()),
+             "--worker-urls", *workers],
             stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_for_workers(url, proc, log, count=2)
+        _wait_for_workers(url, proc, log, count=len(workers))
         yield url
     finally:
         proc.terminate()
@@ -52,6 +52,14 @@ def router(server: ServerProcess, second_worker: ServerProcess,
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def router(server: ServerProcess, second_worker: ServerProcess,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("router") / "router.log"
+    with launch_router("cache_aware", [server.base_url, second_worker.base_url], log) as url:
+        yield url
 
 
 def _wait_for_workers(url: str, proc: subprocess.Popen, log: Path, count: int) -> None:
@@ -146,3 +154,82 @@ def test_continue_final_message_goes_on_with_the_last_turn(server: ServerProcess
         return response.json()["usage"]["prompt_tokens"]
 
     assert prompt_tokens(continue_final_message=True) < prompt_tokens()
+
+
+GREEDY = {"temperature": 0}
+
+
+def _answer(base: str, path: str, body: dict) -> str:
+    response = httpx.post(f"{base}{path}", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    out = response.json()
+    if path == "/generate":
+        return out["text"]
+    choice = out["choices"][0]
+    return choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"text": "The capital of France is",
+                   "sampling_params": {"max_new_tokens": 8, "temperature": 0}}),
+    ("/v1/chat/completions", {"model": "default", "messages": HI, "max_tokens": 8, **GREEDY}),
+    ("/v1/completions", {"model": "default", "prompt": "Once upon a time", "max_tokens": 8,
+                         **GREEDY}),
+])
+def test_the_router_answers_what_a_worker_answers(router: str, server: ServerProcess,
+                                                  second_worker: ServerProcess, path: str,
+                                                  body: dict) -> None:
+    """Greedy, through the router: the text either worker gives when asked directly."""
+    direct = _answer(server.base_url, path, body)
+    assert direct and _answer(second_worker.base_url, path, body) == direct
+    assert _answer(router, path, body) == direct
+
+
+def test_cache_aware_sends_a_shared_prefix_to_one_worker(router: str, server: ServerProcess,
+                                                         second_worker: ServerProcess) -> None:
+    """The router's cache-aware policy keeps requests that share a long prefix on the worker
+    that has it cached: after the first, each finds the prefix in its worker's cache."""
+    for worker in (server, second_worker):
+        assert httpx.post(f"{worker.base_url}/flush_cache", timeout=60).status_code == 200
+    before = [_metric(w, "sgl:cached_tokens_total") for w in (server, second_worker)]
+    prefix = " ".join(f"Rule {i}: be kind to the number {i * 7}." for i in range(30))
+    cached = []
+    for question in ("What is rule 3?", "What is rule 11?", "What is rule 20?",
+                     "What is rule 29?"):
+        response = httpx.post(f"{router}/generate", timeout=120, json={
+            "text": f"{prefix}\n{question}", "sampling_params": {"max_new_tokens": 2,
+                                                                 "temperature": 0}})
+        assert response.status_code == 200, response.text
+        meta = response.json()["meta_info"]
+        cached.append((meta["cached_tokens"], meta["prompt_tokens"]))
+    assert cached[0][0] == 0  # both caches were empty
+    for hits, prompt in cached[1:]:  # the same worker each time: the prefix was there
+        assert hits >= 0.8 * cached[0][1], cached
+    counts = [_metric(w, "sgl:cached_tokens_total") - b
+              for w, b in zip((server, second_worker), before)]
+    assert min(counts) == 0 < max(counts), counts  # each worker's count: all on one of them
+
+
+def _metric(worker: ServerProcess, name: str) -> float:
+    text = httpx.get(f"{worker.base_url}/metrics", timeout=30).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name) and not line.startswith("#")]
+    return sum(values)
+
+
+def test_power_of_two_policy(server: ServerProcess, second_worker: ServerProcess,
+                             tmp_path: Path) -> None:
+    """``--policy power_of_two`` picks the less loaded of two workers by their ``/get_load``:
+    it registers both, reads real loads and routes every route."""
+    with launch_router("power_of_two", [server.base_url, second_worker.base_url],
+                       tmp_path / "router.log") as url:
+        body = {"text": "The capital of France is",
+                "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+        direct = _answer(server.base_url, "/generate", body)
+        for _ in range(4):
+            assert _answer(url, "/generate", body) == direct
+        chat = {"model": "default", "messages": HI, "max_tokens": 4, **GREEDY}
+        assert _answer(url, "/v1/chat/completions", chat) == _answer(
+            server.base_url, "/v1/chat/completions", chat)
+        loads = httpx.get(f"{url}/get_loads", timeout=30).json()["workers"]
+        assert len(loads) == 2 and all(w["load"] >= 0 for w in loads), loads
