@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import subprocess
 import sys
 import uuid
@@ -107,14 +108,20 @@ def test_multi_turn_chat(server: ServerProcess, backend: Any) -> None:
 
 
 def direct_scores(server: ServerProcess, prefix: str, choices: list[str]) -> list[float]:
-    """Mean logprob of each choice's tokens after ``prefix``, from plain /generate calls."""
+    """Each choice's score as SGLang's frontend computes it, from plain /generate calls: the
+    mean logprob of the tokens from two before the prefix's end (a choice may merge with the
+    prefix's last token), the first of them left out where the prefix still ends with it."""
     n = generate(server, text=prefix, sampling_params={"max_new_tokens": 0})[
         "meta_info"]["prompt_tokens"]
     scores = []
     for choice in choices:
         meta = generate(server, text=prefix + choice, sampling_params={"max_new_tokens": 0},
-                        return_logprob=True, logprob_start_len=0)["meta_info"]
-        lps = [e[0] for e in meta["input_token_logprobs"][n:]]
+                        return_logprob=True, logprob_start_len=0,
+                        return_text_in_logprobs=True)["meta_info"]
+        entries = meta["input_token_logprobs"][max(n - 2, 0):]
+        if prefix.endswith(entries[0][2]):
+            entries = entries[1:]
+        lps = [e[0] for e in entries if e[0] is not None]
         scores.append(sum(lps) / len(lps))
     return scores
 
@@ -139,6 +146,23 @@ def test_select_picks_the_best_scored_choice(server: ServerProcess, backend: Any
     assert pick.run()["animal"] == state["animal"]
 
 
+def test_select_after_a_prefix_that_merges_with_the_choices(server: ServerProcess,
+                                                            backend: Any) -> None:
+    """"Answer: " + "no" ends in the token " no": the prompt with a choice has no more tokens
+    than the prefix. sgl used to ask for logprobs from the prefix's end, which the server
+    refused (400: logprob_start_len must be less than the prompt length)."""
+    prefix, choices = "Is the sky blue? Answer: ", ["yes", "no"]
+
+    @sgl.function
+    def answer(s):
+        s += prefix + sgl.select("a", choices)
+
+    state = answer.run()
+    scores = state.get_meta_info("a")["normalized_prompt_logprobs"]
+    assert scores == pytest.approx(direct_scores(server, prefix, choices), abs=1e-3)
+    assert all(math.isfinite(x) for x in scores) and state["a"] in choices
+
+
 def test_select_methods(server: ServerProcess, backend: Any) -> None:
     @sgl.function
     def pick(s, method):
@@ -146,8 +170,11 @@ def test_select_methods(server: ServerProcess, backend: Any) -> None:
         s += sgl.gen("animal", choices=SELECT_CHOICES, choices_method=method)
 
     greedy = pick.run(method=sgl.greedy_token_selection)
-    first_tokens = [lps[0] for lps in greedy.get_meta_info("animal")["input_token_logprobs"]]
-    assert greedy["animal"] == SELECT_CHOICES[max(range(4), key=lambda i: first_tokens[i])]
+    # the best logprob at the first position where the choices differ (the scored entries
+    # start with the prefix's last token, the same for all four)
+    scored = greedy.get_meta_info("animal")["input_token_logprobs"]
+    assert len({lps[0] for lps in scored}) == 1
+    assert greedy["animal"] == SELECT_CHOICES[max(range(4), key=lambda i: scored[i])]
 
     uncond = pick.run(method=sgl.unconditional_likelihood_normalized)
     meta = uncond.get_meta_info("animal")

@@ -65,11 +65,18 @@ def gen(
     choices_method: ChoicesMethod | None = None,
     dtype: type | None = None,
     return_logprob: bool = False,
+    logprob_start_len: int | None = None,
+    top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
+    token_ids_logprob: list[int] | None = None,
     **unsupported: Any,
 ) -> Gen | Select:
     """Generate text into variable ``name``. With ``choices`` it is :func:`select`; ``dtype``
     (``int``, ``float``, ``bool``, ``str``) constrains the text with a regex and converts it;
-    ``regex`` and ``json_schema`` are passed to the server's grammar backend."""
+    ``regex`` and ``json_schema`` are passed to the server's grammar backend. With
+    ``return_logprob`` the variable's meta info has the logprobs, as SGLang's ``/generate``
+    gives them (``logprob_start_len``, ``top_logprobs_num``, ``token_ids_logprob``; entries carry
+    their token's text unless ``return_text_in_logprobs=False``)."""
     if unsupported:
         raise TypeError(f"gen() got unsupported argument(s): {', '.join(unsupported)}")
     if choices is not None:
@@ -85,7 +92,16 @@ def gen(
                             stop_token_ids=stop_token_ids, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, ignore_eos=ignore_eos,
                             regex=regex, json_schema=json_schema)
-    return Gen(name, params, dtype, return_logprob)
+    logprobs: dict[str, Any] = {}
+    if return_logprob:
+        logprobs = {"return_logprob": True,
+                    "return_text_in_logprobs": return_text_in_logprobs is not False}
+        for key, value in (("logprob_start_len", logprob_start_len),
+                           ("top_logprobs_num", top_logprobs_num),
+                           ("token_ids_logprob", token_ids_logprob)):
+            if value is not None:
+                logprobs[key] = value
+    return Gen(name, params, dtype, logprobs)
 
 
 def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Gen:

@@ -261,12 +261,11 @@ class StreamExecutor:
     def _call_gen(self, backend: BaseBackend, params: SamplingParams,
                   expr: Gen) -> tuple[str, dict[str, Any]]:
         if not self.stream:
-            text, meta = backend.generate(self, params, return_logprob=expr.return_logprob)
+            text, meta = backend.generate(self, params, expr.logprobs)
             self._append(text, expr.name)
             return text, meta
         text, meta = "", {}
-        for chunk, chunk_meta in backend.generate_stream(self, params,
-                                                         return_logprob=expr.return_logprob):
+        for chunk, chunk_meta in backend.generate_stream(self, params, expr.logprobs):
             if chunk:
                 text += chunk
                 self._append(chunk, expr.name)

@@ -115,7 +115,7 @@ class Gen(Expr):
     name: str | None
     params: SamplingParams = field(default_factory=SamplingParams)
     dtype: type | None = None
-    return_logprob: bool = False
+    logprobs: dict[str, Any] = field(default_factory=dict)  # SGLang's logprob fields to send
 
     def convert(self, text: str) -> Any:
         """The generated text as the requested ``dtype``."""

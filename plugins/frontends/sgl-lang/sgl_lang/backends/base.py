@@ -30,12 +30,15 @@ class BaseBackend:
         return None
 
     def generate(self, s: StreamExecutor, params: SamplingParams,
-                 return_logprob: bool = False) -> GenResult:
+                 logprobs: dict[str, Any] | None = None) -> GenResult:
+        """Generate after ``s``'s text; ``logprobs``: SGLang's logprob fields to ask for
+        (``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ...)."""
         raise NotImplementedError
 
     def generate_stream(self, s: StreamExecutor, params: SamplingParams,
-                        return_logprob: bool = False) -> Iterator[tuple[str, dict | None]]:
-        text, meta = self.generate(s, params, return_logprob)
+                        logprobs: dict[str, Any] | None = None
+                        ) -> Iterator[tuple[str, dict | None]]:
+        text, meta = self.generate(s, params, logprobs)
         yield text, meta
 
     def select(self, s: StreamExecutor, choices: list[str], temperature: float,
@@ -44,6 +47,16 @@ class BaseBackend:
 
     def shutdown(self) -> None:
         pass
+
+
+def choice_logprobs(prefix: str, scored: list[tuple[float | None, str | None]]) -> list[float]:
+    """A select choice's logprobs, as SGLang's frontend scores them: ``scored`` holds
+    ``(logprob, token text)`` from two tokens before the end of ``prefix`` (so that a choice
+    that merges with the prefix's last token still has tokens to score) through the choice; the
+    first is left out where ``prefix`` still ends with it."""
+    if scored and scored[0][1] is not None and prefix.endswith(scored[0][1]):
+        scored = scored[1:]
+    return [lp for lp, _ in scored if lp is not None]
 
 
 def _token_logprobs(entries: list[Any]) -> list[float]:
@@ -71,17 +84,14 @@ class NativeBackend(BaseBackend):
         out = self._generate({"text": prefix, "sampling_params": {"max_new_tokens": 0}})
         return out["meta_info"]["prompt_tokens"]
 
-    def generate(self, s, params, return_logprob=False):
-        body = {"text": s.text_, "sampling_params": params.to_sgl()}
-        if return_logprob:
-            body.update(return_logprob=True, return_text_in_logprobs=True)
+    def generate(self, s, params, logprobs=None):
+        body = {"text": s.text_, "sampling_params": params.to_sgl(), **(logprobs or {})}
         out = self._generate(body)
         return out["text"], out["meta_info"]
 
-    def generate_stream(self, s, params, return_logprob=False):
-        body = {"text": s.text_, "sampling_params": params.to_sgl(), "stream": True}
-        if return_logprob:
-            body.update(return_logprob=True, return_text_in_logprobs=True)
+    def generate_stream(self, s, params, logprobs=None):
+        body = {"text": s.text_, "sampling_params": params.to_sgl(), "stream": True,
+                **(logprobs or {})}
         sent = ""
         for event in self._generate_stream(body):
             text = event["text"]
@@ -91,14 +101,19 @@ class NativeBackend(BaseBackend):
 
     def select(self, s, choices, temperature, method):
         # the shared prefix once (its token count, and it lands in the cache), then every
-        # choice after it in one batch, with logprobs from the prefix's end on
+        # choice after it in one batch, with logprobs from two tokens before the prefix's end:
+        # a choice may merge with the prefix's last token ("Answer: " + "no" ends in " no"),
+        # and then the prefix+choice has no more tokens than the prefix. As SGLang scores it:
+        # the first of those entries is dropped where it is still the prefix's own token
         prefix_len = self.cache_prefix(s.text_)
         outs = self._generate({
             "text": [s.text_ + c for c in choices],
             "sampling_params": {"max_new_tokens": 0},
-            "return_logprob": True, "logprob_start_len": prefix_len,
+            "return_logprob": True, "logprob_start_len": max(prefix_len - 2, 0),
             "return_text_in_logprobs": True})
-        token_logprobs = [_token_logprobs(o["meta_info"]["input_token_logprobs"]) for o in outs]
+        token_logprobs = [choice_logprobs(s.text_, [(e[0], e[2]) for e in
+                                                    o["meta_info"]["input_token_logprobs"]])
+                          for o in outs]
         unconditional = None
         if method.requires_unconditional:
             outs = self._generate({

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 __all__ = ["EngineBackend"]
 
-_FIELDS = ("return_logprob", "logprob_start_len", "return_text_in_logprobs")
+_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
+           "return_text_in_logprobs")
 
 
 class EngineBackend(NativeBackend):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sgl_lang.backends.base import BaseBackend
+from sgl_lang.backends.base import BaseBackend, choice_logprobs
 from sgl_lang.chat_template import ChatTemplate, get_template
 from sgl_lang.errors import BackendError
 
@@ -61,7 +61,7 @@ class OpenAI(BaseBackend):
             out["extra_body"] = extra
         return out
 
-    def generate(self, s, params, return_logprob=False):
+    def generate(self, s, params, logprobs=None):
         if s.messages_ or s.cur_role is not None:
             if s.cur_role != "assistant":
                 raise BackendError("with chat roles the OpenAI backend generates only the whole "
@@ -81,25 +81,27 @@ class OpenAI(BaseBackend):
                       "prompt_tokens": out.usage.prompt_tokens if out.usage else None,
                       "completion_tokens": out.usage.completion_tokens if out.usage else None}
 
-    def _prompt_logprobs(self, text: str) -> list[float | None]:
+    def _prompt_logprobs(self, text: str) -> list[tuple[float | None, str | None]]:
+        """``(logprob, token text)`` of each prompt token."""
         out = self._call(self.client.completions.create, prompt=text, max_tokens=0, echo=True,
                          logprobs=0)
         logprobs = out.choices[0].logprobs
         if logprobs is None or not logprobs.token_logprobs:
             raise BackendError("select needs prompt logprobs (/v1/completions with echo and "
                                "logprobs), which this server does not return")
-        return list(logprobs.token_logprobs)
+        tokens = list(logprobs.tokens or [None] * len(logprobs.token_logprobs))
+        return list(zip(logprobs.token_logprobs, tokens))
 
     def select(self, s, choices, temperature, method):
         if s.messages_ or s.cur_role is not None:
             raise BackendError("select inside chat roles is not supported by the OpenAI backend: "
                                "chat completions return no prompt logprobs")
-        prefix_len = len(self._prompt_logprobs(s.text_))
-        token_logprobs = [[lp for lp in self._prompt_logprobs(s.text_ + c)[prefix_len:]
-                           if lp is not None] for c in choices]
+        start = max(len(self._prompt_logprobs(s.text_)) - 2, 0)
+        token_logprobs = [choice_logprobs(s.text_, self._prompt_logprobs(s.text_ + c)[start:])
+                          for c in choices]
         unconditional = None
         if method.requires_unconditional:
-            unconditional = [[lp for lp in self._prompt_logprobs(c) if lp is not None]
+            unconditional = [[lp for lp, _ in self._prompt_logprobs(c) if lp is not None]
                              for c in choices]
         return method(choices, token_logprobs, unconditional)
 
