@@ -128,6 +128,15 @@ def test_serving_takes_sglang_bench_serving_flags(server: ServerProcess, tmp_pat
     # not streamed: the whole response is the first token, and there is no ITL
     assert oai["mean_itl_ms"] is None
     assert oai["mean_ttft_ms"] == pytest.approx(oai["mean_e2e_latency_ms"], rel=0.05)
+    # the example at the top of bench_serving.py, scaled down (its --random-input and
+    # --random-output are argparse's abbreviations of the -len options)
+    docs = tmp_path / "docs.json"
+    out = sgl("bench", "serving", "--backend", "sglang", "--dataset-name", "random",
+              "--num-prompts", "6", "--random-input", "32", "--random-output", "8",
+              "--random-range-ratio", "0.5", "--port", port, "--output-file", str(docs))
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads(docs.read_text())
+    assert doc["completed"] == 6 and 6 * 4 <= doc["total_output_tokens"] <= 6 * 8
     for bad, message in ((["--extra-request-body", "{"], "--extra-request-body"),
                          (["--extra-request-body", "[1]"], "expected a JSON object"),
                          (["--base-url", server.base_url], "not both")):
