@@ -257,7 +257,7 @@ def test_flush_cache_and_server_info() -> None:
     ({"text": "a", "input_ids": [1]}, "not both"),
     ({}, "text or input_ids is required"),
     ({"prompt": "a"}, "unknown field(s): prompt"),
-    ({"text": "a", "lora_path": "adapter"}, "lora_path is not supported"),
+    ({"text": "a", "lora_path": "adapter"}, "lora_path: not supported by sgl"),
     ({"text": ["a", "b"], "sampling_params": [{}]}, "1 entries for a batch of 2"),
     ({"text": "a", "return_logprob": True, "logprob_start_len": 5}, "logprob_start_len"),
     ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num"),
