@@ -342,3 +342,37 @@ def test_a_stream_error_event_is_labelled_by_its_status(status: int, kind: str) 
     error = jsonlib.loads(chunks[1].removeprefix(b"data: "))["error"]
     assert error["type"] == kind and error["code"] == str(status)
     assert chunks[-1] == b"data: [DONE]\n\n"
+
+
+def test_reasoning_effort_reaches_the_chat_template() -> None:
+    """``reasoning_effort`` becomes ``thinking`` / ``enable_thinking`` for the chat template, as
+    SGLang passes it (false for ``none``), unless ``chat_template_kwargs`` sets them: the real
+    TokenizerManager renders a template that prints both."""
+    from types import SimpleNamespace
+
+    from sgl.config import ServerSettings
+    from sgl.engine.messages import SchedulerInfo
+    from sgl.model_loader import load_tokenizer
+    from sgl.server.tokenizer_manager import TokenizerManager
+    from sgl_frontend_openai.chat import plan_chat
+    from sgl_frontend_openai.protocol import ChatCompletionRequest
+
+    tokenizer = load_tokenizer(None)
+    template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                " thinking={{ thinking | default('unset') }}"
+                " enable_thinking={{ enable_thinking | default('unset') }}")
+    info = SchedulerInfo(ok=True, context_length=512, vocab_size=len(tokenizer))
+    tm = TokenizerManager(tokenizer, {}, info, ServerSettings(chat_template=template))
+    server = SimpleNamespace(model_name="toy", tokenizer_manager=tm,
+                             info=SimpleNamespace(context_length=512, max_total_tokens=4096))
+
+    def rendered(**fields: object) -> str:
+        req = ChatCompletionRequest.model_validate({"model": "default", "messages": QUESTION,
+                                                    "max_tokens": 1, **fields})
+        return tokenizer.decode(plan_chat(server, None, req).obj.input_ids)
+
+    assert rendered().endswith("thinking=unset enable_thinking=unset")
+    assert rendered(reasoning_effort="none").endswith("thinking=False enable_thinking=False")
+    assert rendered(reasoning_effort="high").endswith("thinking=True enable_thinking=True")
+    assert rendered(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}
+                    ).endswith("thinking=False enable_thinking=True")

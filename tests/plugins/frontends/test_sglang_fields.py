@@ -71,7 +71,7 @@ def test_a_field_neither_knows_is_refused(server: ServerProcess, route: str) -> 
     assert r.status_code == 400 and error_param(r) == "max_token"
 
 
-def test_reasoning_effort_is_checked_and_taken(server: ServerProcess) -> None:
+def test_reasoning_effort_values_are_checked(server: ServerProcess) -> None:
     base, _ = ROUTES["/v1/chat/completions"]
     for effort in ("none", "low", "high"):
         assert post(server, "/v1/chat/completions",

@@ -25,7 +25,6 @@ from sgl_frontend_openai.common import (
     usage,
 )
 from sgl_frontend_openai.logprobs import completion_logprobs
-from sgl_frontend_openai.protocol import ResponseFormat
 
 if TYPE_CHECKING:
     from sgl.server.context import ServerContext
@@ -70,9 +69,8 @@ def _request(server: ServerContext, req: CompletionRequest) -> tuple[GenerateReq
     fields, texts = _prompts(server, req)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     extra = check_response_format(server, req.response_format)
-    if req.json_schema is not None:  # SGLang's extension, the schema as text
-        extra = {**check_response_format(server, ResponseFormat(type="json_object")),
-                 "json_schema": req.json_schema}
+    if req.json_schema is not None:  # SGLang's extension, the schema as text: checked as regex is
+        extra = {"json_schema": req.json_schema}
     sampling = build_sampling(req, max_tokens, extra)
     want_logprobs = req.logprobs is not None
     obj = GenerateReqInput(**fields, sampling_params=sampling, return_logprob=want_logprobs,

@@ -83,12 +83,12 @@ class CpuKernelLibrary(KernelLibrary):
     def detect_isa(self) -> str:
         return isa.detect_isa()
 
-    def set_level(self, level: str, bf16_dot_matmul: bool | None = None) -> None:
-        """Run the kernels of ``level``; ``bf16_dot_matmul`` (default: :meth:`bf16_dot_matmul`)
-        chooses the bfloat16 matmul without AMX."""
-        if bf16_dot_matmul is None:
-            bf16_dot_matmul = self.bf16_dot_matmul(level)
-        self._ops.set_level(level, bf16_dot_matmul)
+    def set_level(self, level: str, dot_products: bool | None = None) -> None:
+        """Run the kernels of ``level``; ``dot_products`` chooses the bfloat16 matmul without
+        AMX (``vdpbf16ps`` rather than widened FMAs; default: :meth:`bf16_dot_matmul`)."""
+        if dot_products is None:
+            dot_products = self.bf16_dot_matmul(level)
+        self._ops.set_level(level, dot_products)
         self.isa = level
 
     @staticmethod
