@@ -18,6 +18,7 @@ PLUGINS := \
 	plugins/attention/sgl-attn-torch \
 	plugins/kernels/sgl-kernels-cpu \
 	plugins/cache/sgl-cache-radix \
+	plugins/speculative/sgl-spec-ngram \
 	plugins/tools/sgl-bench \
 	plugins/grammar/sgl-grammar-xgrammar \
 	plugins/grammar/sgl-grammar-outlines \

@@ -117,6 +117,25 @@ class ServerSettings:
     disable_jump_forward: bool = _opt(
         False, "Sample every token of constrained output, even where the grammar allows only one "
         "continuation (jump-forward decoding off).")
+    speculative_algorithm: str | None = _opt(
+        None, "Speculative decoding algorithm by registered name (SGLang's names: NGRAM, "
+        "STANDALONE); default: none. Greedy and sampled outputs are those of decoding without "
+        "it (docs/speculative.md).", registry="speculative")
+    speculative_num_draft_tokens: int | None = _opt(
+        None, "Tokens verified per request and step, the request's last token included (so "
+        "this minus one are drafted); default: the algorithm's.", minimum=2)
+    speculative_num_steps: int | None = _opt(
+        None, "Draft-model forwards per step (STANDALONE); default: num_draft_tokens - 1.",
+        minimum=1)
+    speculative_eagle_topk: int | None = _opt(
+        None, "Branching of the draft tree per step; 1 (a chain) is what sgl verifies so far.",
+        minimum=1)
+    speculative_draft_model_path: str | None = _opt(
+        None, "Draft model for STANDALONE (a folder or .gguf file sgl can load, sharing the "
+        "target's tokenizer).")
+    speculative_disable_by_batch_size: int | None = _opt(
+        None, "Run steps with more decoding requests than this without speculation (the "
+        "verification then costs more than it saves); default: the algorithm's.", minimum=1)
     frontends: tuple[str, ...] = _opt(
         (), "HTTP frontends to mount (repeatable); default: every installed one.",
         registry="frontends", flags=("--frontend",))
@@ -358,6 +377,12 @@ def _check_ranges(s: ServerSettings) -> None:
         fail("mem_fraction_static", "expected a fraction in (0, 1]")
     if s.chunked_prefill_size != -1 and s.chunked_prefill_size < 1:
         fail("chunked_prefill_size", "expected -1 (off) or at least 1")
+    if s.speculative_algorithm is None:
+        for key in ("speculative_num_draft_tokens", "speculative_num_steps",
+                    "speculative_eagle_topk", "speculative_draft_model_path",
+                    "speculative_disable_by_batch_size"):
+            if getattr(s, key) is not None:
+                fail(key, "it needs --speculative-algorithm (speculative decoding is off)")
     if s.api_key is not None and not s.api_key.strip():
         fail("api_key", "expected a non-empty key")
     if s.chat_template and not Path(s.chat_template).expanduser().is_file() \

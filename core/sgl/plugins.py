@@ -132,7 +132,6 @@ class Registries:
 
     #: registries whose hook has a contract but nothing in this sgl that runs it yet
     NOT_RUN_YET = {
-        "speculative": "sgl runs no speculative decoding yet",
         "parallel": "sgl starts exactly one scheduler process (no tensor or data parallelism "
                     "yet)",
         "transfer": "sgl has no prefill/decode disaggregation yet",
@@ -226,6 +225,12 @@ class SglPluginManager(pluggy.PluginManager):
                     f"{settings.sources.get(f.name, 'default')}): no installed plugin provides "
                     f"that {registry.kind}; available: "
                     f"{', '.join(registry.names()) or 'none installed'}{hint}")
+        if settings.speculative_algorithm is not None:
+            algorithm = self.registries.speculative.load(settings.speculative_algorithm)
+            problem = algorithm.check_settings(settings)
+            if problem:
+                raise ConfigError(f"--speculative-algorithm {settings.speculative_algorithm}: "
+                                  f"{problem}")
 
     @cached_property
     def registries(self) -> Registries:

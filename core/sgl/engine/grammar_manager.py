@@ -162,6 +162,30 @@ class GrammarManager:
             reqs[i].grammar.fill_next_token_bitmask(self._bitmask, j)  # type: ignore[union-attr]
         apply_token_bitmask(logits, self._bitmask[:len(rows)], rows)
 
+    def constrain_drafts(self, items: Sequence[tuple[Req, int]], logits: torch.Tensor) -> None:
+        """Mask the rows of draft positions (speculative decoding): ``(request, its first row)``
+        pairs, where row ``first + i`` is the next-token distribution after the request's output
+        and the first ``i`` tokens of ``req.draft``. The matcher walks the draft and is rolled
+        back; past a draft token the grammar refuses the rows are left alone (the target's
+        token before them cannot be that draft token, so they are never used)."""
+        for req, first in items:
+            matcher = req.grammar
+            if matcher is None:
+                continue
+            rows, walked = [first], 0
+            for token in req.draft:
+                if not matcher.accept_token(token):
+                    break
+                walked += 1
+                rows.append(first + walked)
+            mask = torch.zeros((len(rows), self._bitmask.shape[1]), dtype=torch.int32)
+            # fill from the deepest position back: each fill, then undo one token
+            for i in range(len(rows) - 1, -1, -1):
+                matcher.fill_next_token_bitmask(mask, i)
+                if i:
+                    matcher.rollback(1)
+            apply_token_bitmask(logits, mask, rows)
+
     def advance(self, req: Req, room: int) -> str | None:
         """Feed the request's last token to its matcher; finish the request when the grammar
         terminates; else append up to ``room`` jump-forward tokens. Returns an error when the

@@ -118,6 +118,7 @@ class TokenOutput:
     output_token_ids_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
     first_token_time: float | None = None  # scheduler's time.time() of the first output token
     queue_time: float | None = None  # seconds between arrival and first scheduling
+    spec: dict[str, Any] | None = None  # speculative decoding counts (SGLang's meta_info keys)
 
 
 @dataclass

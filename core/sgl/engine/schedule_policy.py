@@ -115,7 +115,7 @@ class ScheduledBatch:
 
     @property
     def mode(self) -> ForwardMode:
-        decode = all(req.pending == 1 for req, _ in self.items)
+        decode = all(n == 1 and req.pending == 1 for req, n in self.items)
         return ForwardMode.DECODE if decode else ForwardMode.EXTEND
 
     @property
@@ -130,8 +130,10 @@ class ScheduledBatch:
         return offsets
 
     def seqs(self) -> list[BatchSeq]:
-        """The sequences of the forward: each request's next ``n`` tokens after its KV."""
-        return [BatchSeq(r.row, r.kv_len, r.token_slice(r.kv_len, r.kv_len + n))
+        """The sequences of the forward: each request's next ``n`` tokens after its KV (for a
+        request with a speculative draft, its last token and the draft)."""
+        return [BatchSeq(r.row, r.kv_len, r.token_slice(r.kv_len, r.kv_len + n - len(r.draft))
+                         + r.draft if r.draft else r.token_slice(r.kv_len, r.kv_len + n))
                 for r, n in self.items]
 
 

@@ -51,6 +51,12 @@ from sgl.engine.messages import (
 )
 from sgl.engine.sampler import SamplingInput, sample_next_tokens
 from sgl.engine.schedule_policy import Admission, ScheduledBatch
+from sgl.engine.speculative import (
+    SpeculativeDecoding,
+    Verified,
+    request_spec_info,
+    settle_draft,
+)
 from sgl.engine.sequence import Req
 from sgl.kernels import cpu
 from sgl.kvcache import BaseCachePolicy, NoPrefixCache, PrefixMatch
@@ -129,6 +135,10 @@ class Scheduler:
         self.grammar = make_grammar_manager(
             settings, pm, tokenizer=self._tokenizer.result, vocab_size=self.runner.vocab_size,
             stop_token_ids=self.eos_token_ids)
+        #: drafts and verifies decode tokens (--speculative-algorithm); None when off
+        self.spec: SpeculativeDecoding | None = (
+            SpeculativeDecoding(settings, pm, self.runner)
+            if settings.speculative_algorithm is not None else None)
         #: open sessions -> the cached conversation each protects (empty until its first request)
         self.sessions: dict[str, PrefixMatch] = {}
         self.chunk_size = (settings.chunked_prefill_size if settings.chunked_prefill_size > 0
@@ -220,9 +230,14 @@ class Scheduler:
         if decodes:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                        self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        batch = ScheduledBatch([(r, 1) for r in decodes])
-        budget = self.chunk_size
         free = self.admission.kv_available() - len(decodes)
+        drafted = 0
+        if self.spec is not None:  # drafts share this step's token budget and KV memory
+            drafted = self.spec.draft(decodes, min(free, self.chunk_size),
+                                      self.runner.context_length)
+        batch = ScheduledBatch([(r, 1 + len(r.draft or ())) for r in decodes])
+        budget = self.chunk_size - drafted
+        free -= drafted
         for req in self.running:  # a prompt whose earlier chunks already ran
             if req.pending > 1 and budget > 0 and free > 0:
                 n = min(req.pending, budget, free)
@@ -276,6 +291,8 @@ class Scheduler:
             return
         self.running.remove(req)
         self.free_memory(req)
+        if self.spec is not None:
+            self.spec.release(req.rid)
         self.num_retractions += 1
         self.waiting.appendleft(req)
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
@@ -290,7 +307,12 @@ class Scheduler:
         self._step_slots = forward.out_cache_loc
         hidden = self.runner.forward(forward)
         self._step_slots = None  # from here on the requests own them
+        table = self.runner.req_to_token_pool.req_to_token
         for req, n in batch.items:
+            if req.draft:  # the draft's slots are the request's once verified (settle_draft)
+                first = req.kv_len + 1
+                req.draft_slots = table[req.row, first:first + len(req.draft)].clone()
+                n = 1
             req.kv_len += n
         return hidden
 
@@ -307,6 +329,7 @@ class Scheduler:
             logger.error("processing a batch of %d failed:\n%s", len(batch.items),
                          traceback.format_exc())
             for req in batch.reqs:
+                self.settle(req, 0)
                 if not req.finished:
                     self.fail(req, f"internal error while processing the model's output: {exc}",
                               500)
@@ -345,15 +368,20 @@ class Scheduler:
         for (req, n), start in zip(batch.items, offsets):
             self.guarded(req, "computing prompt logprobs", self.input_logprobs,
                          req, req.kv_len - n, n, hidden, start)
-        self.cache_prefills([req for req, n in batch.items if n > 1])
-        to_sample = []
+        self.cache_prefills([req for req, n in batch.items if n > 1 and req.draft is None])
+        to_sample, drafted = [], []
         for i, req in enumerate(batch.reqs):
+            if req.draft is not None and not req.finished:
+                drafted.append((req, offsets[i]))  # its last token's row, then the draft's
+                continue
             if req.pending or req.finished:
                 continue
             if req.sampling.max_new_tokens == 0:
                 req.finish_reason = {"type": "length", "length": 0}
             else:
                 to_sample.append((req, offsets[i + 1] - 1))  # the row of its last token
+        if drafted:
+            self.accept_drafts(drafted, hidden)
         if not to_sample:
             return
         try:
@@ -363,6 +391,48 @@ class Scheduler:
                          len(to_sample), traceback.format_exc())
             for item in to_sample:
                 self.guarded(item[0], "sampling", self.sample, [item], hidden)
+
+    def accept_drafts(self, items: list[tuple[Req, int]], hidden: torch.Tensor) -> None:
+        """Verify the drafts of ``(request, its first row)`` pairs and take the accepted tokens
+        (:mod:`sgl.engine.speculative`); a failure fails only the request it concerns."""
+        assert self.spec is not None
+        try:
+            verified = self.spec.verify(items, hidden, self.grammar, self.banned)
+        except Exception:
+            if len(items) == 1:
+                raise
+            logger.error("verifying %d drafts failed, verifying each alone:\n%s", len(items),
+                         traceback.format_exc())
+            for item in items:
+                self.guarded(item[0], "verifying its draft", self.accept_drafts, [item], hidden)
+            return
+        now = time.time()
+        for v in verified:
+            self.guarded(v.req, "taking its verified tokens", self.take_verified, v, now)
+            self.settle(v.req, 0)  # if that failed half-way
+
+    def take_verified(self, v: Verified, now: float) -> None:
+        """Append a request's verified tokens one by one, each through :meth:`take_token`,
+        until one ends the output (or the grammar appends jump-forward tokens); keep the KV of
+        the draft tokens that made it into the output."""
+        req, appended = v.req, 0
+        for j, token in enumerate(v.tokens):
+            length = len(req.output_ids)
+            req.output_ids.append(token)
+            req.first_token_time = req.first_token_time or now
+            appended += 1
+            self.take_token(req, token, v.logprobs,
+                            v.logprob_rows[j] if v.logprob_rows is not None else None)
+            if req.finished or len(req.output_ids) != length + 1:
+                break
+        assert self.spec is not None and req.draft is not None
+        self.spec.count(req, len(req.draft), v.accepted, appended)
+        self.settle(req, min(appended, v.accepted))
+
+    def settle(self, req: Req, kept: int) -> None:
+        """End a request's draft: the KV of its first ``kept`` tokens stays, the rest is freed."""
+        if req.draft is not None:
+            settle_draft(req, kept, self.runner.kv_pool.free)
 
     def sample(self, to_sample: list[tuple[Req, int]], hidden: torch.Tensor) -> None:
         """Sample the next token of each request from its row of ``hidden``; nothing about a
@@ -444,10 +514,12 @@ class Scheduler:
             if opts.token_ids_logprob:
                 req.input_token_ids_logprobs.append(lp.of_ids(j, opts.token_ids_logprob))
 
-    def banned(self, req: Req) -> list[int]:
+    def banned(self, req: Req, output_len: int | None = None) -> list[int]:
         """EOS and stop tokens may not end the output before min_new_tokens (unless a grammar
-        decides when the output ends)."""
-        if len(req.output_ids) >= req.sampling.min_new_tokens or req.grammar is not None:
+        decides when the output ends); ``output_len``: the output's length at that token
+        (default: now)."""
+        n = len(req.output_ids) if output_len is None else output_len
+        if n >= req.sampling.min_new_tokens or req.grammar is not None:
             return []
         return sorted(set(req.sampling.stop_token_ids) | set(self.eos_token_ids))
 
@@ -594,7 +666,8 @@ class Scheduler:
                 "num_retractions": self.num_retractions,
                 "req_rows_free": self.runner.req_to_token_pool.num_free,
                 "schedule_policy": self.settings.schedule_policy,
-                "num_sessions": len(self.sessions), **self.cache.info(), **self.grammar.info()}
+                "num_sessions": len(self.sessions), **self.cache.info(), **self.grammar.info(),
+                **(self.spec.info() if self.spec is not None else {})}
 
     def reply_info(self, rid: str, info: dict[str, Any]) -> None:
         self.send_sock.send_pyobj(TokenBatch(info=info, info_rid=rid))
@@ -609,7 +682,7 @@ class Scheduler:
             input_top_logprobs=r.input_top_logprobs, output_top_logprobs=r.output_top_logprobs,
             input_token_ids_logprobs=r.input_token_ids_logprobs,
             output_token_ids_logprobs=r.output_token_ids_logprobs,
-            first_token_time=r.first_token_time,
+            first_token_time=r.first_token_time, spec=request_spec_info(r),
             queue_time=(r.scheduled_time - r.arrival_time) if r.scheduled_time else None)
         r.input_token_logprobs, r.output_token_logprobs = [], []
         r.input_top_logprobs, r.output_top_logprobs = [], []
@@ -633,6 +706,7 @@ class Scheduler:
         """Hand a request's KV slots to the cache (which keeps or frees them) and free its row."""
         if req.row is None:
             return
+        self.settle(req, 0)
         slots = self.runner.req_to_token_pool.req_to_token[req.row, :req.kv_len].clone()
         token_ids = req.token_slice(0, req.kv_len)
         self.cache.cache_finished(token_ids, slots, req.prefix)
@@ -647,6 +721,8 @@ class Scheduler:
         for req in self.running:
             if req.finished:
                 self.free_memory(req)
+                if self.spec is not None:
+                    self.spec.release(req.rid)
             else:
                 still_running.append(req)
         self.running = still_running

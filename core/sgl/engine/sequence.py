@@ -11,6 +11,8 @@ from sgl.kvcache import PrefixMatch
 from sgl.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from sgl.grammar import BaseGrammarMatcher
 
 __all__ = ["Req"]
@@ -38,6 +40,14 @@ class Req:
     first_token_time: float | None = None
     next_input_logprob: int = 0  # next prompt position whose logprob is still to be computed
     grammar: BaseGrammarMatcher | None = None  # the matcher of a constrained request
+    # speculative decoding (sgl.engine.speculative): this step's draft (None: not speculating),
+    # the KV slots its tokens took in the forward, and the request's counts
+    draft: list[int] | None = None
+    draft_slots: torch.Tensor | None = None
+    spec_verify_ct: int = 0
+    spec_tokens: int = 0  # tokens its verifications produced
+    spec_proposed: int = 0
+    spec_accepted: int = 0
     # logprob entries computed but not yet sent
     input_token_logprobs: list[LogprobEntry] = field(default_factory=list)
     input_top_logprobs: list[Any] = field(default_factory=list)

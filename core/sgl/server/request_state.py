@@ -9,6 +9,8 @@ A result has SGLang's ``/generate`` shape::
     {"text": str, "output_ids": [int, ...],
      "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
                    "e2e_latency", "queue_time", "time_to_first_token",
+                   # with speculative decoding: "spec_verify_ct", "spec_accept_length",
+                   # "spec_accept_rate", "spec_num_proposed_drafts", "spec_num_correct_drafts"
                    # with return_logprob:
                    "input_token_logprobs", "output_token_logprobs",
                    "output_token_logprobs_length",
@@ -62,6 +64,7 @@ class ReqState:
         self.prompt_tokens = len(input_ids)
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.spec: dict[str, Any] | None = None  # speculative decoding counts
         self.finish_reason: dict[str, Any] | None = None
         self.error: str | None = None
         self.status = 400
@@ -95,6 +98,7 @@ class ReqState:
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
+        self.spec = out.spec or self.spec
         self._add_logprobs(out)
         reason = out.finish_reason
         text_ids = ids
@@ -169,6 +173,7 @@ class ReqState:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
+            **(self.spec or {}),
         }
         opts = self.req.logprobs
         if opts.return_logprob:  # each kind asked for, prompt and output

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from sgl.speculative.base import BaseSpeculativeAlgorithm
+from sgl.speculative.base import BaseSpeculativeAlgorithm, DraftRequest
 
-__all__ = ["BaseSpeculativeAlgorithm"]
+__all__ = ["BaseSpeculativeAlgorithm", "DraftRequest"]

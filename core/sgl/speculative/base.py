@@ -1,30 +1,72 @@
-"""The interface of speculative decoding algorithms."""
+"""The interface of speculative decoding algorithms.
+
+An algorithm only *drafts*: for each running request it proposes the tokens it guesses come
+next. The engine (:mod:`sgl.engine.speculative`) runs the request's last token and the draft
+through the target model in one forward, samples the target's own token at every position
+(with the request's sampling parameters, penalties and grammar) and keeps the draft up to the
+first position where the two differ, plus the target's token there. Because a draft is a
+guess without probabilities (a one-hot proposal), that is exact rejection sampling: greedy
+requests get the tokens they get without speculation, sampled ones the same distribution
+(with a seed, the same tokens).
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    import torch
+    from sgl.config import ServerSettings
 
-__all__ = ["BaseSpeculativeAlgorithm"]
+__all__ = ["BaseSpeculativeAlgorithm", "DraftRequest"]
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """What an algorithm sees of one decoding request.
+
+    :param rid: the request's id (stable for its life, also across retraction).
+    :param token_ids: its prompt and output so far; the last token is the one this step runs.
+    :param max_draft: the most draft tokens the engine verifies for it this step (0: none).
+    """
+
+    rid: str
+    token_ids: Sequence[int]
+    max_draft: int
 
 
 class BaseSpeculativeAlgorithm(ABC):
     """Proposes draft tokens that the target model verifies in one forward pass.
 
-    Built once per scheduler process with the model runner.
+    Built once per scheduler process, after the target model, with the settings and the
+    target's :class:`~sgl.engine.model_runner.ModelRunner`.
     """
 
-    def __init__(self, *, runner: Any, num_draft_tokens: int) -> None:
+    #: the registered name, for messages
+    name: ClassVar[str] = ""
+    #: ``--speculative-num-draft-tokens`` when unset (the request's last token included)
+    default_num_draft_tokens: ClassVar[int] = 4
+    #: ``--speculative-disable-by-batch-size`` when unset: above this many decoding requests
+    #: a step runs without speculation
+    default_disable_by_batch_size: ClassVar[int] = 8
+
+    def __init__(self, *, settings: ServerSettings, runner: Any, num_draft_tokens: int) -> None:
+        self.settings = settings
         self.runner = runner
         self.num_draft_tokens = num_draft_tokens
 
-    @abstractmethod
-    def propose(self, token_ids: list[list[int]]) -> list[list[int]]:
-        """Draft up to ``num_draft_tokens`` next tokens for each running sequence."""
+    @classmethod
+    def check_settings(cls, settings: ServerSettings) -> str | None:
+        """A message naming the flags when ``settings`` combine in a way this algorithm cannot
+        run (checked before the model loads); None when they are fine."""
+        return None
 
     @abstractmethod
-    def accept(self, drafts: list[list[int]], target_logits: torch.Tensor) -> list[list[int]]:
-        """Return, per sequence, the accepted prefix of its draft plus one token of the target."""
+    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int]]:
+        """Draft tokens for each request, at most ``max_draft`` each (an empty list: no
+        guess this step)."""
+
+    def release(self, rid: str) -> None:  # noqa: B027 - optional hook
+        """The request finished or gave its memory back; drop what is kept for it."""

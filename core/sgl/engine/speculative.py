@@ -1,0 +1,209 @@
+"""Speculative decoding in the scheduler: draft, verify in one target forward, accept.
+
+A decode step with speculation on (``--speculative-algorithm``) goes:
+
+1. **draft** (:meth:`SpeculativeDecoding.draft`, while scheduling): the algorithm plugin
+   proposes up to ``num_draft_tokens - 1`` tokens for each decoding request (``req.draft``),
+   within the KV slots that are free; requests it has no guess for decode as usual, in the
+   same batch. Above ``--speculative-disable-by-batch-size`` decoding requests the step runs
+   without drafts.
+2. **verify** (the forward): each request runs its last token and its draft as one extend
+   (causal over the chain), so row ``i`` of its hidden states is the target's next-token
+   distribution after the first ``i`` draft tokens.
+3. **accept** (:meth:`SpeculativeDecoding.verify`): at every row the target's token is
+   sampled as the sampler would sample it without speculation: the same penalties (over the
+   output plus the draft before that row), logit bias, EOS ban before ``min_new_tokens``,
+   grammar mask (the matcher walks the draft and is rolled back), temperature, top-k/p,
+   min-p, and the same seeded noise (step = output length + ``i``). The draft is kept up to
+   the first row where the target's token differs, and the target's token there is added.
+   For a draft without probabilities (one-hot proposal q) that is rejection sampling exactly:
+   the draft token d is kept with probability p(d), else the token is a draw from p without
+   d, renormalised (``norm(max(p - q, 0))``). So greedy and seeded requests produce the very
+   tokens they produce without speculation.
+
+The scheduler then takes the accepted tokens one by one through its usual path (logprobs,
+grammar, stop checks), so an output ends exactly where it would have; the KV of the draft
+tokens it did not keep goes back to the pool at once (:func:`settle_draft`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sgl.engine.logprobs import LogprobRows
+from sgl.engine.sampler import SamplingInput, sample_next_tokens
+from sgl.speculative import BaseSpeculativeAlgorithm, DraftRequest
+
+if TYPE_CHECKING:
+    from sgl.config import ServerSettings
+    from sgl.engine.grammar_manager import GrammarManager
+    from sgl.engine.model_runner import ModelRunner
+    from sgl.engine.sequence import Req
+    from sgl.plugins import SglPluginManager
+
+__all__ = ["SpecStats", "SpeculativeDecoding", "Verified", "request_spec_info", "settle_draft"]
+
+logger = logging.getLogger("sgl.speculative")
+
+
+@dataclass
+class SpecStats:
+    """Server-wide counts since start-up."""
+
+    verify_steps: int = 0  # request-steps that ran with speculation on
+    verified_tokens: int = 0  # tokens those steps produced (accepted drafts + one each)
+    proposed_drafts: int = 0
+    accepted_drafts: int = 0
+
+    def info(self) -> dict[str, Any]:
+        return {"spec_verify_ct": self.verify_steps,
+                "spec_num_proposed_drafts": self.proposed_drafts,
+                "spec_num_correct_drafts": self.accepted_drafts,
+                "avg_spec_accept_length": (self.verified_tokens / self.verify_steps
+                                           if self.verify_steps else None)}
+
+
+@dataclass
+class Verified:
+    """The outcome of one request's verification: the tokens to append (the accepted draft,
+    then the target's token), how many of them are draft tokens, and the row of each token's
+    logprobs in ``logprobs`` (None without return_logprob)."""
+
+    req: Req
+    tokens: list[int]
+    accepted: int
+    logprobs: LogprobRows | None
+    logprob_rows: list[int] | None
+
+
+def settle_draft(req: Req, kept: int, free: Callable[[torch.Tensor], None]) -> None:
+    """After verification: the first ``kept`` draft tokens' KV stays (the request's KV grows by
+    that much); the slots of the rest are freed."""
+    slots = req.draft_slots
+    if slots is not None:
+        if slots.numel() > kept:
+            free(slots[kept:])
+        req.kv_len += min(kept, slots.numel())
+    req.draft, req.draft_slots = None, None
+
+
+class SpeculativeDecoding:
+    """The scheduler's side of ``--speculative-algorithm``: the algorithm plugin, the draft
+    budget of each step and the acceptance of drafts."""
+
+    def __init__(self, settings: ServerSettings, pm: SglPluginManager,
+                 runner: ModelRunner) -> None:
+        name = settings.speculative_algorithm
+        cls: type[BaseSpeculativeAlgorithm] = pm.registries.speculative.load(name)
+        if not (isinstance(cls, type) and issubclass(cls, BaseSpeculativeAlgorithm)):
+            raise TypeError(f"speculative algorithm {name!r} is {cls!r}, not a subclass of "
+                            "sgl.speculative.BaseSpeculativeAlgorithm")
+        self.name = name
+        self.runner = runner
+        self.num_draft_tokens = settings.speculative_num_draft_tokens \
+            or cls.default_num_draft_tokens
+        self.disable_by_batch_size = settings.speculative_disable_by_batch_size \
+            or cls.default_disable_by_batch_size
+        self.algorithm = cls(settings=settings, runner=runner,
+                             num_draft_tokens=self.num_draft_tokens)
+        self.stats = SpecStats()
+        logger.info("speculative decoding: %s, %d draft tokens per request and step, off above "
+                    "%d decoding requests", name, self.num_draft_tokens - 1,
+                    self.disable_by_batch_size)
+
+    def draft(self, decodes: Sequence[Req], free_slots: int, context_length: int) -> int:
+        """Set ``req.draft`` for the decoding requests (within ``free_slots`` KV slots);
+        returns the number of draft tokens."""
+        if not decodes or len(decodes) > self.disable_by_batch_size or free_slots <= 0:
+            return 0
+        asks = []
+        for req in decodes:
+            room = min(self.num_draft_tokens - 1, req.remaining_new_tokens() - 1,
+                       context_length - req.seq_len - 1)
+            asks.append(DraftRequest(req.rid, req.input_ids + req.output_ids, max(room, 0)))
+        drafts = self.algorithm.propose(asks)
+        used = 0
+        for req, ask, draft in zip(decodes, asks, drafts):
+            take = [int(t) for t in draft[:min(ask.max_draft, free_slots - used)]]
+            if any(not 0 <= t < self.runner.vocab_size for t in take):
+                raise ValueError(f"speculative algorithm {self.name!r} drafted a token id "
+                                 f"outside the vocabulary: {take}")
+            req.draft = take  # possibly empty: verified alone, as a plain decode
+            used += len(take)
+        return used
+
+    def verify(self, items: Sequence[tuple[Req, int]], hidden: torch.Tensor,
+               grammar: GrammarManager, banned: Callable[[Req, int], list[int]]
+               ) -> list[Verified]:
+        """Accept the drafts of ``(request, its first row in hidden)`` pairs (see the module
+        docstring); nothing about a request changes here."""
+        firsts, rows = [], []
+        for req, start in items:
+            firsts.append(len(rows))
+            rows.extend(range(start, start + 1 + len(req.draft)))
+        logits = self.runner.logits_at(hidden, torch.tensor(rows, dtype=torch.int64))
+        wants = [j for (req, _), first in zip(items, firsts) if req.logprobs.return_logprob
+                 for j in range(first, first + 1 + len(req.draft))]
+        lp = LogprobRows(logits[wants]) if wants else None  # the model's, before the grammar
+        lp_row = {j: i for i, j in enumerate(wants)}
+        grammar.constrain_drafts([(req, first) for (req, _), first in zip(items, firsts)
+                                  if req.grammar is not None], logits)
+        params, seeds, steps, outputs, prompts, bans = [], [], [], [], [], []
+        for req, _ in items:
+            for i in range(len(req.draft) + 1):
+                params.append(req.sampling)
+                seeds.append(req.seed)
+                steps.append(len(req.output_ids) + i)
+                outputs.append(req.output_ids + req.draft[:i] if i else req.output_ids)
+                prompts.append(req.input_ids)
+                bans.append(banned(req, len(req.output_ids) + i))
+        targets = sample_next_tokens(logits, SamplingInput(
+            params=params, seeds=seeds, steps=steps, output_ids=outputs, prompt_ids=prompts,
+            banned=bans)).tolist()
+        verified = []
+        for (req, _), first in zip(items, firsts):
+            accepted = 0
+            while accepted < len(req.draft) and targets[first + accepted] == req.draft[accepted]:
+                accepted += 1
+            tokens = req.draft[:accepted] + [int(targets[first + accepted])]
+            lp_rows = ([lp_row[first + i] for i in range(len(tokens))]
+                       if req.logprobs.return_logprob else None)
+            verified.append(Verified(req, tokens, accepted, lp, lp_rows))
+        return verified
+
+    def count(self, req: Req, proposed: int, accepted: int, appended: int) -> None:
+        """Record one verification of ``req`` (its own counts and the server's)."""
+        req.spec_verify_ct += 1
+        req.spec_tokens += appended
+        req.spec_proposed += proposed
+        req.spec_accepted += accepted
+        self.stats.verify_steps += 1
+        self.stats.verified_tokens += appended
+        self.stats.proposed_drafts += proposed
+        self.stats.accepted_drafts += accepted
+
+    def release(self, rid: str) -> None:
+        self.algorithm.release(rid)
+
+    def info(self) -> dict[str, Any]:
+        return {"speculative_algorithm": self.name,
+                "speculative_num_draft_tokens": self.num_draft_tokens,
+                "speculative_disable_by_batch_size": self.disable_by_batch_size,
+                **self.stats.info()}
+
+
+def request_spec_info(req: Req) -> dict[str, Any] | None:
+    """SGLang's per-request ``meta_info`` keys, for a request that ran with speculation."""
+    if not req.spec_verify_ct:
+        return None
+    return {"spec_verify_ct": req.spec_verify_ct,
+            "spec_accept_length": req.spec_tokens / req.spec_verify_ct,
+            "spec_accept_rate": req.spec_accepted / req.spec_proposed if req.spec_proposed
+            else 0.0,
+            "spec_num_proposed_drafts": req.spec_proposed,
+            "spec_num_correct_drafts": req.spec_accepted}

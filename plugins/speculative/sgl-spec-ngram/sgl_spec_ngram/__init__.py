@@ -1,0 +1,1 @@
+"""N-gram speculative decoding for sgl."""
