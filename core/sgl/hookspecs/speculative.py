@@ -15,9 +15,9 @@ def sgl_register_speculative_algorithms(register: RegisterFn) -> None:
     """Register speculative decoding algorithms (n-gram, draft model, ...) by name.
 
     Call ``register(name, "module:Class")``; the class subclasses
-    :class:`sgl.speculative.BaseSpeculativeAlgorithm`. Nothing runs it yet: sgl has no
-    speculative decoding loop and no setting that selects an algorithm, so a registration is
-    reported as not used (a warning, and a ``Not used:`` line in ``sgl plugins``).
+    :class:`sgl.speculative.BaseSpeculativeAlgorithm` and only drafts tokens: the engine
+    verifies them in one target forward and keeps what the target would have produced
+    (:mod:`sgl.engine.speculative`). ``--speculative-algorithm NAME`` selects one.
 
     :param register: ``register(name: str, target: str | type) -> None``.
     :return: nothing.

@@ -48,6 +48,10 @@ class ServerMetrics:
         self.e2e = Histogram("sgl:e2e_request_latency_seconds",
                              "Seconds from receipt to the end of the request.",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.spec_accept_length = Histogram(
+            "sgl:spec_accept_length", "Tokens per speculative verification step, one sample per "
+            "finished request that ran with speculative decoding.",
+            buckets=(1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0), registry=r)
         self.running = Gauge("sgl:num_running_reqs", "Requests running in the scheduler.",
                              registry=r)
         self.queued = Gauge("sgl:num_queue_reqs", "Requests waiting to be scheduled.", registry=r)
@@ -65,6 +69,8 @@ class ServerMetrics:
         self.prompt_tokens.inc(state.prompt_tokens)
         self.generation_tokens.inc(state.completion_tokens)
         self.cached_tokens.inc(state.cached_tokens)
+        if state.spec and state.spec.get("spec_accept_length") is not None:
+            self.spec_accept_length.observe(state.spec["spec_accept_length"])
         end = state.finished_time or now
         self.e2e.observe(max(0.0, end - state.arrival_time))
         if state.first_token_time is not None:

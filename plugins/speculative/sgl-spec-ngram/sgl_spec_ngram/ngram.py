@@ -56,7 +56,7 @@ class NgramDrafter(BaseSpeculativeAlgorithm):
     name = "NGRAM"
     #: measured on SmolLM2 (docs/benchmarks.md, "Speculative decoding")
     default_num_draft_tokens = 8
-    default_disable_by_batch_size = 8
+    default_disable_by_batch_size = 4
 
     def __init__(self, *, settings: ServerSettings, runner: Any, num_draft_tokens: int) -> None:
         super().__init__(settings=settings, runner=runner, num_draft_tokens=num_draft_tokens)
@@ -67,11 +67,11 @@ class NgramDrafter(BaseSpeculativeAlgorithm):
     @classmethod
     def check_settings(cls, settings: ServerSettings) -> str | None:
         if settings.speculative_draft_model_path is not None:
-            return ("NGRAM drafts from the request's own text; --speculative-draft-model-path "
-                    "is for STANDALONE")
+            return ("NGRAM drafts from the request's own text and takes no "
+                    "--speculative-draft-model-path")
         if settings.speculative_num_steps is not None:
-            return ("NGRAM drafts --speculative-num-draft-tokens minus one tokens per step; "
-                    "--speculative-num-steps is the draft-model depth of STANDALONE")
+            return ("NGRAM drafts --speculative-num-draft-tokens minus one tokens per step and "
+                    "takes no --speculative-num-steps (the depth of a draft model)")
         if (settings.speculative_eagle_topk or 1) > 1:
             return ("NGRAM drafts one chain per request (--speculative-eagle-topk 1); token "
                     "trees are not verified yet")

@@ -381,6 +381,7 @@ def _serving(p: dict[str, Any]) -> None:
         flush_cache,
         resolve_model,
         run_serving,
+        server_accept_length,
         server_tokenizer_path,
     )
 
@@ -419,9 +420,12 @@ def _serving(p: dict[str, Any]) -> None:
                                         max_concurrency=p["max_concurrency"], seed=p["seed"],
                                         on_done=lambda r: bar.update(1))
     metrics = compute_metrics(results, duration)
+    metrics["accept_length"] = server_accept_length(base, key)
     errors = [r.error for r in results if not r.success]
     if errors:
         click.echo(f"{len(errors)} request(s) failed; the first: {errors[0]}", err=True)
+    accept = ([("Accept length:", metrics["accept_length"])]
+              if metrics["accept_length"] is not None else [])
     print_report("Serving benchmark", [
         ("Backend:", backend),
         ("Request rate (req/s):",
@@ -437,6 +441,7 @@ def _serving(p: dict[str, Any]) -> None:
         ("Output token throughput (tok/s):", metrics["output_throughput"]),
         ("Total token throughput (tok/s):", metrics["total_throughput"]),
         ("Concurrency:", metrics["concurrency"]),
+        *accept,
     ], {"End-to-end latency": metrics["e2e_latency_ms"], "Time to first token":
         metrics["ttft_ms"], "Time per output token (excl. 1st)": metrics["tpot_ms"],
         "Inter-token latency": metrics["itl_ms"]})

@@ -186,6 +186,25 @@ def _progress(backend: str, event: Any, seen: int | None) -> tuple[bool, int | N
 
 # --- the server ---------------------------------------------------------------------------------
 
+def server_accept_length(base_url: str, api_key: str | None = None) -> float | None:
+    """The server's mean speculative acceptance length (``avg_spec_accept_length`` in the
+    ``internal_states`` of ``/get_server_info``, where SGLang's bench_serving reads it); None
+    when it has none (no speculation, or a server without that route)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        info = httpx.get(base_url + "/get_server_info", headers=headers, timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(info, dict):
+        return None
+    states = info.get("internal_states") or [{}]
+    value = (states[0] if isinstance(states[0], dict) else {}).get(
+        "avg_spec_accept_length", info.get("avg_spec_accept_length"))
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def check_server(base_url: str, api_key: str | None = None) -> None:
     """Fail with a clear message when nothing answers at ``base_url``."""
     import httpx
