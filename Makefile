@@ -19,6 +19,7 @@ PLUGINS := \
 	plugins/kernels/sgl-kernels-cpu \
 	plugins/cache/sgl-cache-radix \
 	plugins/speculative/sgl-spec-ngram \
+	plugins/speculative/sgl-spec-standalone \
 	plugins/tools/sgl-bench \
 	plugins/grammar/sgl-grammar-xgrammar \
 	plugins/grammar/sgl-grammar-outlines \

@@ -45,15 +45,32 @@ def copy_prompts() -> list[str]:
     return prompts
 
 
+#: the JSON workload: field names and structure the output repeats from the schema
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 24},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                   "city": {"type": "string", "maxLength": 24},
+                   "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16},
+                               "maxItems": 4}},
+    "required": ["name", "age", "city", "hobbies"],
+}
+
+
+def json_prompts() -> list[str]:
+    return [f"Describe person number {i} of a novel as JSON with name, age, city and hobbies."
+            for i in range(1, 11)]
+
+
 def chat(engine: Any, text: str) -> list[int]:
     ids = engine.tokenizer_manager.tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def run_batch(engine: Any, prompts: list[list[int]], max_new_tokens: int
-              ) -> tuple[float, list[dict[str, Any]]]:
-    params = {"temperature": 0, "max_new_tokens": max_new_tokens}
+def run_batch(engine: Any, prompts: list[list[int]], max_new_tokens: int,
+              extra: dict[str, Any] | None = None) -> tuple[float, list[dict[str, Any]]]:
+    params = {"temperature": 0, "max_new_tokens": max_new_tokens, **(extra or {})}
     start = time.perf_counter()
     out = engine.generate(input_ids=prompts, sampling_params=params)
     return time.perf_counter() - start, out
@@ -67,6 +84,9 @@ def main() -> None:
     ap.add_argument("--num-draft-tokens", type=int, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--workload", choices=["copy", "json"], default="copy",
+                    help="copy: prompts whose answers repeat their text; json: JSON-schema "
+                    "decoding (the outputs are checked to parse)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
@@ -78,7 +98,8 @@ def main() -> None:
     if args.num_draft_tokens:
         spec_settings["speculative_num_draft_tokens"] = args.num_draft_tokens
     engines = {"off": sgl.Engine(**common), "on": sgl.Engine(**common, **spec_settings)}
-    texts = copy_prompts()
+    texts = copy_prompts() if args.workload == "copy" else json_prompts()
+    extra = {"json_schema": json.dumps(PERSON_SCHEMA)} if args.workload == "json" else None
     base = [chat(engines["off"], t) for t in texts]
     rows = []
     try:
@@ -87,19 +108,22 @@ def main() -> None:
             times: dict[str, list[float]] = {"off": [], "on": []}
             outputs: dict[str, list[dict[str, Any]]] = {}
             for name, engine in engines.items():  # warm-up: one request
-                run_batch(engine, prompts[:1], 8)
+                run_batch(engine, prompts[:1], 8, extra)
             for _ in range(args.reps):
                 for name, engine in engines.items():
                     if c == 1:  # one request after the other
                         seconds, outs = 0.0, []
                         for p in base[:4]:
-                            dt, out = run_batch(engine, [p], args.max_new_tokens)
+                            dt, out = run_batch(engine, [p], args.max_new_tokens, extra)
                             seconds += dt
                             outs += out
                     else:
-                        seconds, outs = run_batch(engine, prompts, args.max_new_tokens)
+                        seconds, outs = run_batch(engine, prompts, args.max_new_tokens, extra)
                     times[name].append(seconds)
                     outputs[name] = outs
+            if args.workload == "json":
+                for o in outputs["on"] + outputs["off"]:
+                    json.loads(o["text"])  # valid (raises if not)
             tokens = sum(o["meta_info"]["completion_tokens"] for o in outputs["off"])
             same = sum(a["output_ids"] == b["output_ids"]
                        for a, b in zip(outputs["off"], outputs["on"]))

@@ -29,6 +29,7 @@ tokens it did not keep goes back to the pool at once (:func:`settle_draft`).
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -105,12 +106,13 @@ class SpeculativeDecoding:
                             "sgl.speculative.BaseSpeculativeAlgorithm")
         self.name = name
         self.runner = runner
+        steps = settings.speculative_num_steps
         self.num_draft_tokens = settings.speculative_num_draft_tokens \
-            or cls.default_num_draft_tokens
+            or (steps + 1 if steps else cls.default_num_draft_tokens)
         self.disable_by_batch_size = settings.speculative_disable_by_batch_size \
             or cls.default_disable_by_batch_size
         self.algorithm = cls(settings=settings, runner=runner,
-                             num_draft_tokens=self.num_draft_tokens)
+                             num_draft_tokens=self.num_draft_tokens, plugin_manager=pm)
         self.stats = SpecStats()
         logger.info("speculative decoding: %s, %d draft tokens per request and step, off above "
                     "%d decoding requests", name, self.num_draft_tokens - 1,
@@ -126,7 +128,15 @@ class SpeculativeDecoding:
             room = min(self.num_draft_tokens - 1, req.remaining_new_tokens() - 1,
                        context_length - req.seq_len - 1)
             asks.append(DraftRequest(req.rid, req.input_ids + req.output_ids, max(room, 0)))
-        drafts = self.algorithm.propose(asks)
+        try:
+            drafts = self.algorithm.propose(asks)
+        except Exception:  # a broken draft costs speed, never a request: none this step
+            logger.error("speculative algorithm %s failed to draft for %d requests; they "
+                         "decode without drafts this step:\n%s", self.name, len(asks),
+                         traceback.format_exc())
+            for ask in asks:
+                self.algorithm.release(ask.rid)
+            drafts = [[] for _ in asks]
         used = 0
         for req, ask, draft in zip(decodes, asks, drafts):
             take = [int(t) for t in draft[:min(ask.max_draft, free_slots - used)]]

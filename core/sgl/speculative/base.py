@@ -40,8 +40,9 @@ class DraftRequest:
 class BaseSpeculativeAlgorithm(ABC):
     """Proposes draft tokens that the target model verifies in one forward pass.
 
-    Built once per scheduler process, after the target model, with the settings and the
-    target's :class:`~sgl.engine.model_runner.ModelRunner`.
+    Built once per scheduler process, after the target model, with the settings, the
+    target's :class:`~sgl.engine.model_runner.ModelRunner` and the plugin manager (whose
+    registries load a draft model).
     """
 
     #: the registered name, for messages
@@ -52,10 +53,12 @@ class BaseSpeculativeAlgorithm(ABC):
     #: a step runs without speculation
     default_disable_by_batch_size: ClassVar[int] = 8
 
-    def __init__(self, *, settings: ServerSettings, runner: Any, num_draft_tokens: int) -> None:
+    def __init__(self, *, settings: ServerSettings, runner: Any, num_draft_tokens: int,
+                 plugin_manager: Any = None) -> None:
         self.settings = settings
         self.runner = runner
         self.num_draft_tokens = num_draft_tokens
+        self.plugin_manager = plugin_manager
 
     @classmethod
     def check_settings(cls, settings: ServerSettings) -> str | None:

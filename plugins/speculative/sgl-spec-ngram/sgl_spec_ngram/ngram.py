@@ -58,8 +58,10 @@ class NgramDrafter(BaseSpeculativeAlgorithm):
     default_num_draft_tokens = 8
     default_disable_by_batch_size = 4
 
-    def __init__(self, *, settings: ServerSettings, runner: Any, num_draft_tokens: int) -> None:
-        super().__init__(settings=settings, runner=runner, num_draft_tokens=num_draft_tokens)
+    def __init__(self, *, settings: ServerSettings, runner: Any, num_draft_tokens: int,
+                 plugin_manager: Any = None) -> None:
+        super().__init__(settings=settings, runner=runner, num_draft_tokens=num_draft_tokens,
+                         plugin_manager=plugin_manager)
         options = settings.plugin_settings.get(PLUGIN_ID)
         self.min_window = options.min_match_window_size if options else 1
         self.max_window = options.max_match_window_size if options else 12

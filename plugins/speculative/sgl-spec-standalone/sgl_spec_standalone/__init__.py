@@ -1,0 +1,1 @@
+"""Draft-model speculative decoding for sgl."""
