@@ -199,7 +199,8 @@ def test_the_check_catches_a_name_that_is_gone() -> None:
     assert problem("admit_waiting") == "not defined or used in the code"
     assert problem("engine.forward_batch.ForwardBatch") == "does not import"
     assert problem("server/sse.py") == "no such path"
-    assert problem("--speculative-algorithm") == "no sgl command has this option"
+    assert problem("--enable-frobnication") == "no sgl command has this option"
+    assert problem("--speculative-algorithm") is None
     assert problem("forward_batch.ForwardBatch") is None
     assert problem("Scheduler.run_step") == "Scheduler has no such member"
     assert problem("Scheduler.recv_requests") is None

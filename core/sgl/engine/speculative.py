@@ -109,10 +109,10 @@ class SpeculativeDecoding:
         steps = settings.speculative_num_steps
         self.num_draft_tokens = settings.speculative_num_draft_tokens \
             or (steps + 1 if steps else cls.default_num_draft_tokens)
-        self.disable_by_batch_size = settings.speculative_disable_by_batch_size \
-            or cls.default_disable_by_batch_size
         self.algorithm = cls(settings=settings, runner=runner,
                              num_draft_tokens=self.num_draft_tokens, plugin_manager=pm)
+        self.disable_by_batch_size = settings.speculative_disable_by_batch_size \
+            or self.algorithm.default_batch_limit()
         self.stats = SpecStats()
         logger.info("speculative decoding: %s, %d draft tokens per request and step, off above "
                     "%d decoding requests", name, self.num_draft_tokens - 1,

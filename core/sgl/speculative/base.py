@@ -60,6 +60,11 @@ class BaseSpeculativeAlgorithm(ABC):
         self.num_draft_tokens = num_draft_tokens
         self.plugin_manager = plugin_manager
 
+    def default_batch_limit(self) -> int:
+        """``--speculative-disable-by-batch-size`` when unset, for this model and dtype;
+        default: :attr:`default_disable_by_batch_size`."""
+        return self.default_disable_by_batch_size
+
     @classmethod
     def check_settings(cls, settings: ServerSettings) -> str | None:
         """A message naming the flags when ``settings`` combine in a way this algorithm cannot
