@@ -44,6 +44,12 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
+    # token trees (speculative verification), one entry per sequence: None for a causal
+    # chain, else a bool [n, n] over its n new tokens, True where token i may attend token j
+    # (its ancestors and itself); only for backends with ``supports_tree_mask``. The tokens'
+    # ``positions`` are then their depths after the prefix, and row ``prefix + i`` of
+    # ``req_to_token`` is token i's slot.
+    tree_masks: list[torch.Tensor | None] | None = None
     # whatever the attention backend computed in init_forward_metadata
     attn_metadata: Any = None
 

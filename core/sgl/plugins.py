@@ -226,7 +226,20 @@ class SglPluginManager(pluggy.PluginManager):
                     f"that {registry.kind}; available: "
                     f"{', '.join(registry.names()) or 'none installed'}{hint}")
         if settings.speculative_algorithm is not None:
-            algorithm = self.registries.speculative.load(settings.speculative_algorithm)
+            entry = self.registries.speculative.entry(settings.speculative_algorithm)
+            try:
+                algorithm = entry.load()
+            except Exception as exc:
+                raise ConfigError(
+                    f"--speculative-algorithm {settings.speculative_algorithm}: plugin "
+                    f"{entry.owner!r} registered it as {entry.target!r}, which failed to "
+                    f"import: {type(exc).__name__}: {exc}") from None
+            if not (isinstance(algorithm, type)
+                    and callable(getattr(algorithm, "check_settings", None))):
+                raise ConfigError(
+                    f"--speculative-algorithm {settings.speculative_algorithm}: plugin "
+                    f"{entry.owner!r} registered {algorithm!r}, which is not a subclass of "
+                    "sgl.speculative.BaseSpeculativeAlgorithm")
             problem = algorithm.check_settings(settings)
             if problem:
                 raise ConfigError(f"--speculative-algorithm {settings.speculative_algorithm}: "

@@ -86,8 +86,6 @@ def test_hook_sgl_register_kv_transfer_backends(plugin_manager, register_plugin)
 
 
 @pytest.mark.parametrize("hook,what", [
-    ("sgl_register_speculative_algorithms", "speculative algorithm 'unused'.* no "
-                                            "speculative decoding yet"),
     ("sgl_register_parallel_strategies", "parallel strategy 'unused'.* exactly one "
                                          "scheduler process"),
     ("sgl_register_kv_transfer_backends", "KV transfer backend 'unused'.* no "
@@ -95,7 +93,7 @@ def test_hook_sgl_register_kv_transfer_backends(plugin_manager, register_plugin)
 ])
 def test_a_registration_nothing_runs_yet_is_reported(plugin_manager, register_plugin, caplog,
                                                      hook: str, what: str) -> None:
-    """Nothing in sgl consumes these three hooks yet: a plugin that registers into one is told
+    """Nothing in sgl consumes these two hooks yet: a plugin that registers into one is told
     so (a warning when the registries are built, a line in `sgl plugins`), instead of a
     setting that accepts the name and silently ignores it."""
     import re
@@ -110,16 +108,23 @@ def test_a_registration_nothing_runs_yet_is_reported(plugin_manager, register_pl
 def test_sgl_plugins_lists_what_is_not_used(tmp_path) -> None:
     from sgl_testing import run_cli
 
-    path = tmp_path / "eager_spec.py"
+    path = tmp_path / "eager_tp.py"
     path.write_text("from sgl import hookimpl\n\n@hookimpl\n"
+                    "def sgl_register_parallel_strategies(register):\n"
+                    "    register('tp', 'eager_tp:TP')\n"
+                    "@hookimpl\n"
                     "def sgl_register_speculative_algorithms(register):\n"
-                    "    register('eagle', 'eager_spec:Eagle')\n")
+                    "    register('EAGLE', 'eager_tp:Eagle')\n")
     result = run_cli(["plugins", "--plugin", str(path)])
     assert result.returncode == 0, result.stderr
-    assert ("Not used: plugin 'eager_spec' registers speculative algorithm 'eagle', which is "
-            "not used: sgl runs no speculative decoding yet") in result.stdout
-    flag = run_cli(["serve", "--speculative-algorithm", "eagle", "--plugin", str(path)])
-    assert flag.returncode == 2 and "No such option" in flag.stderr
+    assert ("Not used: plugin 'eager_tp' registers parallel strategy 'tp', which is not used: "
+            "sgl starts exactly one scheduler process") in result.stdout
+    # speculative algorithms are used now: selected by --speculative-algorithm, and one whose
+    # class cannot be imported fails with a message naming the plugin, before any model loads
+    assert "speculative algorithm" not in result.stdout
+    flag = run_cli(["serve", "--speculative-algorithm", "EAGLE", "--plugin", str(path)])
+    assert flag.returncode != 0 and "Traceback" not in flag.stderr, flag.stderr
+    assert "eager_tp" in flag.stderr, flag.stderr
 
 
 def test_hook_sgl_register_api_names(plugin_manager, register_plugin) -> None:

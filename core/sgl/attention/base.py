@@ -35,11 +35,17 @@ class BaseAttentionBackend(ABC):
     :meth:`init_forward_metadata` once per forward pass (plan indices, masks, kernel work lists),
     then every attention layer calls :meth:`forward`. ``forward`` must first write the new
     ``k``/``v`` into the pool at ``batch.out_cache_loc`` and then attend each new query token to
-    its sequence's cached prefix plus the new tokens up to itself (causal).
+    its sequence's cached prefix plus the new tokens up to itself (causal). With
+    ``batch.tree_masks`` (backends with :attr:`supports_tree_mask`), a sequence's new tokens
+    form a tree instead: new token i attends the prefix and the new tokens j where
+    ``tree_masks[s][i, j]``.
     """
 
     #: short name, as registered
     name: str = "base"
+    #: whether :meth:`forward` honours ``batch.tree_masks`` (token trees, for verifying a
+    #: speculative draft tree in one forward); a batch with tree masks is refused otherwise
+    supports_tree_mask: bool = False
 
     def __init__(self, *, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool,
                  device: torch.device) -> None:

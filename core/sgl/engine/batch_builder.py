@@ -42,12 +42,18 @@ class BatchSeq:
     :param token_ids: the new tokens to run (exactly one in decode).
     :param prefix_slots: for a prefix-cache hit, the cached slots of the first ``prefix_len``
         tokens; they are written into the row before the pass. None: the row already holds them.
+    :param tree_parents: the new tokens as a tree (EXTEND only): each token's parent index,
+        earlier in the list, -1 for the first (the root). Token i sits at position
+        ``prefix_len + depth(i)`` and attends the prefix, its ancestors and itself.
     """
 
     row: int
     prefix_len: int
     token_ids: Sequence[int]
     prefix_slots: torch.Tensor | None = None
+    #: a token tree over the new tokens (see ``ForwardBatch.tree_masks``): ``parents[i]`` is
+    #: the index of token i's parent among them, -1 for the root (token 0). None: a chain.
+    tree_parents: Sequence[int] | None = None
 
 
 def _validate(runner: ModelRunner, mode: ForwardMode, seqs: Sequence[BatchSeq]) -> None:
@@ -71,6 +77,15 @@ def _validate(runner: ModelRunner, mode: ForwardMode, seqs: Sequence[BatchSeq]) 
             raise ValueError(
                 f"row {s.row}: {s.prefix_slots.numel()} prefix slots for prefix_len {s.prefix_len}"
             )
+        if s.tree_parents is not None:
+            parents = list(s.tree_parents)
+            if mode != ForwardMode.EXTEND or len(parents) != n or parents[0] != -1 or any(
+                    not 0 <= p < i for i, p in enumerate(parents) if i):
+                raise ValueError(f"row {s.row}: tree_parents must give each new token after the "
+                                 f"first an earlier parent (extend only), got {parents}")
+            if not runner.attn_backend.supports_tree_mask:
+                raise ValueError(f"the {runner.attn_backend.name} attention backend cannot "
+                                 "attend over token trees")
 
 
 def make_forward_batch(runner: ModelRunner, mode: ForwardMode,
@@ -110,6 +125,14 @@ def make_forward_batch(runner: ModelRunner, mode: ForwardMode,
                                zip(prefix_lens, seq_lens)]).to(device)
         token_rows = rows.repeat_interleave(torch.tensor(new_lens)).to(device)
     table[token_rows, positions] = slots
+    tree_masks = None
+    if any(s.tree_parents is not None for s in items):
+        tree_masks, depths = [], []
+        for s in items:
+            mask, depth = _tree(s.tree_parents, len(s.token_ids), device)
+            tree_masks.append(mask)
+            depths.append(s.prefix_len + depth)
+        positions = torch.cat(depths)  # the model's positions; the table keeps token order
 
     input_ids = [int(t) for s in items for t in s.token_ids]
     return ForwardBatch(
@@ -127,7 +150,21 @@ def make_forward_batch(runner: ModelRunner, mode: ForwardMode,
         seq_lens_cpu=seq_lens,
         extend_prefix_lens_cpu=prefix_lens,
         extend_seq_lens_cpu=new_lens,
+        tree_masks=tree_masks,
     )
+
+
+def _tree(parents: Sequence[int] | None, n: int,
+          device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The ancestor-or-self mask ``[n, n]`` (None for a chain) and the depth of each token."""
+    if parents is None:
+        return None, torch.arange(n, dtype=torch.int64, device=device)
+    mask = torch.eye(n, dtype=torch.bool)
+    depth = [0] * n
+    for i in range(1, n):
+        mask[i] |= mask[parents[i]]
+        depth[i] = depth[parents[i]] + 1
+    return mask.to(device), torch.tensor(depth, dtype=torch.int64, device=device)
 
 
 def release_sequence(runner: ModelRunner, row: int, num_tokens: int) -> None:

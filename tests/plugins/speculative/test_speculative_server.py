@@ -95,3 +95,32 @@ def test_bad_combinations_fail_before_loading(args: list[str], names: list[str])
     assert "Traceback" not in result.stderr
     for name in names:
         assert name in result.stderr, result.stderr
+
+
+def test_n_samples_and_sessions_equal_the_plain_server(spec_server: ServerProcess,
+                                                       server: ServerProcess) -> None:
+    """``n > 1`` (seeded) and a two-turn session give the same tokens with speculation as the
+    shared float32 server without it."""
+    def both(**body: object) -> list[dict]:
+        return [generate(s, **body) for s in (server, spec_server)]
+
+    plain, spec = both(text=[PROMPT], sampling_params={"temperature": 0.8, "seed": 21, "n": 2,
+                                                       "max_new_tokens": 32})
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    # a sample that ends at its first token (from the prefill) never verified anything
+    assert all(o["meta_info"].get("spec_verify_ct", 0) >= 1 for o in spec
+               if o["meta_info"]["completion_tokens"] > 1), [o["meta_info"] for o in spec]
+    assert any("spec_verify_ct" in o["meta_info"] for o in spec)
+    turns = []
+    for s in (server, spec_server):
+        sid = httpx.post(f"{s.base_url}/open_session", json={}, timeout=30).json()
+        text, outputs = PROMPT, []
+        for _ in range(2):
+            out = generate(s, text=text, session_params={"id": sid},
+                           sampling_params={"temperature": 0, "max_new_tokens": 24})
+            outputs.append(out["output_ids"])
+            text = text + out["text"] + " And once more, exactly:"
+        r = httpx.post(f"{s.base_url}/close_session", json={"session_id": sid}, timeout=30)
+        assert r.status_code == 200
+        turns.append(outputs)
+    assert turns[1] == turns[0]

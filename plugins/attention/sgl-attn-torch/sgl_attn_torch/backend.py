@@ -57,6 +57,7 @@ class _ExtendSeq:
     prefix_len: int
     kv_indices: torch.Tensor | None  # [seq_len] pool slots, when there is a cached prefix
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    tree: torch.Tensor | None = None  # [n, n] bool over the new tokens (a token tree)
 
 
 @dataclass
@@ -113,6 +114,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
     """Extend and decode attention for ragged batches, GQA, sliding window and soft-capping."""
 
     name = "torch"
+    supports_tree_mask = True
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         seq_lens = _cpu_list(batch.seq_lens_cpu, batch.seq_lens)
@@ -127,12 +129,15 @@ class TorchAttentionBackend(BaseAttentionBackend):
         rows = batch.req_pool_indices.tolist()
         plan = TorchAttentionMetadata(ForwardMode.EXTEND)
         start = 0
-        for row, prefix, total in zip(rows, prefix_lens, seq_lens):
+        trees = batch.tree_masks or [None] * len(rows)
+        for row, prefix, total, tree in zip(rows, prefix_lens, seq_lens, trees):
             end = start + total - prefix
             indices = table[row, :total] if prefix > 0 else None
-            plan.extend.append(_ExtendSeq(start, end, prefix, indices))
+            plan.extend.append(_ExtendSeq(start, end, prefix, indices, tree=tree))
             start = end
         kernels = cpu.load() if self.device.type == "cpu" else None
+        if batch.tree_masks is not None:
+            kernels = None  # sgl's extend kernel is causal only: trees take the torch path
         if kernels is not None and table.dtype == torch.int64 and table.stride(1) == 1:
             extend = [seq.q_end - seq.q_start for seq in plan.extend]
             plan.native_extend = _NativeExtend(
@@ -268,7 +273,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 values = v_pool.index_select(0, seq.kv_indices)
             if window not in seq.masks:
                 seq.masks[window] = extend_mask(seq.prefix_len, seq.q_end - seq.q_start, window,
-                                                q.device)
+                                                q.device, tree=seq.tree)
             mask = seq.masks[window]
             result = attend(
                 q[seq.q_start:seq.q_end].transpose(0, 1).unsqueeze(0),

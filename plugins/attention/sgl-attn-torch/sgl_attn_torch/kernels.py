@@ -9,10 +9,17 @@ __all__ = ["attend", "decode_mask", "extend_mask"]
 
 
 def extend_mask(prefix_len: int, num_new: int, window: int | None,
-                device: torch.device) -> torch.Tensor | None:
+                device: torch.device, tree: torch.Tensor | None = None) -> torch.Tensor | None:
     """``[num_new, prefix_len + num_new]`` bool, True where a new token may attend.
 
-    None when plain causal attention over the new tokens is exact (no prefix, no window)."""
+    None when plain causal attention over the new tokens is exact (no prefix, no window).
+    ``tree``: the new tokens form a token tree, ``tree[i, j]`` where token i may attend new
+    token j (its ancestors and itself); every prefix token is visible (no window then)."""
+    if tree is not None:
+        if window is not None:
+            raise ValueError("token trees with a sliding window are not supported")
+        return torch.cat([torch.ones((num_new, prefix_len), dtype=torch.bool, device=device),
+                          tree.to(device)], dim=1)
     if prefix_len == 0 and window is None:
         return None
     q_pos = torch.arange(prefix_len, prefix_len + num_new, device=device).unsqueeze(1)
