@@ -128,8 +128,8 @@ class ServerSettings:
         None, "Draft-model forwards per step (STANDALONE); default: num_draft_tokens - 1. "
         "NGRAM, which has no draft model, refuses it.", minimum=1)
     speculative_eagle_topk: int | None = _opt(
-        None, "Branching of the draft tree per step; 1 (a chain) is what sgl verifies so far.",
-        minimum=1)
+        None, "Branching of a draft model's tree per step; only 1 (a chain) so far (NGRAM's "
+        "trees: --speculative-ngram-max-bfs-breadth).", minimum=1)
     speculative_draft_model_path: str | None = _opt(
         None, "Draft model of STANDALONE: a folder or .gguf file sgl can load that shares the "
         "target's tokenizer.")

@@ -133,7 +133,9 @@ class ScheduledBatch:
         """The sequences of the forward: each request's next ``n`` tokens after its KV (for a
         request with a speculative draft, its last token and the draft)."""
         return [BatchSeq(r.row, r.kv_len, r.token_slice(r.kv_len, r.kv_len + n - len(r.draft))
-                         + r.draft if r.draft else r.token_slice(r.kv_len, r.kv_len + n))
+                         + r.draft, tree_parents=None if r.draft_parents is None
+                         else [-1] + [p + 1 for p in r.draft_parents])
+                if r.draft else BatchSeq(r.row, r.kv_len, r.token_slice(r.kv_len, r.kv_len + n))
                 for r, n in self.items]
 
 

@@ -427,12 +427,14 @@ class Scheduler:
                 break
         assert self.spec is not None and req.draft is not None
         self.spec.count(req, len(req.draft), v.accepted, appended)
-        self.settle(req, min(appended, v.accepted))
+        self.settle(req, v.path[:appended])
 
-    def settle(self, req: Req, kept: int) -> None:
-        """End a request's draft: the KV of its first ``kept`` tokens stays, the rest is freed."""
+    def settle(self, req: Req, keep: list[int] | int) -> None:
+        """End a request's draft: the KV of its draft tokens ``keep`` (indices; 0: none) stays,
+        the rest is freed."""
         if req.draft is not None:
-            settle_draft(req, kept, self.runner.kv_pool.free)
+            settle_draft(req, keep if isinstance(keep, list) else list(range(keep)),
+                         self.runner.kv_pool.free, self.runner.req_to_token_pool.req_to_token)
 
     def sample(self, to_sample: list[tuple[Req, int]], hidden: torch.Tensor) -> None:
         """Sample the next token of each request from its row of ``hidden``; nothing about a

@@ -43,6 +43,7 @@ class Req:
     # speculative decoding (sgl.engine.speculative): this step's draft (None: not speculating),
     # the KV slots its tokens took in the forward, and the request's counts
     draft: list[int] | None = None
+    draft_parents: list[int] | None = None  # a draft tree (see sgl.speculative.DraftTree)
     draft_slots: torch.Tensor | None = None
     spec_verify_ct: int = 0
     spec_tokens: int = 0  # tokens its verifications produced

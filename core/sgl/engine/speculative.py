@@ -38,7 +38,7 @@ import torch
 
 from sgl.engine.logprobs import LogprobRows
 from sgl.engine.sampler import SamplingInput, sample_next_tokens
-from sgl.speculative import BaseSpeculativeAlgorithm, DraftRequest
+from sgl.speculative import BaseSpeculativeAlgorithm, DraftRequest, DraftTree
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
@@ -71,26 +71,59 @@ class SpecStats:
 
 @dataclass
 class Verified:
-    """The outcome of one request's verification: the tokens to append (the accepted draft,
-    then the target's token), how many of them are draft tokens, and the row of each token's
-    logprobs in ``logprobs`` (None without return_logprob)."""
+    """The outcome of one request's verification: the tokens to append (the accepted draft
+    tokens, then the target's token), the accepted draft tokens' indices in ``req.draft``
+    (``path``; ``0, 1, ...`` for a chain), and the row of each token's logprobs in
+    ``logprobs`` (None without return_logprob)."""
 
     req: Req
     tokens: list[int]
-    accepted: int
+    path: list[int]
     logprobs: LogprobRows | None
     logprob_rows: list[int] | None
 
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
 
-def settle_draft(req: Req, kept: int, free: Callable[[torch.Tensor], None]) -> None:
-    """After verification: the first ``kept`` draft tokens' KV stays (the request's KV grows by
-    that much); the slots of the rest are freed."""
+
+def settle_draft(req: Req, keep: Sequence[int], free: Callable[[torch.Tensor], None],
+                 table: torch.Tensor) -> None:
+    """After verification: the KV of the draft tokens ``keep`` (indices into ``req.draft``, in
+    sequence order) stays, at the request's next positions (a tree's accepted branch need not
+    be the first slots); the slots of the rest are freed."""
     slots = req.draft_slots
     if slots is not None:
-        if slots.numel() > kept:
-            free(slots[kept:])
-        req.kv_len += min(kept, slots.numel())
-    req.draft, req.draft_slots = None, None
+        kept = slots[list(keep)] if keep else slots[:0]
+        if kept.numel():
+            table[req.row, req.kv_len:req.kv_len + kept.numel()] = kept
+        mask = torch.ones(slots.numel(), dtype=torch.bool)
+        mask[list(keep)] = False
+        if bool(mask.any()):
+            free(slots[mask])
+        req.kv_len += kept.numel()
+    req.draft, req.draft_parents, req.draft_slots = None, None, None
+
+
+def _path(parents: Sequence[int] | None, node: int) -> list[int]:
+    """Draft indices from the root's child down to ``node`` (-1: the root itself)."""
+    if parents is None:
+        return list(range(node + 1))
+    path = []
+    while node != -1:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def _first_chain(parents: Sequence[int]) -> list[int]:
+    """The tree's chain of first children from the root."""
+    chain, current = [], -1
+    for i, p in enumerate(parents):
+        if p == current:
+            chain.append(i)
+            current = i
+    return chain
 
 
 class SpeculativeDecoding:
@@ -139,11 +172,28 @@ class SpeculativeDecoding:
             drafts = [[] for _ in asks]
         used = 0
         for req, ask, draft in zip(decodes, asks, drafts):
-            take = [int(t) for t in draft[:min(ask.max_draft, free_slots - used)]]
+            room = min(ask.max_draft, free_slots - used)
+            parents = None
+            if isinstance(draft, DraftTree):
+                tokens, parents = list(draft.tokens)[:room], list(draft.parents)[:len(draft.tokens)]
+                parents = parents[:len(tokens)]
+                if any(not -1 <= p < i for i, p in enumerate(parents)) or \
+                        len(parents) != len(tokens):
+                    raise ValueError(f"speculative algorithm {self.name!r} drafted a tree whose "
+                                     f"parents do not come before their children: {parents}")
+                if req.grammar is not None:  # the matcher walks chains: the first one
+                    chain = _first_chain(parents)
+                    tokens, parents = [tokens[i] for i in chain], None
+                elif all(p == i - 1 for i, p in enumerate(parents)):
+                    parents = None  # a chain after all
+            else:
+                tokens = list(draft)[:room]
+            take = [int(t) for t in tokens]
             if any(not 0 <= t < self.runner.vocab_size for t in take):
                 raise ValueError(f"speculative algorithm {self.name!r} drafted a token id "
                                  f"outside the vocabulary: {take}")
             req.draft = take  # possibly empty: verified alone, as a plain decode
+            req.draft_parents = parents if take else None
             used += len(take)
         return used
 
@@ -165,25 +215,34 @@ class SpeculativeDecoding:
                                   if req.grammar is not None], logits)
         params, seeds, steps, outputs, prompts, bans = [], [], [], [], [], []
         for req, _ in items:
-            for i in range(len(req.draft) + 1):
+            for node in range(-1, len(req.draft)):  # the root's row, then each draft token's
+                before = [req.draft[j] for j in _path(req.draft_parents, node)]
                 params.append(req.sampling)
                 seeds.append(req.seed)
-                steps.append(len(req.output_ids) + i)
-                outputs.append(req.output_ids + req.draft[:i] if i else req.output_ids)
+                steps.append(len(req.output_ids) + len(before))
+                outputs.append(req.output_ids + before if before else req.output_ids)
                 prompts.append(req.input_ids)
-                bans.append(banned(req, len(req.output_ids) + i))
+                bans.append(banned(req, len(req.output_ids) + len(before)))
         targets = sample_next_tokens(logits, SamplingInput(
             params=params, seeds=seeds, steps=steps, output_ids=outputs, prompt_ids=prompts,
             banned=bans)).tolist()
         verified = []
         for (req, _), first in zip(items, firsts):
-            accepted = 0
-            while accepted < len(req.draft) and targets[first + accepted] == req.draft[accepted]:
-                accepted += 1
-            tokens = req.draft[:accepted] + [int(targets[first + accepted])]
-            lp_rows = ([lp_row[first + i] for i in range(len(tokens))]
-                       if req.logprobs.return_logprob else None)
-            verified.append(Verified(req, tokens, accepted, lp, lp_rows))
+            parents = req.draft_parents
+            path, node = [], -1
+            while True:  # follow the child the target's token names, while there is one
+                target = targets[first + 1 + node]
+                children = [c for c in range(node + 1, len(req.draft))
+                            if (parents[c] if parents is not None else c - 1) == node]
+                child = next((c for c in children if req.draft[c] == target), None)
+                if child is None:
+                    break
+                path.append(child)
+                node = child
+            tokens = [req.draft[c] for c in path] + [int(target)]
+            rows = [first] + [first + 1 + c for c in path]
+            lp_rows = [lp_row[r] for r in rows] if req.logprobs.return_logprob else None
+            verified.append(Verified(req, tokens, path, lp, lp_rows))
         return verified
 
     def count(self, req: Req, proposed: int, accepted: int, appended: int) -> None:

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from sgl.speculative.base import BaseSpeculativeAlgorithm, DraftRequest
+from sgl.speculative.base import BaseSpeculativeAlgorithm, DraftRequest, DraftTree
 
-__all__ = ["BaseSpeculativeAlgorithm", "DraftRequest"]
+__all__ = ["BaseSpeculativeAlgorithm", "DraftRequest", "DraftTree"]

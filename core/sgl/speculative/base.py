@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
 
-__all__ = ["BaseSpeculativeAlgorithm", "DraftRequest"]
+__all__ = ["BaseSpeculativeAlgorithm", "DraftRequest", "DraftTree"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,16 @@ class DraftRequest:
     rid: str
     token_ids: Sequence[int]
     max_draft: int
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A draft with branches: ``tokens[i]`` follows ``tokens[parents[i]]``, or the request's
+    last token where ``parents[i]`` is -1; parents come before their children. The engine
+    verifies the whole tree in one forward and follows the branch the target takes."""
+
+    tokens: Sequence[int]
+    parents: Sequence[int]
 
 
 class BaseSpeculativeAlgorithm(ABC):
@@ -72,9 +82,10 @@ class BaseSpeculativeAlgorithm(ABC):
         return None
 
     @abstractmethod
-    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int]]:
-        """Draft tokens for each request, at most ``max_draft`` each (an empty list: no
-        guess this step)."""
+    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int] | DraftTree]:
+        """Draft tokens for each request, at most ``max_draft`` each: a chain (a list; empty:
+        no guess this step) or a :class:`DraftTree` (the engine keeps its first ``max_draft``
+        nodes)."""
 
     def release(self, rid: str) -> None:  # noqa: B027 - optional hook
         """The request finished or gave its memory back; drop what is kept for it."""

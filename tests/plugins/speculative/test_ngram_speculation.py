@@ -18,10 +18,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[2] / "core"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "grammar"))
 from _cases import PERSON, PERSON_PROMPT, check_json  # noqa: E402
-from sgl_spec_ngram.ngram import ngram_draft  # noqa: E402
+from sgl_spec_ngram.ngram import ngram_draft, ngram_tree  # noqa: E402
 from test_scheduler import Harness, Result, mixed_prompts  # noqa: E402
 
 from sgl.engine.messages import LogprobOptions  # noqa: E402
+from sgl.speculative import DraftTree  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -209,3 +210,54 @@ def test_per_request_and_server_counts(pair: tuple[Harness, Harness]) -> None:
     assert info["speculative_algorithm"] == "NGRAM"
     assert info["avg_spec_accept_length"] >= 1.0
     spec.assert_memory_empty()
+
+
+def test_ngram_tree_merges_the_best_continuations() -> None:
+    tree = ngram_tree([1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 7, 1, 2], 6, breadth=3)
+    assert tree == DraftTree([7, 5, 3, 1, 6, 4], [-1, -1, -1, 0, 1, 2])
+    # continuations that start alike are one branch: a chain
+    assert ngram_tree([1, 2, 3, 4, 1, 2, 3, 9, 1, 2], 5, breadth=3) == [3, 9, 1, 2]
+    assert ngram_tree([5, 6, 7], 3, breadth=2) == []
+
+
+def test_draft_trees_give_the_same_outputs(pair: tuple[Harness, Harness]) -> None:
+    """With --speculative-ngram-max-bfs-breadth 3 each request drafts a tree, verified in one
+    forward under a tree mask; the target's branch is kept and its KV moved to the request's
+    next positions."""
+    plain, spec = pair
+    drafter = spec.scheduler.spec.algorithm
+    trees = []
+    propose = drafter.propose
+
+    def recording(reqs):
+        out = propose(reqs)
+        trees.extend(d for d in out if isinstance(d, DraftTree))
+        return out
+
+    engine, paths = spec.scheduler.spec, []
+    verify = engine.verify
+
+    def recording_verify(*args):
+        out = verify(*args)
+        paths.extend(v.path for v in out if v.req.draft_parents is not None)
+        return out
+
+    prompts = [plain.chat_ids(t) for t in COPY_TASKS] + mixed_prompts(plain, 6)
+    drafter.breadth, drafter.propose, engine.verify = 3, recording, recording_verify
+    try:
+        before = spec.scheduler.spec.stats.accepted_drafts
+        for params in (dict(temperature=0), dict(temperature=0.8, seed=4),
+                       dict(temperature=0.7, frequency_penalty=0.5, seed=9)):
+            a, b = run_both(pair, prompts, max_new_tokens=40, **params)
+            for x, y in zip(a, b):
+                assert y.output_ids == x.output_ids, params
+        assert len(trees) > 10
+        assert spec.scheduler.spec.stats.accepted_drafts > before
+        # some accepted branch was not the tree's first nodes: its KV was moved
+        assert any(p != list(range(len(p))) for p in paths), paths
+        # with a grammar a tree is cut to its first chain (the matcher walks one path)
+        a, b = run_both(pair, [plain.chat_ids(PERSON_PROMPT)], max_new_tokens=120,
+                        temperature=0, json_schema=json.dumps(PERSON))
+        assert b[0].output_ids == a[0].output_ids
+    finally:
+        drafter.breadth, drafter.propose, engine.verify = 1, propose, verify

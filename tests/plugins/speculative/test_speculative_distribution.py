@@ -91,7 +91,7 @@ def accept_every_draft(original):  # the broken rule: keep the draft whatever th
         out = original(self, items, hidden, grammar, banned)
         for v in out:
             if v.req.draft:
-                v.tokens, v.accepted = v.req.draft + [v.tokens[-1]], len(v.req.draft)
+                v.tokens, v.path = v.req.draft + [v.tokens[-1]], list(range(len(v.req.draft)))
         return out
     return verify
 

@@ -18,6 +18,9 @@ class NgramSettings:
     max_match_window_size: int = field(default=12, metadata={
         "help": "Longest n-gram tried; the longest match (then the latest) gives the draft.",
         "minimum": 1})
+    max_bfs_breadth: int = field(default=1, metadata={
+        "help": "Most continuations drafted as one token tree (from the best matches, longest "
+                "then latest, with distinct continuations); 1: one chain.", "minimum": 1})
 
 
 @hookimpl
