@@ -85,24 +85,10 @@ def ngram_draft(tokens: Sequence[int] | np.ndarray, max_draft: int, *, min_windo
     """Up to ``max_draft`` tokens that followed the latest earlier occurrence of the longest
     suffix of ``tokens`` (``min_window`` to ``max_window`` tokens long); [] without one."""
     t = np.asarray(tokens, dtype=np.int64)
-    n = t.shape[0]
-    if max_draft <= 0 or n < 2:
+    if max_draft <= 0 or t.shape[0] < 2:
         return []
-    ends = np.flatnonzero(t[:n - 1] == t[n - 1])  # earlier places of the last token
-    if ends.size == 0:
-        return []
-    width = min(max_window, n - 1)
-    # agree[c, j]: the token j before candidate c equals the token j before the end
-    back = np.arange(width)
-    before = ends[:, None] - back[None, :]
-    valid = before >= 0
-    agree = valid & (t[np.where(valid, before, 0)] == t[n - 1 - back][None, :])
-    lengths = np.cumprod(agree, axis=1).sum(axis=1)
-    best = int(lengths.max())
-    if best < min_window:
-        return []
-    end = int(ends[np.flatnonzero(lengths == best)[-1]])  # the latest of the longest
-    return t[end + 1:end + 1 + max_draft].tolist()
+    found = _matches(t, min_window, max_window)
+    return t[found[0] + 1:found[0] + 1 + max_draft].tolist() if found else []
 
 
 class NgramDrafter(BaseSpeculativeAlgorithm):
