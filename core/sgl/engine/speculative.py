@@ -172,30 +172,39 @@ class SpeculativeDecoding:
             drafts = [[] for _ in asks]
         used = 0
         for req, ask, draft in zip(decodes, asks, drafts):
-            room = min(ask.max_draft, free_slots - used)
-            parents = None
-            if isinstance(draft, DraftTree):
-                tokens, parents = list(draft.tokens)[:room], list(draft.parents)[:len(draft.tokens)]
-                parents = parents[:len(tokens)]
-                if any(not -1 <= p < i for i, p in enumerate(parents)) or \
-                        len(parents) != len(tokens):
-                    raise ValueError(f"speculative algorithm {self.name!r} drafted a tree whose "
-                                     f"parents do not come before their children: {parents}")
-                if req.grammar is not None:  # the matcher walks chains: the first one
-                    chain = _first_chain(parents)
-                    tokens, parents = [tokens[i] for i in chain], None
-                elif all(p == i - 1 for i, p in enumerate(parents)):
-                    parents = None  # a chain after all
-            else:
-                tokens = list(draft)[:room]
-            take = [int(t) for t in tokens]
-            if any(not 0 <= t < self.runner.vocab_size for t in take):
-                raise ValueError(f"speculative algorithm {self.name!r} drafted a token id "
-                                 f"outside the vocabulary: {take}")
-            req.draft = take  # possibly empty: verified alone, as a plain decode
-            req.draft_parents = parents if take else None
-            used += len(take)
+            tokens, parents = self._checked(draft, min(ask.max_draft, free_slots - used), req)
+            req.draft = tokens  # possibly empty: verified alone, as a plain decode
+            req.draft_parents = parents
+            used += len(tokens)
         return used
+
+    def _checked(self, draft: list[int] | DraftTree, room: int,
+                 req: Req) -> tuple[list[int], list[int] | None]:
+        """A draft cut to ``room`` tokens, as (tokens, parents or None for a chain); a tree
+        becomes its first chain for a request with a grammar. A malformed draft (a token
+        outside the vocabulary, a parent after its child) is logged and dropped: a broken
+        algorithm costs speed, never a request."""
+        parents: list[int] | None = None
+        if isinstance(draft, DraftTree):
+            tokens = [int(t) for t in list(draft.tokens)[:room]]
+            parents = [int(p) for p in list(draft.parents)[:len(tokens)]]
+            if len(parents) != len(tokens) or any(not -1 <= p < i
+                                                  for i, p in enumerate(parents)):
+                logger.error("speculative algorithm %s drafted a tree whose parents do not come "
+                             "before their children (%s); dropped", self.name, parents)
+                return [], None
+            if req.grammar is not None:  # the matcher walks chains: the first one
+                tokens = [tokens[i] for i in _first_chain(parents)]
+                parents = None
+            elif all(p == i - 1 for i, p in enumerate(parents)):
+                parents = None  # a chain after all
+        else:
+            tokens = [int(t) for t in list(draft)[:room]]
+        if any(not 0 <= t < self.runner.vocab_size for t in tokens):
+            logger.error("speculative algorithm %s drafted a token id outside the vocabulary "
+                         "(%s); dropped", self.name, tokens)
+            return [], None
+        return tokens, parents if tokens else None
 
     def verify(self, items: Sequence[tuple[Req, int]], hidden: torch.Tensor,
                grammar: GrammarManager, banned: Callable[[Req, int], list[int]]

@@ -261,3 +261,24 @@ def test_draft_trees_give_the_same_outputs(pair: tuple[Harness, Harness]) -> Non
         assert b[0].output_ids == a[0].output_ids
     finally:
         drafter.breadth, drafter.propose, engine.verify = 1, propose, verify
+
+
+def test_malformed_drafts_are_dropped(pair: tuple[Harness, Harness]) -> None:
+    """A drafter that proposes token ids outside the vocabulary, or a tree whose parents come
+    after their children, costs its drafts (logged), never a request."""
+    plain, spec = pair
+    drafter = spec.scheduler.spec.algorithm
+    propose = drafter.propose
+    bad = [[10**9], DraftTree([5, 6], [1, -1]), DraftTree([5], [])]
+
+    def broken(reqs):
+        return [bad[i % len(bad)] for i in range(len(reqs))]
+
+    prompts = [plain.chat_ids(t) for t in COPY_TASKS]
+    drafter.propose = broken
+    try:
+        a, b = run_both(pair, prompts, max_new_tokens=16, temperature=0)
+    finally:
+        drafter.propose = propose
+    for x, y in zip(a, b):
+        assert y.output_ids == x.output_ids and y.error is None
