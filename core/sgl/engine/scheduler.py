@@ -329,7 +329,7 @@ class Scheduler:
             logger.error("processing a batch of %d failed:\n%s", len(batch.items),
                          traceback.format_exc())
             for req in batch.reqs:
-                self.settle(req, 0)
+                self.settle(req, [])
                 if not req.finished:
                     self.fail(req, f"internal error while processing the model's output: {exc}",
                               500)
@@ -409,7 +409,7 @@ class Scheduler:
         now = time.time()
         for v in verified:
             self.guarded(v.req, "taking its verified tokens", self.take_verified, v, now)
-            self.settle(v.req, 0)  # if that failed half-way
+            self.settle(v.req, [])  # if that failed half-way
 
     def take_verified(self, v: Verified, now: float) -> None:
         """Append a request's verified tokens one by one, each through :meth:`take_token`,
@@ -429,12 +429,12 @@ class Scheduler:
         self.spec.count(req, len(req.draft), v.accepted, appended)
         self.settle(req, v.path[:appended])
 
-    def settle(self, req: Req, keep: list[int] | int) -> None:
-        """End a request's draft: the KV of its draft tokens ``keep`` (indices; 0: none) stays,
-        the rest is freed."""
+    def settle(self, req: Req, keep: list[int]) -> None:
+        """End a request's draft: the KV of its draft tokens ``keep`` (indices) stays, the rest
+        is freed."""
         if req.draft is not None:
-            settle_draft(req, keep if isinstance(keep, list) else list(range(keep)),
-                         self.runner.kv_pool.free, self.runner.req_to_token_pool.req_to_token)
+            settle_draft(req, keep, self.runner.kv_pool.free,
+                         self.runner.req_to_token_pool.req_to_token)
 
     def sample(self, to_sample: list[tuple[Req, int]], hidden: torch.Tensor) -> None:
         """Sample the next token of each request from its row of ``hidden``; nothing about a
@@ -708,7 +708,7 @@ class Scheduler:
         """Hand a request's KV slots to the cache (which keeps or frees them) and free its row."""
         if req.row is None:
             return
-        self.settle(req, 0)
+        self.settle(req, [])
         slots = self.runner.req_to_token_pool.req_to_token[req.row, :req.kv_len].clone()
         token_ids = req.token_slice(0, req.kv_len)
         self.cache.cache_finished(token_ids, slots, req.prefix)

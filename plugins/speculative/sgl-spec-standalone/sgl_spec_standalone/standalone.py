@@ -29,7 +29,6 @@ __all__ = ["DraftModelDrafter"]
 
 logger = logging.getLogger("sgl.speculative.standalone")
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @dataclass
@@ -51,13 +50,13 @@ class DraftModelDrafter(BaseSpeculativeAlgorithm):
                  plugin_manager: Any = None) -> None:
         super().__init__(settings=settings, runner=runner, num_draft_tokens=num_draft_tokens,
                          plugin_manager=plugin_manager)
-        from sgl.engine.model_runner import ModelRunner
+        from sgl.engine.model_runner import SUPPORTED_DTYPES, ModelRunner
 
         if plugin_manager is None:
             raise ValueError("STANDALONE needs the plugin manager to load its draft model")
         self.draft = ModelRunner(
             model_path=settings.speculative_draft_model_path,
-            dtype=_DTYPE_NAMES.get(runner.dtype, "auto"),
+            dtype=next((k for k, v in SUPPORTED_DTYPES.items() if v == runner.dtype), "auto"),
             attention_backend=settings.attention_backend, registries=plugin_manager.registries,
             plugin_manager=plugin_manager, max_total_tokens=runner.kv_pool.size,
             max_running_requests=runner.req_to_token_pool.max_requests,
