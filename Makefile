@@ -20,6 +20,7 @@ PLUGINS := \
 	plugins/cache/sgl-cache-radix \
 	plugins/speculative/sgl-spec-ngram \
 	plugins/speculative/sgl-spec-standalone \
+	plugins/speculative/sgl-spec-eagle \
 	plugins/tools/sgl-bench \
 	plugins/grammar/sgl-grammar-xgrammar \
 	plugins/grammar/sgl-grammar-outlines \

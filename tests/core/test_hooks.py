@@ -114,7 +114,7 @@ def test_sgl_plugins_lists_what_is_not_used(tmp_path) -> None:
                     "    register('tp', 'eager_tp:TP')\n"
                     "@hookimpl\n"
                     "def sgl_register_speculative_algorithms(register):\n"
-                    "    register('EAGLE', 'eager_tp:Eagle')\n")
+                    "    register('MEDUSA', 'eager_tp:Medusa')\n")
     result = run_cli(["plugins", "--plugin", str(path)])
     assert result.returncode == 0, result.stderr
     assert ("Not used: plugin 'eager_tp' registers parallel strategy 'tp', which is not used: "
@@ -122,7 +122,7 @@ def test_sgl_plugins_lists_what_is_not_used(tmp_path) -> None:
     # speculative algorithms are used now: selected by --speculative-algorithm, and one whose
     # class cannot be imported fails with a message naming the plugin, before any model loads
     assert "speculative algorithm" not in result.stdout
-    flag = run_cli(["serve", "--speculative-algorithm", "EAGLE", "--plugin", str(path)])
+    flag = run_cli(["serve", "--speculative-algorithm", "MEDUSA", "--plugin", str(path)])
     assert flag.returncode != 0 and "Traceback" not in flag.stderr, flag.stderr
     assert "eager_tp" in flag.stderr, flag.stderr
 

@@ -89,13 +89,16 @@ def _validate(runner: ModelRunner, mode: ForwardMode, seqs: Sequence[BatchSeq]) 
 
 
 def make_forward_batch(runner: ModelRunner, mode: ForwardMode,
-                       seqs: Sequence[BatchSeq | tuple[int, int, Sequence[int]]]) -> ForwardBatch:
+                       seqs: Sequence[BatchSeq | tuple[int, int, Sequence[int]]], *,
+                       slots: torch.Tensor | None = None) -> ForwardBatch:
     """Take KV slots for the new tokens, record them in ``req_to_token`` and pack the batch.
 
     :param runner: supplies the pools, the attention backend and the device.
     :param mode: ``EXTEND`` (any number of new tokens per sequence, on top of its prefix) or
         ``DECODE`` (one new token per sequence).
     :param seqs: :class:`BatchSeq` objects or ``(row, prefix_len, token_ids)`` tuples.
+    :param slots: the new tokens' KV slots, in token order, when the caller manages them (a
+        draft head writing at its target's slots); None takes them from ``runner.kv_pool``.
     :return: the batch; ``batch.out_cache_loc`` holds the slots just taken, in token order.
     :raises sgl.kvcache.OutOfSlotsError: when the pool has too few free slots (nothing is taken).
     :raises ValueError: on inconsistent input (see :class:`BatchSeq`).
@@ -115,7 +118,11 @@ def make_forward_batch(runner: ModelRunner, mode: ForwardMode,
     def as_tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
-    slots = runner.kv_pool.alloc(sum(new_lens)).to(device)
+    if slots is None:
+        slots = runner.kv_pool.alloc(sum(new_lens))
+    elif slots.numel() != sum(new_lens):
+        raise ValueError(f"{slots.numel()} slots given for {sum(new_lens)} new tokens")
+    slots = slots.to(device=device, dtype=torch.int64)
     rows = torch.tensor([s.row for s in items], dtype=torch.int64)
     if mode == ForwardMode.DECODE:  # one token per sequence, at its prefix length
         positions = as_tensor(prefix_lens)

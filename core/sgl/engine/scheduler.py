@@ -328,6 +328,8 @@ class Scheduler:
         except Exception as exc:  # a bug in the batched part: these requests cannot go on
             logger.error("processing a batch of %d failed:\n%s", len(batch.items),
                          traceback.format_exc())
+            if self.spec is not None:
+                self.spec.drop_kept()
             for req in batch.reqs:
                 self.settle(req, [])
                 if not req.finished:
@@ -371,9 +373,12 @@ class Scheduler:
         self.cache_prefills([req for req, n in batch.items if n > 1 and req.draft is None])
         to_sample, drafted = [], []
         for i, req in enumerate(batch.reqs):
-            if req.draft is not None and not req.finished:
-                drafted.append((req, offsets[i]))  # its last token's row, then the draft's
+            if req.draft is not None:
+                if not req.finished:  # its last token's row, then the draft's
+                    drafted.append((req, offsets[i]))
                 continue
+            if self.spec is not None:
+                self.spec.kept(req, range(offsets[i], offsets[i + 1]))
             if req.pending or req.finished:
                 continue
             if req.sampling.max_new_tokens == 0:
@@ -382,15 +387,16 @@ class Scheduler:
                 to_sample.append((req, offsets[i + 1] - 1))  # the row of its last token
         if drafted:
             self.accept_drafts(drafted, hidden)
-        if not to_sample:
-            return
-        try:
-            self.sample(to_sample, hidden)
-        except Exception:  # find the request that makes the batch fail: sample each alone
-            logger.error("sampling %d requests failed, sampling each alone:\n%s",
-                         len(to_sample), traceback.format_exc())
-            for item in to_sample:
-                self.guarded(item[0], "sampling", self.sample, [item], hidden)
+        if to_sample:
+            try:
+                self.sample(to_sample, hidden)
+            except Exception:  # find the request that makes the batch fail: sample each alone
+                logger.error("sampling %d requests failed, sampling each alone:\n%s",
+                             len(to_sample), traceback.format_exc())
+                for item in to_sample:
+                    self.guarded(item[0], "sampling", self.sample, [item], hidden)
+        if self.spec is not None:  # every next token is known now
+            self.spec.observe(hidden)
 
     def accept_drafts(self, items: list[tuple[Req, int]], hidden: torch.Tensor) -> None:
         """Verify the drafts of ``(request, its first row)`` pairs and take the accepted tokens
@@ -427,7 +433,9 @@ class Scheduler:
                 break
         assert self.spec is not None and req.draft is not None
         self.spec.count(req, len(req.draft), v.accepted, appended)
-        self.settle(req, v.path[:appended])
+        keep = v.path[:appended]
+        self.settle(req, keep)
+        self.spec.kept(req, v.hidden_rows[:1 + len(keep)])
 
     def settle(self, req: Req, keep: list[int]) -> None:
         """End a request's draft: the KV of its draft tokens ``keep`` (indices) stays, the rest

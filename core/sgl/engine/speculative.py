@@ -38,7 +38,7 @@ import torch
 
 from sgl.engine.logprobs import LogprobRows
 from sgl.engine.sampler import SamplingInput, sample_next_tokens
-from sgl.speculative import BaseSpeculativeAlgorithm, DraftRequest, DraftTree
+from sgl.speculative import BaseSpeculativeAlgorithm, DraftRequest, DraftTree, TargetStates
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
@@ -73,14 +73,16 @@ class SpecStats:
 class Verified:
     """The outcome of one request's verification: the tokens to append (the accepted draft
     tokens, then the target's token), the accepted draft tokens' indices in ``req.draft``
-    (``path``; ``0, 1, ...`` for a chain), and the row of each token's logprobs in
-    ``logprobs`` (None without return_logprob)."""
+    (``path``; ``0, 1, ...`` for a chain), the row of each token's logprobs in ``logprobs``
+    (None without return_logprob) and the hidden-state rows of the tokens whose KV stays."""
 
     req: Req
     tokens: list[int]
     path: list[int]
     logprobs: LogprobRows | None
     logprob_rows: list[int] | None
+    #: the rows of ``hidden`` of the request's last token and of each token of ``path``
+    hidden_rows: list[int]
 
     @property
     def accepted(self) -> int:
@@ -147,6 +149,18 @@ class SpeculativeDecoding:
         self.disable_by_batch_size = settings.speculative_disable_by_batch_size \
             or self.algorithm.default_batch_limit()
         self.stats = SpecStats()
+        self.target_hidden = self.algorithm.target_hidden
+        if isinstance(self.target_hidden, tuple):
+            try:
+                runner.model.capture_hidden_layers(self.target_hidden)
+            except (NotImplementedError, ValueError) as exc:
+                raise ValueError(f"{name} drafts from the hidden states entering the target's "
+                                 f"layers {list(self.target_hidden)}: {exc}") from exc
+        elif self.target_hidden not in (None, "final"):
+            raise ValueError(f"speculative algorithm {name!r} asks for target_hidden "
+                             f"{self.target_hidden!r}; expected None, 'final' or layer indices")
+        #: this step's (request, rows of the hidden states of the positions it kept)
+        self._kept: list[tuple[Req, Sequence[int]]] = []
         logger.info("speculative decoding: %s, %d draft tokens per request and step, off above "
                     "%d decoding requests", name, self.num_draft_tokens - 1,
                     self.disable_by_batch_size)
@@ -236,7 +250,7 @@ class SpeculativeDecoding:
             params=params, seeds=seeds, steps=steps, output_ids=outputs, prompt_ids=prompts,
             banned=bans)).tolist()
         verified = []
-        for (req, _), first in zip(items, firsts):
+        for (req, start), first in zip(items, firsts):
             parents = req.draft_parents
             path, node = [], -1
             while True:  # follow the child the target's token names, while there is one
@@ -251,7 +265,8 @@ class SpeculativeDecoding:
             tokens = [req.draft[c] for c in path] + [int(target)]
             rows = [first] + [first + 1 + c for c in path]
             lp_rows = [lp_row[r] for r in rows] if req.logprobs.return_logprob else None
-            verified.append(Verified(req, tokens, path, lp, lp_rows))
+            verified.append(Verified(req, tokens, path, lp, lp_rows,
+                                     [start] + [start + 1 + c for c in path]))
         return verified
 
     def count(self, req: Req, proposed: int, accepted: int, appended: int) -> None:
@@ -264,6 +279,40 @@ class SpeculativeDecoding:
         self.stats.verified_tokens += appended
         self.stats.proposed_drafts += proposed
         self.stats.accepted_drafts += accepted
+
+    def kept(self, req: Req, rows: Sequence[int]) -> None:
+        """``req`` keeps the KV of the tokens in these rows of this step's hidden states (its
+        last ``len(rows)`` positions); :meth:`observe` hands their states to the algorithm."""
+        if self.target_hidden is not None and rows:
+            self._kept.append((req, rows))
+
+    def drop_kept(self) -> None:
+        """Forget this step's kept positions (its result was not processed)."""
+        self._kept = []
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        """End of a step: the algorithm gets the target's states of the positions kept (see
+        :meth:`kept`); if it fails, the requests concerned lose their drafting state (their
+        drafts then start afresh), never their output."""
+        kept, self._kept = self._kept, []
+        if not kept:
+            return
+        source = hidden if self.target_hidden == "final" else self.runner.model.captured_hidden
+        if source is None:
+            raise RuntimeError("the target model kept no hidden states of its layers")
+        states = [TargetStates(req.rid, req.row, req.kv_len - len(rows),
+                               source.index_select(0, torch.tensor(list(rows), dtype=torch.int64,
+                                                                   device=source.device)),
+                               req.input_ids + req.output_ids)
+                  for req, rows in kept if req.row is not None]
+        try:
+            self.algorithm.observe(states)
+        except Exception:
+            logger.error("speculative algorithm %s failed to take the target's states of %d "
+                         "requests; their drafting starts afresh:\n%s", self.name, len(states),
+                         traceback.format_exc())
+            for state in states:
+                self.algorithm.release(state.rid)
 
     def release(self, rid: str) -> None:
         self.algorithm.release(rid)

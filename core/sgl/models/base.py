@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +31,9 @@ class BaseCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.device = device
+        #: after each forward, with :meth:`capture_hidden_layers` on: the hidden states that
+        #: entered the chosen layers, ``[num_tokens, len(layer_ids) * hidden]``
+        self.captured_hidden: torch.Tensor | None = None
 
     @abstractmethod
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -49,3 +52,16 @@ class BaseCausalLM(nn.Module):
         Weights arrive one at a time (streamed from disk); an unknown name is an error, and so is
         a parameter left unfilled at the end (except a tied ``lm_head``).
         """
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The token embedding (``ids [n] -> [n, hidden]``), which draft heads such as EAGLE's
+        share with their target. Models that have none to share raise NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} does not share its token embedding")
+
+    def capture_hidden_layers(self, layer_ids: Sequence[int]) -> None:
+        """From now on keep, after each forward, the hidden states (residual stream) that
+        entered the decoder layers ``layer_ids`` in :attr:`captured_hidden`, concatenated in
+        that order; ``num_layers`` names the output of the last layer, before the final norm.
+        EAGLE-3 drafts from them. Models that cannot raise NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} cannot keep the hidden states of "
+                                  "its layers")

@@ -19,7 +19,22 @@ from sgl.model_loader.errors import ModelLoadError
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["MappedWeight", "load_mapped_weights"]
+__all__ = ["MappedWeight", "load_mapped_weights", "map_fused_name"]
+
+# Hugging Face projection -> (fused parameter, shard id)
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# per-expert projection -> (stacked FusedMoE parameter, shard id)
+_EXPERT = {
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+    "down_proj": ("down_proj", "down"),
+}
 
 # what one loaded tensor filled: (shard id, expert id)
 _Key = tuple["int | str | None", "int | None"]
@@ -102,3 +117,19 @@ def load_mapped_weights(model: nn.Module, mapped: Iterable[MappedWeight]) -> Non
     if missing:
         raise ModelLoadError(f"the checkpoint left {len(missing)} parameters unfilled, e.g. "
                              f"{', '.join(missing[:5])}")
+
+
+def map_fused_name(name: str, tensor: torch.Tensor) -> MappedWeight:
+    """A Hugging Face tensor under the fused parameter that holds it: ``q_proj`` -> shard ``q``
+    of ``qkv_proj``, ``mlp.experts.3.up_proj.weight`` -> shard ``up`` of expert 3 of the
+    stacked ``mlp.experts.gate_up_proj``; any other name maps to itself."""
+    parts = name.split(".")
+    if (len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit()
+            and parts[-2] in _EXPERT and parts[-1] == "weight"):
+        stacked, shard = _EXPERT[parts[-2]]
+        return MappedWeight(name, ".".join([*parts[:-3], stacked]), shard, tensor,
+                            int(parts[-3]))
+    if len(parts) >= 2 and parts[-2] in _FUSED:
+        fused, shard = _FUSED[parts[-2]]
+        return MappedWeight(name, ".".join([*parts[:-2], fused, parts[-1]]), shard, tensor)
+    return MappedWeight(name, name, None, tensor)

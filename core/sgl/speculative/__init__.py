@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
-from sgl.speculative.base import BaseSpeculativeAlgorithm, DraftRequest, DraftTree
+from sgl.speculative.base import (
+    BaseSpeculativeAlgorithm,
+    DraftRequest,
+    DraftTree,
+    TargetStates,
+    check_draft_chain_settings,
+)
 
-__all__ = ["BaseSpeculativeAlgorithm", "DraftRequest", "DraftTree"]
+__all__ = ["BaseSpeculativeAlgorithm", "DraftRequest", "DraftTree", "TargetStates",
+           "check_draft_chain_settings"]

@@ -18,9 +18,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    import torch
+
     from sgl.config import ServerSettings
 
-__all__ = ["BaseSpeculativeAlgorithm", "DraftRequest", "DraftTree"]
+__all__ = ["BaseSpeculativeAlgorithm", "DraftRequest", "DraftTree", "TargetStates",
+           "check_draft_chain_settings"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,28 @@ class DraftTree:
     parents: Sequence[int]
 
 
+@dataclass(frozen=True)
+class TargetStates:
+    """The target model's hidden states of the tokens a request just added to its KV cache,
+    for algorithms that draft from them (:attr:`BaseSpeculativeAlgorithm.target_hidden`).
+
+    :param rid: the request's id.
+    :param row: its row in the target's ``req_to_token`` table, whose entries
+        ``[:start + len(hidden)]`` are the KV slots of its positions so far (a prefix-cache hit
+        included, whose states the target did not compute).
+    :param start: the position of the first of ``hidden``.
+    :param hidden: ``[k, width]``, the states of positions ``start .. start + k - 1``.
+    :param token_ids: the request's prompt and output; ``token_ids[p + 1]`` follows position
+        ``p``, so every position of ``hidden`` has its next token.
+    """
+
+    rid: str
+    row: int
+    start: int
+    hidden: torch.Tensor
+    token_ids: Sequence[int]
+
+
 class BaseSpeculativeAlgorithm(ABC):
     """Proposes draft tokens that the target model verifies in one forward pass.
 
@@ -62,6 +87,12 @@ class BaseSpeculativeAlgorithm(ABC):
     #: ``--speculative-disable-by-batch-size`` when unset: above this many decoding requests
     #: a step runs without speculation
     default_disable_by_batch_size: ClassVar[int] = 8
+    #: which of the target's hidden states :meth:`observe` receives after every forward: None
+    #: (no calls), ``"final"`` (after the final norm, what the LM head reads) or a tuple of
+    #: decoder layer indices (the states entering them, concatenated; the number of layers
+    #: names the last layer's output, see ``BaseCausalLM.capture_hidden_layers``). May be set
+    #: per instance in ``__init__``.
+    target_hidden: str | tuple[int, ...] | None = None
 
     def __init__(self, *, settings: ServerSettings, runner: Any, num_draft_tokens: int,
                  plugin_manager: Any = None) -> None:
@@ -89,3 +120,24 @@ class BaseSpeculativeAlgorithm(ABC):
 
     def release(self, rid: str) -> None:  # noqa: B027 - optional hook
         """The request finished or gave its memory back; drop what is kept for it."""
+
+    def observe(self, states: Sequence[TargetStates]) -> None:  # noqa: B027 - optional hook
+        """After every target forward (before the next draft), with :attr:`target_hidden`
+        set: the states of the positions each request of the batch keeps, a prompt chunk, its
+        last token and the accepted drafts, in position order. A request absent from a step
+        added nothing to its cache."""
+
+
+def check_draft_chain_settings(settings: ServerSettings, name: str, draft: str) -> str | None:
+    """The flag checks of an algorithm whose draft model drafts one chain per request
+    (``STANDALONE``, ``EAGLE``): ``draft`` says what ``--speculative-draft-model-path`` is."""
+    if not settings.speculative_draft_model_path:
+        return f"{name} needs --speculative-draft-model-path ({draft})"
+    if (settings.speculative_eagle_topk or 1) > 1:
+        return (f"{name} drafts one chain per request (--speculative-eagle-topk 1); draft "
+                "trees are not built yet")
+    steps, tokens = settings.speculative_num_steps, settings.speculative_num_draft_tokens
+    if steps is not None and tokens is not None and tokens != steps + 1:
+        return (f"with one chain, --speculative-num-draft-tokens ({tokens}) must be "
+                f"--speculative-num-steps ({steps}) + 1")
+    return None

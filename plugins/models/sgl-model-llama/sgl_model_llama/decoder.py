@@ -17,7 +17,7 @@ projections), so a family plugin's checkpoint loads without renaming.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -39,52 +39,21 @@ from sgl.layers import (
     get_rope,
 )
 from sgl.models.base import BaseCausalLM
-from sgl.models.loading import MappedWeight, load_mapped_weights
+from sgl.models.loading import MappedWeight, load_mapped_weights, map_fused_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from sgl.forward_batch import ForwardBatch
 
-__all__ = ["DecoderForCausalLM", "DecoderOptions", "GatedMLP", "SparseMoeBlock", "head_dim_of",
-           "map_fused_name"]
+__all__ = ["DecoderForCausalLM", "DecoderOptions", "GatedMLP", "SparseMoeBlock", "head_dim_of"]
 
-# Hugging Face projection -> (fused parameter, shard id)
-_FUSED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-# per-expert projection -> (stacked FusedMoE parameter, shard id)
-_EXPERT = {
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-    "down_proj": ("down_proj", "down"),
-}
 # checkpoint entries that are not parameters here
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def map_fused_name(name: str, tensor: torch.Tensor) -> MappedWeight:
-    """A Hugging Face tensor under the fused parameter that holds it: ``q_proj`` -> shard ``q``
-    of ``qkv_proj``, ``mlp.experts.3.up_proj.weight`` -> shard ``up`` of expert 3 of the
-    stacked ``mlp.experts.gate_up_proj``; any other name maps to itself."""
-    parts = name.split(".")
-    if (len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit()
-            and parts[-2] in _EXPERT and parts[-1] == "weight"):
-        stacked, shard = _EXPERT[parts[-2]]
-        return MappedWeight(name, ".".join([*parts[:-3], stacked]), shard, tensor,
-                            int(parts[-3]))
-    if len(parts) >= 2 and parts[-2] in _FUSED:
-        fused, shard = _FUSED[parts[-2]]
-        return MappedWeight(name, ".".join([*parts[:-2], fused, parts[-1]]), shard, tensor)
-    return MappedWeight(name, name, None, tensor)
 
 
 @dataclass(frozen=True)
@@ -263,6 +232,10 @@ class DecoderModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = _norm(config, config.hidden_size, options, dtype=dtype, device=device)
+        #: indices of the layers whose incoming hidden states each forward keeps (EAGLE-3;
+        #: ``len(layers)``: the last layer's output), in :attr:`captured`
+        self.capture: tuple[int, ...] = ()
+        self.captured: torch.Tensor | None = None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         positions = batch.positions
@@ -271,9 +244,16 @@ class DecoderModel(nn.Module):
                                                        batch.extend_seq_lens)
         hidden = self.embed_tokens(batch.input_ids)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        captured: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            if i in self.capture:
+                captured.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, batch)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, stream = self.norm(hidden, residual)
+        if self.capture:
+            if len(self.layers) in self.capture:
+                captured.append(stream)
+            self.captured = torch.cat(captured, dim=-1)
         return hidden
 
 
@@ -329,7 +309,7 @@ class DecoderForCausalLM(BaseCausalLM):
                         bias=options.mlp_bias, dtype=dtype, device=device)
 
     def map_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[MappedWeight]:
-        """Checkpoint tensors under the parameters that take them (see :func:`map_fused_name`);
+        """Checkpoint tensors under the parameters that take them (see :func:`sgl.models.loading.map_fused_name`);
         a tied ``lm_head`` and the rotary tables some checkpoints carry are dropped."""
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES) or (self.tied and name.startswith("lm_head.")):
@@ -339,7 +319,20 @@ class DecoderForCausalLM(BaseCausalLM):
     # -- BaseCausalLM --------------------------------------------------------------------------
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
+        hidden = self.model(batch)
+        self.captured_hidden = self.model.captured
+        return hidden
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def capture_hidden_layers(self, layer_ids: Sequence[int]) -> None:
+        layers = len(self.model.layers)
+        wrong = [i for i in layer_ids if not 0 <= i <= layers]
+        if wrong or len(set(layer_ids)) != len(layer_ids) or list(layer_ids) != sorted(layer_ids):
+            raise ValueError(f"layers to capture must be distinct and ascending, from 0 to "
+                             f"{layers} (the last layer's output), got {list(layer_ids)}")
+        self.model.capture = tuple(layer_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

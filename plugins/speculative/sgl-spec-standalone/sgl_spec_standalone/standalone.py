@@ -20,7 +20,7 @@ import torch
 from sgl.engine.batch_builder import BatchSeq, make_forward_batch
 from sgl.forward_batch import ForwardMode
 from sgl.kernels.cpu import argmax_rows
-from sgl.speculative import BaseSpeculativeAlgorithm, DraftRequest
+from sgl.speculative import BaseSpeculativeAlgorithm, DraftRequest, check_draft_chain_settings
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["DraftModelDrafter"]
 
 logger = logging.getLogger("sgl.speculative.standalone")
-
 
 
 @dataclass
@@ -70,16 +69,7 @@ class DraftModelDrafter(BaseSpeculativeAlgorithm):
 
     @classmethod
     def check_settings(cls, settings: ServerSettings) -> str | None:
-        if not settings.speculative_draft_model_path:
-            return "STANDALONE needs --speculative-draft-model-path (the draft model)"
-        if (settings.speculative_eagle_topk or 1) > 1:
-            return ("STANDALONE drafts one chain per request (--speculative-eagle-topk 1); "
-                    "token trees are not verified yet")
-        steps, tokens = settings.speculative_num_steps, settings.speculative_num_draft_tokens
-        if steps is not None and tokens is not None and tokens != steps + 1:
-            return (f"with one chain, --speculative-num-draft-tokens ({tokens}) must be "
-                    f"--speculative-num-steps ({steps}) + 1")
-        return None
+        return check_draft_chain_settings(settings, "STANDALONE", "the draft model")
 
     # the draft model's KV ----------------------------------------------------------------------
 

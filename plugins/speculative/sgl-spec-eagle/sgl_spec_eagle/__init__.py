@@ -1,0 +1,1 @@
+"""EAGLE and EAGLE-3 speculative decoding for sgl."""

@@ -1,0 +1,348 @@
+"""EAGLE and EAGLE-3 in a real scheduler, with tiny random-weight heads written in their
+published Hugging Face layout (acceptance means nothing with random heads; exactness does):
+
+- the head's drafts equal a dense reference written here from the published design, fed
+  with the target's hidden states from transformers (which states, shifted how, normed or
+  not: everything the engine seam and the head must get right);
+- greedy and seeded outputs equal those without speculation, on a vocabulary-16 target where
+  random heads are sometimes right (so accepted drafts, and the head catching up on them, are
+  exercised), with chunked prefill, the radix cache, retraction and abort; the head's state
+  is gone after every run;
+- the bundled SmolLM2 with an EAGLE-3 head of another width (own embedding, a draft
+  vocabulary mapped by d2t) keeps its outputs;
+- wrong heads and flags fail with messages that say what to do.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from sgl_testing import run_cli
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "core"))
+from test_scheduler import Harness, Result, mixed_prompts  # noqa: E402
+
+from sgl.model_loader import ModelLoadError, load_tokenizer  # noqa: E402
+from sgl.speculative import DraftRequest  # noqa: E402
+
+pytestmark = pytest.mark.slow
+VOCAB = 16
+LAYERS = 8  # EAGLE-3's default layers 2, 4, 5 fit
+
+
+def tiny_llama_config(**changes: object):
+    from transformers import LlamaConfig
+
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=0,
+                eos_token_id=None, pad_token_id=None)
+    return LlamaConfig(**{**base, **changes})
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config())
+    with torch.no_grad():  # peaked next-token distributions, not the near-uniform fresh init
+        model.lm_head.weight.mul_(8)
+    path = tmp_path_factory.mktemp("target")
+    model.save_pretrained(path)
+    load_tokenizer(None).save_pretrained(path)  # the scheduler loads one (stop strings)
+    return path
+
+
+def write_head(folder: Path, version: int, config, *, target_hidden: int, seed: int,
+               draft_vocab: int | None = None, target_vocab: int = VOCAB,
+               own_embedding: bool = False) -> dict[str, torch.Tensor]:
+    """A random head in the published layout (names, shapes, config); returns its tensors."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    h, inter = config.hidden_size, config.intermediate_size
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    hd = h // heads
+
+    def rand(*shape: int, scale: float = 0.3) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    def layer(prefix: str, attn_in: int) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.self_attn.q_proj.weight": rand(heads * hd, attn_in),
+                f"{prefix}.self_attn.k_proj.weight": rand(kv * hd, attn_in),
+                f"{prefix}.self_attn.v_proj.weight": rand(kv * hd, attn_in),
+                f"{prefix}.self_attn.o_proj.weight": rand(h, heads * hd),
+                f"{prefix}.mlp.gate_proj.weight": rand(inter, h),
+                f"{prefix}.mlp.up_proj.weight": rand(inter, h),
+                f"{prefix}.mlp.down_proj.weight": rand(h, inter),
+                f"{prefix}.input_layernorm.weight": 1 + rand(h, scale=0.1),
+                f"{prefix}.post_attention_layernorm.weight": 1 + rand(h, scale=0.1)}
+
+    if version == 1:  # EAGLE's checkpoints carry layer 0's unused input norm and an embedding
+        tensors = {"fc.weight": rand(h, 2 * h), "fc.bias": rand(h), **layer("layers.0", h),
+                   "embed_tokens.weight": rand(target_vocab, h)}
+        config.architectures = ["LlamaForCausalLMEagle"]
+    else:
+        tensors = {"fc.weight": rand(h, 3 * target_hidden), **layer("midlayer", 2 * h),
+                   "midlayer.hidden_norm.weight": 1 + rand(h, scale=0.1),
+                   "norm.weight": 1 + rand(h, scale=0.1)}
+        if own_embedding:
+            tensors["embed_tokens.weight"] = rand(target_vocab, h)
+        if draft_vocab is not None:
+            hot = torch.randperm(target_vocab, generator=gen)[:draft_vocab].sort().values
+            tensors["lm_head.weight"] = rand(draft_vocab, h, scale=1.0)
+            tensors["d2t"] = hot - torch.arange(draft_vocab)
+            tensors["t2d"] = torch.zeros(target_vocab, dtype=torch.bool).index_fill(0, hot, True)
+        config.architectures = ["LlamaForCausalLMEagle3"]
+        config.draft_vocab_size = draft_vocab
+        config.target_hidden_size = target_hidden
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    config.save_pretrained(folder)
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def heads(target: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("heads")
+    write_head(root / "eagle", 1, tiny_llama_config(num_hidden_layers=1), target_hidden=32,
+               seed=1)
+    write_head(root / "eagle3", 3, tiny_llama_config(num_hidden_layers=1), target_hidden=32,
+               seed=3, draft_vocab=12)
+    return {"EAGLE": root / "eagle", "EAGLE3": root / "eagle3"}
+
+
+def harness(tmp: Path, model: Path | str, algorithm: str | None = None,
+            head: Path | None = None, **overrides: object) -> Harness:
+    spec = {} if algorithm is None else dict(
+        speculative_algorithm=algorithm, speculative_draft_model_path=str(head),
+        speculative_disable_by_batch_size=64)
+    return Harness(tmp, model_path=str(model), grammar_backend="none", **spec, **overrides)
+
+
+# -- the dense reference -------------------------------------------------------------------------
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def reference_layer(w: dict[str, torch.Tensor], prefix: str, config, x: torch.Tensor,
+                    attn_in: torch.Tensor) -> torch.Tensor:
+    """One causal Llama layer over all positions: attention reads ``attn_in``, the residual
+    stream is ``x``; returns the stream after the MLP."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    t, heads, kv = x.shape[0], config.num_attention_heads, config.num_key_value_heads
+    hd = config.hidden_size // heads
+    q = (attn_in @ w[f"{prefix}.self_attn.q_proj.weight"].T).view(t, heads, hd).transpose(0, 1)
+    k = (attn_in @ w[f"{prefix}.self_attn.k_proj.weight"].T).view(t, kv, hd).transpose(0, 1)
+    v = (attn_in @ w[f"{prefix}.self_attn.v_proj.weight"].T).view(t, kv, hd).transpose(0, 1)
+    cos, sin = LlamaRotaryEmbedding(config)(x[None], torch.arange(t)[None])
+    q, k = apply_rotary_pos_emb(q[None], k[None], cos, sin)
+    k, v = (k[0].repeat_interleave(heads // kv, 0), v.repeat_interleave(heads // kv, 0))
+    att = F.scaled_dot_product_attention(q[0], k, v, is_causal=True)
+    x = x + att.transpose(0, 1).reshape(t, -1) @ w[f"{prefix}.self_attn.o_proj.weight"].T
+    h = rms(x, w[f"{prefix}.post_attention_layernorm.weight"])
+    mlp = (F.silu(h @ w[f"{prefix}.mlp.gate_proj.weight"].T) * (h @ w[f"{prefix}.mlp.up_proj.weight"].T))
+    return x + mlp @ w[f"{prefix}.mlp.down_proj.weight"].T
+
+
+def reference_chain(version: int, w: dict[str, torch.Tensor], config, embed: torch.Tensor,
+                    lm_head: torch.Tensor, feats: torch.Tensor, tokens: list[int],
+                    steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """The greedy chain of ``steps`` drafts after ``tokens`` and the head's output state before
+    each: position p reads ``tokens[p+1]`` and the target's state ``feats[p]``, drafted
+    positions the head's own previous state."""
+    n = len(tokens) - 1
+    ids, inputs = list(tokens[1:]), list(feats[:n])
+    hot = (w["d2t"] + torch.arange(len(w["d2t"]))) if "d2t" in w else None
+    drafts: list[int] = []
+    states: list[torch.Tensor] = []
+    for _ in range(steps):
+        e = embed[torch.tensor(ids)]
+        if version == 1:
+            x = torch.cat([e, torch.stack(inputs)], -1) @ w["fc.weight"].T + w["fc.bias"]
+            out = reference_layer(w, "layers.0", config, x, x)
+            state, logits = out[-1], out[-1] @ lm_head.T
+        else:
+            hs = torch.stack([f @ w["fc.weight"].T if f.shape[-1] != config.hidden_size else f
+                              for f in inputs])
+            attn_in = torch.cat([rms(e, w["midlayer.input_layernorm.weight"]),
+                                 rms(hs, w["midlayer.hidden_norm.weight"])], -1)
+            out = reference_layer(w, "midlayer", config, hs, attn_in)
+            state = out[-1]
+            logits = rms(state, w["norm.weight"]) @ (w["lm_head.weight"] if hot is not None
+                                                      else lm_head).T
+        best = int(logits.argmax())
+        drafts.append(int(hot[best]) if hot is not None else best)
+        ids.append(drafts[-1])
+        inputs.append(state)
+        states.append(state)
+    return drafts, states
+
+
+def start_one(h: Harness, prompt: list[int]) -> str:
+    """Submit a request and step until its prompt ran and its first token is sampled."""
+    rid = h.submit(prompt, max_new_tokens=50, temperature=0, ignore_eos=True)
+    s = h.scheduler
+    for _ in range(1000):
+        s.recv_requests(block=False)
+        if s.running or s.waiting:
+            s.step()
+            if any(r.rid == rid and r.output_ids for r in s.running):
+                return rid
+    raise AssertionError("the request did not start")
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_drafts_equal_the_dense_reference(algorithm: str, target: Path, heads: dict[str, Path],
+                                          tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    version = 1 if algorithm == "EAGLE" else 3
+    w = load_file(str(heads[algorithm] / "model.safetensors"))
+    config = LlamaConfig.from_pretrained(heads[algorithm])
+    hf = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    h = harness(tmp_path, target, algorithm, heads[algorithm], chunked_prefill_size=7)
+    try:
+        with torch.inference_mode():
+            prompt = [3, 7, 1, 9, 4, 12, 7, 1, 5, 14, 3, 9, 6, 1, 2, 8, 11, 4, 4, 10]
+            rid = start_one(h, prompt)  # three prompt chunks, then the first token
+            req = next(r for r in h.scheduler.running if r.rid == rid)
+            tokens = req.input_ids + req.output_ids
+            drafter = h.scheduler.spec.algorithm
+            assert drafter.states[rid].length == len(tokens) - 1
+            kept = drafter.states[rid].last.clone()
+            got = drafter.propose([DraftRequest(rid, tokens, 5)])[0]
+
+            out = hf(torch.tensor([tokens]), output_hidden_states=True)
+            states = out.hidden_states  # [i]: entering layer i; [-1]: after the final norm
+            feats = states[-1][0] if version == 1 else torch.cat(
+                [states[i][0] for i in (2, LAYERS // 2, LAYERS - 3)], -1)
+            want, head_states = reference_chain(version, w, config, hf.model.embed_tokens.weight,
+                                                hf.lm_head.weight, feats, tokens, 5)
+            # the head's state after catching up on the prompt (through three chunks and the
+            # first token), then its drafts
+            torch.testing.assert_close(kept, head_states[0], rtol=1e-4, atol=1e-4)
+            assert got == want, (got, want)
+    finally:
+        h.close()
+
+
+def run(h: Harness, prompts: list[list[int]], **params: object) -> list[Result]:
+    rids = [h.submit(p, **params) for p in prompts]
+    results = h.run(rids)
+    h.assert_memory_empty()
+    if h.scheduler.spec is not None:
+        assert h.scheduler.spec.algorithm.states == {}
+    return [results[r] for r in rids]
+
+
+def vocab16_prompts(count: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    shared = torch.randint(1, VOCAB, (40,), generator=gen).tolist()
+    return [(shared if i % 3 == 0 else []) + torch.randint(1, VOCAB, (5 + 9 * i,),
+                                                          generator=gen).tolist()
+            for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def plain16(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
+    h = harness(tmp_path_factory.mktemp("plain16"), target, chunked_prefill_size=64)
+    with torch.inference_mode():
+        yield h
+    h.close()
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_outputs_equal_those_without_speculation(algorithm: str, target: Path,
+                                                 heads: dict[str, Path], plain16: Harness,
+                                                 tmp_path: Path) -> None:
+    spec = harness(tmp_path, target, algorithm, heads[algorithm], chunked_prefill_size=64)
+    try:
+        with torch.inference_mode():
+            prompts = vocab16_prompts(12)
+            stats = spec.scheduler.spec.stats
+            for params in (dict(temperature=0), dict(temperature=0.8, seed=3),
+                           dict(temperature=1.0, top_k=5, frequency_penalty=0.3, seed=9)):
+                want = run(plain16, prompts, max_new_tokens=40, ignore_eos=True, **params)
+                got = run(spec, prompts, max_new_tokens=40, ignore_eos=True, **params)
+                assert [g.output_ids for g in got] == [w.output_ids for w in want], params
+            assert stats.proposed_drafts > 500
+            assert stats.accepted_drafts > 20  # the head caught up on accepted drafts too
+            assert spec.scheduler.cache.stats.hit_tokens > 0  # shared prefixes were cached
+
+            s = spec.scheduler
+            s.new_token_ratio = 0.05  # admission under-reserves: the small pool retracts
+            many = vocab16_prompts(40)
+            want = run(plain16, many, max_new_tokens=60, temperature=0, ignore_eos=True)
+            got = run(spec, many, max_new_tokens=60, temperature=0, ignore_eos=True)
+            assert s.num_retractions > 0
+            assert [g.output_ids for g in got] == [w.output_ids for w in want]
+            keep = spec.submit(prompts[0], max_new_tokens=12, temperature=0)
+            gone = spec.submit(prompts[1], max_new_tokens=200, temperature=0, ignore_eos=True)
+            spec.run([keep, gone], abort={gone: 3})
+            run(spec, [], max_new_tokens=1)  # memory and state checks only
+    finally:
+        spec.close()
+
+
+def test_smollm2_with_an_eagle3_head_of_its_own_width(tmp_path: Path) -> None:
+    """The real target; a head 64 wide with its own embedding and a 2000-token draft
+    vocabulary (d2t) reads SmolLM2's 576-wide layer states."""
+    head = tmp_path / "head"
+    config = tiny_llama_config(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=1, max_position_embeddings=8192)
+    write_head(head, 3, config, target_hidden=576, seed=4, draft_vocab=2000,
+               target_vocab=49152, own_embedding=True)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "spec").mkdir()
+    plain = Harness(tmp_path / "plain")
+    spec = Harness(tmp_path / "spec", speculative_algorithm="EAGLE3",
+                   speculative_draft_model_path=str(head), speculative_disable_by_batch_size=64)
+    try:
+        with torch.inference_mode():
+            prompts = mixed_prompts(plain, 6)
+            want = run(plain, prompts, max_new_tokens=24, temperature=0)
+            got = run(spec, prompts, max_new_tokens=24, temperature=0)
+            assert [g.output_ids for g in got] == [w.output_ids for w in want]
+            assert spec.scheduler.spec.stats.proposed_drafts > 100
+    finally:
+        plain.close()
+        spec.close()
+
+
+def test_a_head_of_the_other_design_is_refused(target: Path, heads: dict[str, Path],
+                                               tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="--speculative-algorithm EAGLE3"):
+        harness(tmp_path, target, "EAGLE", heads["EAGLE3"])
+    with pytest.raises(ModelLoadError, match="--speculative-algorithm EAGLE\\b"):
+        harness(tmp_path, target, "EAGLE3", heads["EAGLE"])
+    wide = tmp_path / "wide"
+    write_head(wide, 1, tiny_llama_config(hidden_size=48, num_hidden_layers=1),
+               target_hidden=48, seed=3)
+    with pytest.raises(ModelLoadError, match="48 wide"):
+        harness(tmp_path, target, "EAGLE", wide)
+
+
+@pytest.mark.parametrize(("args", "names"), [
+    (["--speculative-algorithm", "EAGLE"], ["--speculative-draft-model-path"]),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "x",
+      "--speculative-eagle-topk", "4"], ["--speculative-eagle-topk"]),
+    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "x",
+      "--speculative-num-steps", "2", "--speculative-num-draft-tokens", "5"],
+     ["--speculative-num-draft-tokens", "--speculative-num-steps"]),
+])
+def test_bad_settings_fail_before_loading(args: list[str], names: list[str]) -> None:
+    result = run_cli(["serve", *args], timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    for name in names:
+        assert name in result.stderr, result.stderr
