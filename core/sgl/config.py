@@ -119,20 +119,21 @@ class ServerSettings:
         "continuation (jump-forward decoding off).")
     speculative_algorithm: str | None = _opt(
         None, "Speculative decoding algorithm by registered name (SGLang's: NGRAM, "
-        "STANDALONE); default: none. Greedy and sampled outputs are those of decoding "
+        "STANDALONE, EAGLE, EAGLE3); default: none. Greedy and sampled outputs are those of decoding "
         "without it (docs/speculative.md).", registry="speculative")
     speculative_num_draft_tokens: int | None = _opt(
         None, "Tokens verified per request and step, the request's last token included (so "
         "this minus one are drafted); default: the algorithm's.", minimum=2)
     speculative_num_steps: int | None = _opt(
-        None, "Draft-model forwards per step (STANDALONE); default: num_draft_tokens - 1. "
+        None, "Draft-model forwards per step (STANDALONE, EAGLE, EAGLE3); default: "
+        "num_draft_tokens - 1. "
         "NGRAM, which has no draft model, refuses it.", minimum=1)
     speculative_eagle_topk: int | None = _opt(
         None, "Branching of a draft model's tree per step; only 1 (a chain) so far (NGRAM's "
         "trees: --speculative-ngram-max-bfs-breadth).", minimum=1)
     speculative_draft_model_path: str | None = _opt(
-        None, "Draft model of STANDALONE: a folder or .gguf file sgl can load that shares the "
-        "target's tokenizer.")
+        None, "Draft model of STANDALONE (a folder or .gguf file sgl can load that shares the "
+        "target's tokenizer), or the draft head of EAGLE / EAGLE3 (its Hugging Face folder).")
     speculative_disable_by_batch_size: int | None = _opt(
         None, "Run steps with more decoding requests than this without speculation (the "
         "verification then costs more than it saves); default: the algorithm's.", minimum=1)
