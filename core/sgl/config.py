@@ -129,8 +129,9 @@ class ServerSettings:
         "num_draft_tokens - 1. "
         "NGRAM, which has no draft model, refuses it.", minimum=1)
     speculative_eagle_topk: int | None = _opt(
-        None, "Branching of a draft model's tree per step; only 1 (a chain) so far (NGRAM's "
-        "trees: --speculative-ngram-max-bfs-breadth).", minimum=1)
+        None, "Branching of EAGLE's beam search per step: above 1, EAGLE and EAGLE3 draft "
+        "token trees; default 1 (a chain). STANDALONE refuses it (NGRAM's trees: "
+        "--speculative-ngram-max-bfs-breadth).", minimum=1)
     speculative_draft_model_path: str | None = _opt(
         None, "Draft model of STANDALONE (a folder or .gguf file sgl can load that shares the "
         "target's tokenizer), or the draft head of EAGLE / EAGLE3 (its Hugging Face folder).")

@@ -81,9 +81,48 @@ def test_file_that_is_not_gguf(tmp_path: Path) -> None:
 
 def test_folder_without_weights(tmp_path: Path) -> None:
     tiny_config().save_pretrained(tmp_path)
-    (tmp_path / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(ModelLoadError, match=r"no weights found.*pytorch_model\.bin.*safetensors"):
+    (tmp_path / "model.pt").write_bytes(b"")
+    with pytest.raises(ModelLoadError,
+                       match=r"no weights found.*model\.pt.*safetensors.*pytorch_model\*\.bin"):
         open_weights(tmp_path)
+
+
+def test_torch_bin_stream(tiny_model: tuple[Path, dict[str, torch.Tensor]],
+                          tmp_path: Path) -> None:
+    """pytorch_model.bin, whole and sharded with its index, streams what was saved."""
+    import json
+
+    _, state = tiny_model
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    for folder in (whole, sharded):
+        folder.mkdir()
+        tiny_config().save_pretrained(folder)
+    torch.save(state, whole / "pytorch_model.bin")
+    names = sorted(state)
+    halves = {"pytorch_model-00001-of-00002.bin": names[:len(names) // 2],
+              "pytorch_model-00002-of-00002.bin": names[len(names) // 2:]}
+    for file, part in halves.items():
+        torch.save({n: state[n] for n in part}, sharded / file)
+    (sharded / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {n: file for file, part in halves.items() for n in part}}))
+    for folder in (whole, sharded):
+        source = open_weights(folder, torch.bfloat16)
+        streamed = dict(source)
+        assert len(source) == len(streamed) == len(state)
+        for name, tensor in state.items():
+            assert streamed[name].dtype == torch.bfloat16
+            assert torch.equal(streamed[name], tensor.to(torch.bfloat16))
+
+
+def test_corrupt_or_unsafe_torch_bin(tmp_path: Path) -> None:
+    tiny_config().save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="cannot read weights file"):
+        list(iter_weights(tmp_path))
+    # a pickle that would build an arbitrary object is refused (weights_only)
+    torch.save({"w": torch.zeros(2), "extra": Path("x")}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="cannot read weights file|not a state dict"):
+        list(iter_weights(tmp_path))
 
 
 def test_corrupt_safetensors(tmp_path: Path) -> None:

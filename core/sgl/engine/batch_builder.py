@@ -43,8 +43,9 @@ class BatchSeq:
     :param prefix_slots: for a prefix-cache hit, the cached slots of the first ``prefix_len``
         tokens; they are written into the row before the pass. None: the row already holds them.
     :param tree_parents: the new tokens as a tree (EXTEND only): each token's parent index,
-        earlier in the list, -1 for the first (the root). Token i sits at position
-        ``prefix_len + depth(i)`` and attends the prefix, its ancestors and itself.
+        earlier in the list, -1 for a root (the first token is one; more roots make a forest,
+        as a draft head's beams). Token i sits at position ``prefix_len + depth(i)`` and
+        attends the prefix, its ancestors and itself.
     """
 
     row: int
@@ -52,7 +53,7 @@ class BatchSeq:
     token_ids: Sequence[int]
     prefix_slots: torch.Tensor | None = None
     #: a token tree over the new tokens (see ``ForwardBatch.tree_masks``): ``parents[i]`` is
-    #: the index of token i's parent among them, -1 for the root (token 0). None: a chain.
+    #: the index of token i's parent among them, -1 for a root (token 0 is one). None: a chain.
     tree_parents: Sequence[int] | None = None
 
 
@@ -80,9 +81,10 @@ def _validate(runner: ModelRunner, mode: ForwardMode, seqs: Sequence[BatchSeq]) 
         if s.tree_parents is not None:
             parents = list(s.tree_parents)
             if mode != ForwardMode.EXTEND or len(parents) != n or parents[0] != -1 or any(
-                    not 0 <= p < i for i, p in enumerate(parents) if i):
-                raise ValueError(f"row {s.row}: tree_parents must give each new token after the "
-                                 f"first an earlier parent (extend only), got {parents}")
+                    not -1 <= p < i for i, p in enumerate(parents)):
+                raise ValueError(f"row {s.row}: tree_parents must give each new token an "
+                                 f"earlier parent or -1, the first -1 (extend only), got "
+                                 f"{parents}")
             if not runner.attn_backend.supports_tree_mask:
                 raise ValueError(f"the {runner.attn_backend.name} attention backend cannot "
                                  "attend over token trees")
@@ -169,8 +171,9 @@ def _tree(parents: Sequence[int] | None, n: int,
     mask = torch.eye(n, dtype=torch.bool)
     depth = [0] * n
     for i in range(1, n):
-        mask[i] |= mask[parents[i]]
-        depth[i] = depth[parents[i]] + 1
+        if parents[i] >= 0:  # else a root of a forest
+            mask[i] |= mask[parents[i]]
+            depth[i] = depth[parents[i]] + 1
     return mask.to(device), torch.tensor(depth, dtype=torch.int64, device=device)
 
 

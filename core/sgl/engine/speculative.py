@@ -141,9 +141,8 @@ class SpeculativeDecoding:
                             "sgl.speculative.BaseSpeculativeAlgorithm")
         self.name = name
         self.runner = runner
-        steps = settings.speculative_num_steps
         self.num_draft_tokens = settings.speculative_num_draft_tokens \
-            or (steps + 1 if steps else cls.default_num_draft_tokens)
+            or cls.draft_tokens(settings)
         self.algorithm = cls(settings=settings, runner=runner,
                              num_draft_tokens=self.num_draft_tokens, plugin_manager=pm)
         self.disable_by_batch_size = settings.speculative_disable_by_batch_size \

@@ -17,12 +17,14 @@ if TYPE_CHECKING:
     from sgl.model_loader.safetensors_weights import SafetensorsWeights
     from sgl.model_loader.source import WeightSource
     from sgl.model_loader.tokenizer import load_tokenizer
+    from sgl.model_loader.torch_bin_weights import TorchBinWeights
     from sgl.model_loader.weights import iter_weights, open_weights
 
 __all__ = [
     "GGUFWeights",
     "ModelLoadError",
     "SafetensorsWeights",
+    "TorchBinWeights",
     "WeightSource",
     "bundled_model_path",
     "gguf_to_hf_name",
@@ -38,6 +40,7 @@ _HOME = {
     "GGUFWeights": "gguf_weights",
     "ModelLoadError": "errors",
     "SafetensorsWeights": "safetensors_weights",
+    "TorchBinWeights": "torch_bin_weights",
     "WeightSource": "source",
     "bundled_model_path": "paths",
     "gguf_to_hf_name": "gguf_weights",

@@ -38,7 +38,8 @@ def _shard_files(folder: Path) -> list[Path]:
         found = f" (found {', '.join(others)}, which sgl does not read)" if others else ""
         raise ModelLoadError(
             f"no weights found in model folder {str(folder)!r}{found}; supported formats: "
-            "*.safetensors (optionally sharded with model.safetensors.index.json) or a .gguf file"
+            "*.safetensors (optionally sharded with model.safetensors.index.json), "
+            "pytorch_model*.bin, or a .gguf file"
         )
     return files
 

@@ -11,6 +11,7 @@ from sgl.model_loader.gguf_weights import GGUFWeights
 from sgl.model_loader.paths import is_gguf, resolve_model_path
 from sgl.model_loader.safetensors_weights import SafetensorsWeights
 from sgl.model_loader.source import WeightSource
+from sgl.model_loader.torch_bin_weights import TorchBinWeights, torch_bin_files
 
 __all__ = ["iter_weights", "open_weights"]
 
@@ -25,6 +26,8 @@ def open_weights(path: str | Path | None, dtype: torch.dtype = torch.float32) ->
     resolved = resolve_model_path(path)
     if is_gguf(resolved):
         return GGUFWeights(resolved, dtype)
+    if not any(resolved.glob("*.safetensors")) and torch_bin_files(resolved):
+        return TorchBinWeights(resolved, dtype)
     return SafetensorsWeights(resolved, dtype)
 
 

@@ -101,6 +101,13 @@ class BaseSpeculativeAlgorithm(ABC):
         self.num_draft_tokens = num_draft_tokens
         self.plugin_manager = plugin_manager
 
+    @classmethod
+    def draft_tokens(cls, settings: ServerSettings) -> int:
+        """``--speculative-num-draft-tokens`` when unset: ``--speculative-num-steps`` + 1 (one
+        chain) when that is given, else :attr:`default_num_draft_tokens`."""
+        steps = settings.speculative_num_steps
+        return steps + 1 if steps else cls.default_num_draft_tokens
+
     def default_batch_limit(self) -> int:
         """``--speculative-disable-by-batch-size`` when unset, for this model and dtype;
         default: :attr:`default_disable_by_batch_size`."""
@@ -134,8 +141,7 @@ def check_draft_chain_settings(settings: ServerSettings, name: str, draft: str) 
     if not settings.speculative_draft_model_path:
         return f"{name} needs --speculative-draft-model-path ({draft})"
     if (settings.speculative_eagle_topk or 1) > 1:
-        return (f"{name} drafts one chain per request (--speculative-eagle-topk 1); draft "
-                "trees are not built yet")
+        return f"{name} drafts one chain per request (--speculative-eagle-topk 1)"
     steps, tokens = settings.speculative_num_steps, settings.speculative_num_draft_tokens
     if steps is not None and tokens is not None and tokens != steps + 1:
         return (f"with one chain, --speculative-num-draft-tokens ({tokens}) must be "

@@ -10,11 +10,14 @@ published Hugging Face layout (acceptance means nothing with random heads; exact
   is gone after every run;
 - the bundled SmolLM2 with an EAGLE-3 head of another width (own embedding, a draft
   vocabulary mapped by d2t) keeps its outputs;
+- trees (``--speculative-eagle-topk`` above 1): the beam search's nodes, parents and order
+  equal the reference's, and verifying them keeps the outputs;
 - wrong heads and flags fail with messages that say what to do.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +43,7 @@ def tiny_llama_config(**changes: object):
 
     base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                 num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=0,
+                max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=0,
                 eos_token_id=None, pad_token_id=None)
     return LlamaConfig(**{**base, **changes})
 
@@ -62,7 +65,8 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def write_head(folder: Path, version: int, config, *, target_hidden: int, seed: int,
                draft_vocab: int | None = None, target_vocab: int = VOCAB,
                own_embedding: bool = False) -> dict[str, torch.Tensor]:
-    """A random head in the published layout (names, shapes, config); returns its tensors."""
+    """A random head in the published layout (names, shapes, config, file format); returns its
+    tensors."""
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(seed)
@@ -103,7 +107,11 @@ def write_head(folder: Path, version: int, config, *, target_hidden: int, seed: 
         config.draft_vocab_size = draft_vocab
         config.target_hidden_size = target_hidden
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    if version == 1:  # as EAGLE's authors publish them
+        torch.save(tensors, folder / "pytorch_model.bin")
+    else:
+        save_file({k: v.contiguous() for k, v in tensors.items()},
+                  str(folder / "model.safetensors"))
     config.save_pretrained(folder)
     return tensors
 
@@ -153,46 +161,76 @@ def reference_layer(w: dict[str, torch.Tensor], prefix: str, config, x: torch.Te
     return x + mlp @ w[f"{prefix}.mlp.down_proj.weight"].T
 
 
-def reference_chain(version: int, w: dict[str, torch.Tensor], config, embed: torch.Tensor,
-                    lm_head: torch.Tensor, feats: torch.Tensor, tokens: list[int],
-                    steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """The greedy chain of ``steps`` drafts after ``tokens`` and the head's output state before
-    each: position p reads ``tokens[p+1]`` and the target's state ``feats[p]``, drafted
-    positions the head's own previous state."""
-    n = len(tokens) - 1
-    ids, inputs = list(tokens[1:]), list(feats[:n])
-    hot = (w["d2t"] + torch.arange(len(w["d2t"]))) if "d2t" in w else None
-    drafts: list[int] = []
-    states: list[torch.Tensor] = []
-    for _ in range(steps):
-        e = embed[torch.tensor(ids)]
-        if version == 1:
-            x = torch.cat([e, torch.stack(inputs)], -1) @ w["fc.weight"].T + w["fc.bias"]
-            out = reference_layer(w, "layers.0", config, x, x)
-            state, logits = out[-1], out[-1] @ lm_head.T
+class ReferenceHead:
+    """The head run densely over whole sequences: position p reads ``tokens[p+1]`` and the
+    target's state ``feats[p]``; a drafted path's positions read the head's own previous
+    state."""
+
+    def __init__(self, version: int, w: dict[str, torch.Tensor], config, embed: torch.Tensor,
+                 lm_head: torch.Tensor, feats: torch.Tensor, tokens: list[int]) -> None:
+        self.version, self.w, self.config, self.embed, self.lm_head = (version, w, config,
+                                                                      embed, lm_head)
+        n = len(tokens) - 1
+        self.ids, self.feats = list(tokens[1:]), list(feats[:n])
+        self.hot = (w["d2t"] + torch.arange(len(w["d2t"]))) if "d2t" in w else None
+        self.memo: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def state(self, path: tuple[int, ...]) -> torch.Tensor:
+        """The head's output state at the last position, after the drafted ``path``."""
+        if path not in self.memo:
+            inputs = self.feats + [self.state(path[:i]) for i in range(len(path))]
+            w, e = self.w, self.embed[torch.tensor(self.ids + list(path))]
+            if self.version == 1:
+                x = torch.cat([e, torch.stack(inputs)], -1) @ w["fc.weight"].T + w["fc.bias"]
+                out = reference_layer(w, "layers.0", self.config, x, x)
+            else:
+                hs = torch.stack([f @ w["fc.weight"].T if f.shape[-1] != self.config.hidden_size
+                                  else f for f in inputs])
+                attn_in = torch.cat([rms(e, w["midlayer.input_layernorm.weight"]),
+                                     rms(hs, w["midlayer.hidden_norm.weight"])], -1)
+                out = reference_layer(w, "midlayer", self.config, hs, attn_in)
+            self.memo[path] = out[-1]
+        return self.memo[path]
+
+    def top(self, path: tuple[int, ...], k: int) -> list[tuple[float, int]]:
+        """The k likeliest next tokens after ``path``: (log-probability, target id)."""
+        state = self.state(path)
+        if self.version == 1:
+            logits = state @ self.lm_head.T
         else:
-            hs = torch.stack([f @ w["fc.weight"].T if f.shape[-1] != config.hidden_size else f
-                              for f in inputs])
-            attn_in = torch.cat([rms(e, w["midlayer.input_layernorm.weight"]),
-                                 rms(hs, w["midlayer.hidden_norm.weight"])], -1)
-            out = reference_layer(w, "midlayer", config, hs, attn_in)
-            state = out[-1]
-            logits = rms(state, w["norm.weight"]) @ (w["lm_head.weight"] if hot is not None
-                                                      else lm_head).T
-        best = int(logits.argmax())
-        drafts.append(int(hot[best]) if hot is not None else best)
-        ids.append(drafts[-1])
-        inputs.append(state)
-        states.append(state)
-    return drafts, states
+            head = self.w["lm_head.weight"] if self.hot is not None else self.lm_head
+            logits = rms(state, self.w["norm.weight"]) @ head.T
+        logp, best = torch.log_softmax(logits, -1).topk(k)
+        ids = self.hot[best] if self.hot is not None else best
+        return list(zip(logp.tolist(), ids.tolist()))
+
+    def chain(self, steps: int) -> list[int]:
+        path: tuple[int, ...] = ()
+        for _ in range(steps):
+            path += (self.top(path, 1)[0][1],)
+        return list(path)
+
+    def tree(self, steps: int, k: int, size: int) -> tuple[list[int], list[int]]:
+        """EAGLE's beam search (SGLang's topk): beams are the k likeliest paths of each level,
+        each expanded by its k likeliest tokens; the draft is the ``size`` likeliest paths of
+        all levels, ordered by level then likelihood: (tokens, parent indices)."""
+        scored = {(t,): lp for lp, t in self.top((), k)}
+        beams = sorted(scored, key=lambda q: -scored[q])
+        for _ in range(steps - 1):
+            children = {b + (t,): scored[b] + lp for b in beams for lp, t in self.top(b, k)}
+            scored.update(children)
+            beams = sorted(children, key=lambda q: -children[q])[:k]
+        chosen = sorted(scored, key=lambda q: -scored[q])[:size]
+        order = sorted(chosen, key=lambda q: (len(q), -scored[q]))
+        return [q[-1] for q in order], [order.index(q[:-1]) if len(q) > 1 else -1 for q in order]
 
 
 def start_one(h: Harness, prompt: list[int]) -> str:
     """Submit a request and step until its prompt ran and its first token is sampled."""
     rid = h.submit(prompt, max_new_tokens=50, temperature=0, ignore_eos=True)
     s = h.scheduler
-    for _ in range(1000):
-        s.recv_requests(block=False)
+    for _ in range(100):
+        s.recv_requests(block=not (s.running or s.waiting))  # the socket may take a moment
         if s.running or s.waiting:
             s.step()
             if any(r.rid == rid and r.output_ids for r in s.running):
@@ -201,37 +239,48 @@ def start_one(h: Harness, prompt: list[int]) -> str:
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
-def test_drafts_equal_the_dense_reference(algorithm: str, target: Path, heads: dict[str, Path],
+@pytest.mark.parametrize(("topk", "steps", "tokens"), [(1, 5, 6), (2, 3, 6), (3, 4, 12)])
+def test_drafts_equal_the_dense_reference(algorithm: str, topk: int, steps: int, tokens: int,
+                                          target: Path, heads: dict[str, Path],
                                           tmp_path: Path) -> None:
-    from safetensors.torch import load_file
+    """Chains (topk 1) and trees: the tree's nodes, parents and order as well."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from sgl.model_loader import open_weights
+
     version = 1 if algorithm == "EAGLE" else 3
-    w = load_file(str(heads[algorithm] / "model.safetensors"))
+    w = dict(open_weights(heads[algorithm]))
     config = LlamaConfig.from_pretrained(heads[algorithm])
     hf = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    h = harness(tmp_path, target, algorithm, heads[algorithm], chunked_prefill_size=7)
+    h = harness(tmp_path, target, algorithm, heads[algorithm], chunked_prefill_size=7,
+                speculative_eagle_topk=topk, speculative_num_steps=steps,
+                speculative_num_draft_tokens=tokens)
     try:
         with torch.inference_mode():
             prompt = [3, 7, 1, 9, 4, 12, 7, 1, 5, 14, 3, 9, 6, 1, 2, 8, 11, 4, 4, 10]
             rid = start_one(h, prompt)  # three prompt chunks, then the first token
             req = next(r for r in h.scheduler.running if r.rid == rid)
-            tokens = req.input_ids + req.output_ids
+            ids = req.input_ids + req.output_ids
             drafter = h.scheduler.spec.algorithm
-            assert drafter.states[rid].length == len(tokens) - 1
+            assert drafter.states[rid].length == len(ids) - 1
             kept = drafter.states[rid].last.clone()
-            got = drafter.propose([DraftRequest(rid, tokens, 5)])[0]
+            got = drafter.propose([DraftRequest(rid, ids, tokens - 1)])[0]
 
-            out = hf(torch.tensor([tokens]), output_hidden_states=True)
+            out = hf(torch.tensor([ids]), output_hidden_states=True)
             states = out.hidden_states  # [i]: entering layer i; [-1]: after the final norm
             feats = states[-1][0] if version == 1 else torch.cat(
                 [states[i][0] for i in (2, LAYERS // 2, LAYERS - 3)], -1)
-            want, head_states = reference_chain(version, w, config, hf.model.embed_tokens.weight,
-                                                hf.lm_head.weight, feats, tokens, 5)
+            ref = ReferenceHead(version, w, config, hf.model.embed_tokens.weight,
+                                hf.lm_head.weight, feats, ids)
             # the head's state after catching up on the prompt (through three chunks and the
             # first token), then its drafts
-            torch.testing.assert_close(kept, head_states[0], rtol=1e-4, atol=1e-4)
-            assert got == want, (got, want)
+            torch.testing.assert_close(kept, ref.state(()), rtol=1e-4, atol=1e-4)
+            if topk == 1:
+                assert got == ref.chain(tokens - 1), (got, ref.chain(tokens - 1))
+            else:
+                want = ref.tree(steps, topk, tokens - 1)
+                assert (list(got.tokens), list(got.parents)) == want
+                assert len(set(got.parents)) > 2  # a tree, not a chain or a fan
     finally:
         h.close()
 
@@ -261,11 +310,14 @@ def plain16(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     h.close()
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
-def test_outputs_equal_those_without_speculation(algorithm: str, target: Path,
+@pytest.mark.parametrize(("algorithm", "topk"), [("EAGLE", 1), ("EAGLE3", 1), ("EAGLE", 3),
+                                                ("EAGLE3", 2)])
+def test_outputs_equal_those_without_speculation(algorithm: str, topk: int, target: Path,
                                                  heads: dict[str, Path], plain16: Harness,
-                                                 tmp_path: Path) -> None:
-    spec = harness(tmp_path, target, algorithm, heads[algorithm], chunked_prefill_size=64)
+                                                 tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    spec = harness(tmp_path, target, algorithm, heads[algorithm], chunked_prefill_size=64,
+                   speculative_eagle_topk=topk)
     try:
         with torch.inference_mode():
             prompts = vocab16_prompts(12)
@@ -290,6 +342,14 @@ def test_outputs_equal_those_without_speculation(algorithm: str, target: Path,
             gone = spec.submit(prompts[1], max_new_tokens=200, temperature=0, ignore_eos=True)
             spec.run([keep, gone], abort={gone: 3})
             run(spec, [], max_new_tokens=1)  # memory and state checks only
+            # up to the end of the context (1024): drafts shrink, trees become chains
+            edge = [torch.randint(1, VOCAB, (1000,), generator=torch.Generator().manual_seed(1))
+                    .tolist()]
+            want = run(plain16, edge, max_new_tokens=40, temperature=0, ignore_eos=True)
+            got = run(spec, edge, max_new_tokens=40, temperature=0, ignore_eos=True)
+            assert got[0].output_ids == want[0].output_ids and len(got[0].output_ids) == 24
+        # a drafting failure would only cost speed; here there must be none
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
     finally:
         spec.close()
 
@@ -325,6 +385,14 @@ def test_a_head_of_the_other_design_is_refused(target: Path, heads: dict[str, Pa
         harness(tmp_path, target, "EAGLE", heads["EAGLE3"])
     with pytest.raises(ModelLoadError, match="--speculative-algorithm EAGLE\\b"):
         harness(tmp_path, target, "EAGLE3", heads["EAGLE"])
+    # a config that does not say: the tensors' names do
+    plain = tmp_path / "plain-config"
+    write_head(plain, 3, tiny_llama_config(num_hidden_layers=1), target_hidden=32, seed=2)
+    config = json.loads((plain / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({**config,
+                                                   "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ModelLoadError, match="midlayer.*--speculative-algorithm EAGLE3"):
+        harness(tmp_path, target, "EAGLE", plain)
     wide = tmp_path / "wide"
     write_head(wide, 1, tiny_llama_config(hidden_size=48, num_hidden_layers=1),
                target_hidden=48, seed=3)
@@ -335,7 +403,9 @@ def test_a_head_of_the_other_design_is_refused(target: Path, heads: dict[str, Pa
 @pytest.mark.parametrize(("args", "names"), [
     (["--speculative-algorithm", "EAGLE"], ["--speculative-draft-model-path"]),
     (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "x",
-      "--speculative-eagle-topk", "4"], ["--speculative-eagle-topk"]),
+      "--speculative-eagle-topk", "2", "--speculative-num-steps", "2",
+      "--speculative-num-draft-tokens", "10"],
+     ["--speculative-num-draft-tokens", "--speculative-eagle-topk", "--speculative-num-steps"]),
     (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "x",
       "--speculative-num-steps", "2", "--speculative-num-draft-tokens", "5"],
      ["--speculative-num-draft-tokens", "--speculative-num-steps"]),

@@ -42,6 +42,7 @@ from sgl.model_loader import ModelLoadError, load_hf_config, open_weights
 from sgl.speculative import (
     BaseSpeculativeAlgorithm,
     DraftRequest,
+    DraftTree,
     TargetStates,
     check_draft_chain_settings,
 )
@@ -56,6 +57,10 @@ if TYPE_CHECKING:
 __all__ = ["Eagle3Drafter", "EagleDrafter"]
 
 logger = logging.getLogger("sgl.speculative.eagle")
+
+#: head forwards per step of a tree (``--speculative-eagle-topk`` above 1) when
+#: ``--speculative-num-steps`` is not given
+DEFAULT_TREE_STEPS = 3
 
 
 @dataclass
@@ -77,6 +82,50 @@ class _State:
     row: int
     length: int
     last: torch.Tensor | None = None
+
+
+class _Beams:
+    """One request's beam search: every candidate (token, parent candidate or -1, path
+    log-probability, level), the current beams, and the beams that are head nodes."""
+
+    def __init__(self, logp: list[float], ids: list[int]) -> None:
+        self.token, self.parent, self.score, self.level = list(ids), [-1] * len(ids), \
+            list(logp), [0] * len(ids)
+        self.beams = list(range(len(ids)))
+        self.nodes: list[int] = []  # candidates run through the head, in order
+        self.node_of: dict[int, int] = {}  # candidate -> its index in nodes
+
+    def grow(self) -> None:
+        for c in self.beams:
+            self.node_of[c] = len(self.nodes)
+            self.nodes.append(c)
+
+    def expand(self, logp: list[list[float]], ids: list[list[int]]) -> None:
+        """The newest beams' children (``logp[b]``, ``ids[b]`` for beam ``b``); the ``topk``
+        likeliest become the beams."""
+        children = []
+        for beam, row_logp, row_ids in zip(self.beams, logp, ids):
+            for lp, token in zip(row_logp, row_ids):
+                children.append(len(self.token))
+                self.token.append(token)
+                self.parent.append(beam)
+                self.score.append(self.score[beam] + lp)
+                self.level.append(self.level[beam] + 1)
+        children.sort(key=lambda c: -self.score[c])
+        self.beams = children[:len(self.beams)]
+
+    def draft(self, size: int) -> DraftTree:
+        """The ``size`` likeliest candidates whose parents are taken too, level by level."""
+        taken: set[int] = set()
+        for c in sorted(range(len(self.token)), key=lambda c: (-self.score[c], c)):
+            if len(taken) == size:
+                break
+            if self.parent[c] < 0 or self.parent[c] in taken:
+                taken.add(c)
+        order = sorted(taken, key=lambda c: (self.level[c], -self.score[c], c))
+        index = {c: i for i, c in enumerate(order)}
+        return DraftTree([self.token[c] for c in order],
+                         [index[self.parent[c]] if self.parent[c] >= 0 else -1 for c in order])
 
 
 class EagleDrafter(BaseSpeculativeAlgorithm):
@@ -101,6 +150,11 @@ class EagleDrafter(BaseSpeculativeAlgorithm):
             other = "EAGLE3" if design == 3 else "EAGLE"
             raise ModelLoadError(f"{path} is an {other.replace('3', '-3')} head (its config.json "
                                  f"says so); serve it with --speculative-algorithm {other}")
+        self.topk = settings.speculative_eagle_topk or 1
+        self.steps = settings.speculative_num_steps or DEFAULT_TREE_STEPS
+        #: scratch slots per request row: its draft positions (a chain), or the beams a tree
+        #: expands (``topk`` at each step but the last)
+        self.scratch_per_row = max(num_draft_tokens, self.topk * (self.steps - 1))
         self.target = runner.model
         self.head = self._build(config, runner)
         self.head.eval()
@@ -111,17 +165,38 @@ class EagleDrafter(BaseSpeculativeAlgorithm):
                 process()
         self.memory = self._memory(config, runner, settings.attention_backend,
                                    plugin_manager.registries)
-        #: the first scratch slot; row r drafts at ``scratch + r * num_draft_tokens + j``
+        #: the first scratch slot; row r drafts at ``scratch + r * scratch_per_row + j``
         self.scratch = runner.kv_pool.size + 1
         self.states: dict[str, _State] = {}
-        logger.info("%s head %s: %d layer(s), KV %.1f MiB at the target's slots (+%d scratch)",
-                    self.name, config.name_or_path or path, self.head.num_layers,
+        logger.info("%s head %s: %d layer(s), KV %.1f MiB at the target's slots (+%d scratch), "
+                    "%s", self.name, config.name_or_path or path, self.head.num_layers,
                     self.memory.kv_pool.size * self._bytes_per_token / 2**20,
-                    self.memory.kv_pool.size - runner.kv_pool.size)
+                    self.memory.kv_pool.size - runner.kv_pool.size,
+                    "chains" if self.topk == 1 else f"trees ({self.steps} steps, top-{self.topk}, "
+                    f"{num_draft_tokens - 1} nodes)")
 
     @classmethod
     def check_settings(cls, settings: ServerSettings) -> str | None:
-        return check_draft_chain_settings(settings, cls.name, f"the {cls.name} head")
+        topk = settings.speculative_eagle_topk or 1
+        if topk == 1 or not settings.speculative_draft_model_path:
+            return check_draft_chain_settings(settings, cls.name, f"the {cls.name} head")
+        steps = settings.speculative_num_steps or DEFAULT_TREE_STEPS
+        tokens = settings.speculative_num_draft_tokens
+        most = topk + (steps - 1) * topk * topk  # every candidate of the beam search
+        if tokens is not None and tokens - 1 > most:
+            return (f"--speculative-num-draft-tokens ({tokens}) is more than a tree of "
+                    f"--speculative-num-steps {steps} and --speculative-eagle-topk {topk} "
+                    f"offers: at most topk + (num_steps - 1) * topk^2 + 1 = {most + 1}")
+        return None
+
+    @classmethod
+    def draft_tokens(cls, settings: ServerSettings) -> int:
+        """A chain: ``num_steps + 1``; a tree: one node per beam and step, ``num_steps * topk``
+        drafted."""
+        topk = settings.speculative_eagle_topk or 1
+        if topk == 1:
+            return super().draft_tokens(settings)
+        return 1 + (settings.speculative_num_steps or DEFAULT_TREE_STEPS) * topk
 
     # building ----------------------------------------------------------------------------------
 
@@ -139,7 +214,7 @@ class EagleDrafter(BaseSpeculativeAlgorithm):
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         rows = runner.req_to_token_pool
-        pool = KVPool(size=runner.kv_pool.size + rows.max_requests * self.num_draft_tokens,
+        pool = KVPool(size=runner.kv_pool.size + rows.max_requests * self.scratch_per_row,
                       num_layers=self.head.num_layers, num_kv_heads=kv_heads, head_dim=head_dim,
                       dtype=runner.dtype, device=runner.device)
         self._bytes_per_token = KVPool.bytes_per_token(
@@ -163,8 +238,12 @@ class EagleDrafter(BaseSpeculativeAlgorithm):
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.target.get_input_embeddings()(ids)
 
-    def _greedy(self, for_logits: torch.Tensor) -> list[int]:
-        return argmax_rows(self.target.compute_logits(for_logits)).tolist()
+    def _top(self, for_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` likeliest next tokens of each row: log-probabilities and target ids."""
+        logits = self.target.compute_logits(for_logits)
+        if k == 1:  # greedy chains need no probabilities
+            return logits.new_zeros(logits.shape[0], 1), argmax_rows(logits).view(-1, 1)
+        return torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
 
     # the algorithm -----------------------------------------------------------------------------
 
@@ -198,30 +277,81 @@ class EagleDrafter(BaseSpeculativeAlgorithm):
             state.last = after[end - 1].clone()
 
     @torch.inference_mode()
-    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in reqs]
+    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int] | DraftTree]:
+        drafts: list[list[int] | DraftTree] = [[] for _ in reqs]
         active = [(i, state, r.max_draft) for i, r in enumerate(reqs)
                   if r.max_draft > 0 and (state := self.states.get(r.rid)) is not None
                   and state.last is not None and state.length == len(r.token_ids) - 1]
-        if not active:
-            return drafts
-        current = torch.stack([state.last for _, state, _ in active])
+        # a tree's beams take table entries beyond the request's positions (one each):
+        # requests near the end of the context draft a chain
+        limit = self.memory.req_to_token_pool.max_context_len - self.topk * (self.steps - 1)
+        trees = [a for a in active if self.topk > 1 and a[1].length <= limit]
+        chains = [a for a in active if not (self.topk > 1 and a[1].length <= limit)]
+        if chains:
+            self._chains(drafts, chains, torch.stack([state.last for _, state, _ in chains]))
+        if trees:
+            self._trees(drafts, trees, torch.stack([state.last for _, state, _ in trees]))
+        return drafts
+
+    def _slot(self, state: _State, j: int) -> int:
+        return self.scratch + state.row * self.scratch_per_row + j
+
+    def _chains(self, drafts: list[Any], active: list[tuple[int, _State, int]],
+                current: torch.Tensor) -> None:
+        """Greedy chains: each token after the first from one decode forward of the head."""
         for_logits = self._logit_states(current)
         step = 0
         while True:
-            for (i, _, _), token in zip(active, self._greedy(for_logits)):
+            for (i, _, _), token in zip(active, self._top(for_logits, 1)[1].view(-1).tolist()):
                 drafts[i].append(token)
             keep = [j for j, (i, _, most) in enumerate(active) if len(drafts[i]) < most]
             if not keep:
-                return drafts
+                return
             active, current = [active[j] for j in keep], current[keep]
             seqs = [BatchSeq(state.row, state.length + step, [drafts[i][-1]])
                     for i, state, _ in active]
-            slots = torch.tensor([self.scratch + state.row * self.num_draft_tokens + step
-                                  for _, state, _ in active], dtype=torch.int64)
+            slots = torch.tensor([self._slot(state, step) for _, state, _ in active])
             for_logits, current = self._forward(ForwardMode.DECODE, seqs, slots, current,
                                                 from_target=False)
             step += 1
+
+    def _trees(self, drafts: list[Any], active: list[tuple[int, _State, int]],
+               roots: torch.Tensor) -> None:
+        """EAGLE's beam search, SGLang's ``--speculative-eagle-topk``: the ``topk`` likeliest
+        tokens from the kept state are the first beams; each step runs the head once over
+        every beam so far (a forest over the request's cached positions, recomputing the
+        earlier beams, which costs little and keeps no per-step KV), expands the newest
+        beams by their ``topk`` likeliest tokens each, and keeps the ``topk`` candidates of
+        highest path probability as the next beams. The draft is the ``num_draft_tokens - 1``
+        likeliest candidates of all steps (each one's parent among them: a path probability
+        never grows), level by level."""
+        k = self.topk
+        logp, ids = self._top(self._logit_states(roots), k)
+        trees = [_Beams(logp[j].tolist(), ids[j].tolist()) for j in range(len(active))]
+        outputs: list[torch.Tensor] = []  # per request: the head's output state of each beam
+        for step in range(1, self.steps):
+            seqs, slots, inputs = [], [], []
+            for j, (_, state, _) in enumerate(active):
+                tree = trees[j]
+                tree.grow()  # the newest beams become head nodes
+                parents = [tree.node_of[tree.parent[c]] if tree.parent[c] >= 0 else -1
+                           for c in tree.nodes]
+                seqs.append(BatchSeq(state.row, state.length, [tree.token[c] for c in tree.nodes],
+                                     tree_parents=parents))
+                slots.extend(self._slot(state, n) for n in range(len(tree.nodes)))
+                inputs.append(torch.stack([roots[j] if p < 0 else outputs[j][p]
+                                           for p in parents]))
+            for_logits, after = self._forward(ForwardMode.EXTEND, seqs, torch.tensor(slots),
+                                              torch.cat(inputs), from_target=False)
+            logp, ids = self._top(for_logits, k)
+            outputs, end = [], 0
+            for tree, seq in zip(trees, seqs):
+                n = len(seq.token_ids)
+                outputs.append(after[end:end + n])
+                tree.expand(logp[end + n - k:end + n].tolist(), ids[end + n - k:end + n].tolist())
+                end += n
+        for tree, (i, _, most) in zip(trees, active):
+            drafts[i] = tree.draft(min(most, self.num_draft_tokens - 1))
 
     def _logit_states(self, states: torch.Tensor) -> torch.Tensor:
         """What the LM head reads for a kept output state (EAGLE: the state itself)."""
@@ -259,9 +389,13 @@ class Eagle3Drafter(EagleDrafter):
     def _logit_states(self, states: torch.Tensor) -> torch.Tensor:
         return self.head.norm(states)[0]
 
-    def _greedy(self, for_logits: torch.Tensor) -> list[int]:
+    def _top(self, for_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         head: Eagle3Head = self.head  # type: ignore[assignment]
         if head.lm_head is None:
-            return super()._greedy(for_logits)
-        best = argmax_rows(head.lm_head(for_logits))
-        return head.hot_token_ids[best].tolist()
+            return super()._top(for_logits, k)
+        logits = head.lm_head(for_logits)
+        if k == 1:
+            return logits.new_zeros(logits.shape[0], 1), head.hot_token_ids[
+                argmax_rows(logits)].view(-1, 1)
+        logp, best = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+        return logp, head.hot_token_ids[best]

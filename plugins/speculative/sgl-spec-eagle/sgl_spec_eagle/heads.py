@@ -81,6 +81,22 @@ def _strip(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
+def _checked(weights: Iterable[tuple[str, torch.Tensor]],
+             version: int) -> list[tuple[str, torch.Tensor]]:
+    """The head's tensors (names without a ``model.`` prefix), refused with the algorithm to
+    use when their names are the other design's (a config need not say which it is)."""
+    named = [(_strip(name), tensor) for name, tensor in weights]
+    eagle3 = any(n.startswith("midlayer.") or n in ("d2t", "t2d") for n, _ in named)
+    eagle = any(n.startswith("layers.") for n, _ in named)
+    if version == 1 and eagle3:
+        raise ModelLoadError("its tensors (midlayer.*, d2t) are an EAGLE-3 head's; serve it "
+                             "with --speculative-algorithm EAGLE3")
+    if version == 3 and eagle and not eagle3:
+        raise ModelLoadError("its tensors (layers.N.*) are an EAGLE (1/2) head's; serve it "
+                             "with --speculative-algorithm EAGLE")
+    return named
+
+
 class _Attention(nn.Module):
     """Rotary grouped-query attention reading ``in_size`` features, writing ``hidden_size``."""
 
@@ -169,11 +185,7 @@ class EagleHead(nn.Module):
         return out, out
 
     def map_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[MappedWeight]:
-        for name, tensor in weights:
-            name = _strip(name)
-            if name.startswith("midlayer") or name in ("d2t", "t2d"):
-                raise ModelLoadError(f"{name!r} is a tensor of an EAGLE-3 head; serve it with "
-                                     "--speculative-algorithm EAGLE3")
+        for name, tensor in _checked(weights, 1):
             # the target's embedding and LM head are used; EAGLE's first layer has no input norm
             if name in ("embed_tokens.weight", "lm_head.weight",
                         "layers.0.input_layernorm.weight") or name.endswith("rotary_emb.inv_freq"):
@@ -247,11 +259,7 @@ class Eagle3Head(nn.Module):
 
 
     def map_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[MappedWeight]:
-        for name, tensor in weights:
-            name = _strip(name)
-            if name.startswith("layers."):
-                raise ModelLoadError(f"{name!r} is a tensor of an EAGLE (1/2) head; serve it "
-                                     "with --speculative-algorithm EAGLE")
+        for name, tensor in _checked(weights, 3):
             if name == "d2t":
                 if tensor.shape != (self.draft_vocab,):
                     raise ModelLoadError(f"d2t has shape {tuple(tensor.shape)}, expected "
