@@ -49,7 +49,7 @@ SCHEMAS = {
     "extend_attention": "extend_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, "
                         "Tensor rows, Tensor q_starts, Tensor prefix_lens, Tensor extend_lens, "
                         "int num_heads, int num_kv_heads, int head_dim, float scale, "
-                        "float softcap, int window) -> Tensor",
+                        "float softcap, int window, Tensor? tree_bits=None) -> Tensor",
 }
 
 
@@ -205,7 +205,7 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      table: torch.Tensor, rows: torch.Tensor, q_starts: torch.Tensor,
                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor, num_heads: int,
                      num_kv_heads: int, head_dim: int, scale: float, softcap: float,
-                     window: int) -> torch.Tensor:
+                     window: int, tree_bits: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill attention of ragged sequences on top of cached prefixes, from the paged pools.
 
     Sequence b has ``prefix_lens[b]`` cached tokens and ``extend_lens[b]`` new ones, whose
@@ -213,8 +213,11 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     them (the new ones already written) are the pool slots ``table[rows[b], :prefix + extend]``.
     New token i (position ``p = prefix + i``) attends positions ``start .. p`` (causal; ``start
     = p - window + 1`` when ``window > 0``, else 0), with ``scale``, ``softcap`` and
-    grouped-query heads as in :func:`decode_attention`. Returns ``[T, Hq * Dv]`` in ``q``'s dtype
-    (rows of no sequence are zero)."""
+    grouped-query heads as in :func:`decode_attention`. With ``tree_bits`` (int32 ``[T]``) the new
+    tokens of a sequence may be a token tree of at most 32: the query of row ``r`` sees new token
+    ``j < 32`` only where bit ``j`` of ``tree_bits[r]`` is set (its ancestors and itself; -1 for
+    every row of a plain causal sequence). Returns ``[T, Hq * Dv]`` in ``q``'s dtype (rows of no
+    sequence are zero)."""
     v_dim = v_pool.shape[-1]
     k_slots = k_pool.view(-1, num_kv_heads, head_dim)
     v_slots = v_pool.view(-1, num_kv_heads, v_dim)
@@ -237,6 +240,10 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         allowed = key_pos <= pos
         if window > 0:
             allowed &= key_pos > pos - window
+        if tree_bits is not None:  # new token j seen where bit j of the query's row is set
+            new = torch.arange(min(n, 32))
+            seen = (tree_bits[start:start + n, None].long() >> new) & 1
+            allowed[:, prefix:prefix + new.numel()] &= seen.bool()
         weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         out[start:start + n] = (weights @ values).transpose(0, 1).reshape(n, -1).to(q.dtype)
     return out

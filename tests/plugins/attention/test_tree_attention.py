@@ -20,6 +20,8 @@ PREFIX = [5, 9, 2, 77, 31, 8, 140, 6]
 #: 3 a child of 1, 4 and 5 children of 3, 6 a child of 2
 TOKENS = [11, 23, 42, 7, 99, 3, 250]
 PARENTS = [-1, 0, 0, 1, 3, 3, 2]
+#: a forest (a draft head's beams): three roots, each attending the prefix and its own subtree
+FOREST = [-1, 0, -1, 2, -1, 4, 5]
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +40,10 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
                        show_progress=False)
 
 
-def path_to(node: int) -> list[int]:
+def path_to(node: int, parents: list[int] = PARENTS) -> list[int]:
     path = [node]
-    while PARENTS[path[-1]] != -1:
-        path.append(PARENTS[path[-1]])
+    while parents[path[-1]] != -1:
+        path.append(parents[path[-1]])
     return path[::-1]
 
 
@@ -58,20 +60,23 @@ def cached_prefix(runner: ModelRunner) -> int:
 
 
 @pytest.mark.parametrize("with_prefix", [True, False])
-def test_one_tree_forward_equals_each_path(runner: ModelRunner, with_prefix: bool) -> None:
+@pytest.mark.parametrize("parents", [PARENTS, FOREST], ids=["tree", "forest"])
+@pytest.mark.usefixtures("kernel_isa")  # sgl's extend kernel takes trees at every level
+def test_one_tree_forward_equals_each_path(runner: ModelRunner, with_prefix: bool,
+                                           parents: list[int]) -> None:
     with torch.inference_mode():
         free_before = runner.kv_pool.num_free
         prefix = PREFIX if with_prefix else []
         row = cached_prefix(runner) if with_prefix else runner.req_to_token_pool.alloc()
         # beside it in the same batch, a plain chain of another sequence
         other = runner.req_to_token_pool.alloc()
-        tree = logits_of(runner, [BatchSeq(row, len(prefix), TOKENS, tree_parents=PARENTS),
+        tree = logits_of(runner, [BatchSeq(row, len(prefix), TOKENS, tree_parents=parents),
                                   BatchSeq(other, 0, [4, 8, 15, 16])])
         chain = logits_of(runner, [BatchSeq(other, 4, [23])])  # the chain's KV is right
         release_sequence(runner, row, len(prefix) + len(TOKENS))
         release_sequence(runner, other, 5)
         for node in range(len(TOKENS)):
-            path = path_to(node)
+            path = path_to(node, parents)
             r = runner.req_to_token_pool.alloc()
             alone = logits_of(runner, [BatchSeq(r, 0, prefix + [TOKENS[i] for i in path])])
             release_sequence(runner, r, len(prefix) + len(path))
@@ -96,7 +101,7 @@ def test_the_tree_really_masks(runner: ModelRunner) -> None:
         assert not torch.allclose(tree[2], chain[2], atol=1e-3)  # node 2 is not after node 1
 
 
-@pytest.mark.parametrize("parents", [[0, 0], [-1, 1], [-1, -1], [-1]])
+@pytest.mark.parametrize("parents", [[0, 0], [-1, 1], [-1, -2], [-1]])
 def test_bad_trees_are_refused(runner: ModelRunner, parents: list[int]) -> None:
     row = runner.req_to_token_pool.alloc()
     try:

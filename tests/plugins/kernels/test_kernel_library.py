@@ -173,6 +173,49 @@ def test_extend_attention_matches_its_reference(dtype: torch.dtype, heads: tuple
         torch.testing.assert_close(got.float(), expected.float(), **tol)
 
 
+def _tree_bits(parents: list[int]) -> list[int]:
+    """Each node's ancestors-or-self as bits, the int32 pattern ``tree_bits`` takes."""
+    bits = []
+    for i, parent in enumerate(parents):
+        bits.append((1 << i) | (bits[parent] if parent >= 0 else 0))
+    return [b - (1 << 32) if b >= 1 << 31 else b for b in bits]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,d", [((9, 3), 64), ((8, 1), 128), ((32, 2), 16)])
+@pytest.mark.usefixtures("kernel_isa", "restore_kernel_threads")
+def test_extend_attention_over_token_trees(dtype: torch.dtype, heads: tuple[int, int],
+                                           d: int) -> None:
+    """Token trees (a speculative draft's verification): a 7-node tree on a cached prefix, a
+    forest of 32 nodes (bit 31 used) and a plain 70-token causal sequence in one call; each
+    tree row attends its prefix, its ancestors and itself, as the reference does, and the
+    result differs from causal attention over the same rows (the mask is not ignored)."""
+    torch.manual_seed(heads[0] + d)
+    hq, hk = heads
+    prefix, extend = torch.tensor([5, 0, 3]), torch.tensor([7, 70, 32])
+    table = torch.randperm(256)[:3 * 80].view(3, 80).contiguous()
+    starts = torch.cumsum(extend, 0) - extend
+    small = [-1, 0, 0, 1, 3, 3, 2]
+    forest = [-1] + [int(torch.randint(-1, i, ()).item()) for i in range(1, 32)]
+    bits = torch.tensor(_tree_bits(small) + [-1] * 70 + _tree_bits(forest), dtype=torch.int32)
+    args = (torch.randn(109, hq * d).to(dtype), torch.randn(256, hk, d).to(dtype),
+            torch.randn(256, hk, d).to(dtype), table, torch.tensor([2, 0, 1]),
+            starts.contiguous(), prefix, extend, hq, hk, d, d ** -0.5, 0.0, 0)
+    expected = ops.extend_attention(*args, bits)
+    causal = ops.extend_attention(*args)
+    tree_rows = torch.cat([torch.arange(1, 7), torch.arange(78, 109)])
+    assert not torch.allclose(expected[tree_rows].float(), causal[tree_rows].float(), atol=0.05)
+    torch.testing.assert_close(expected[7:77], causal[7:77])  # -1: plain causal rows
+    tol = {"rtol": 0.02, "atol": 0.02} if dtype == torch.bfloat16 else {"rtol": 1e-5,
+                                                                        "atol": 1e-5}
+    for threads in (1, 2):
+        cpu.set_threads(threads)
+        with cpu.recording() as tape:
+            got = torch.ops.sgl.extend_attention(*args, bits)
+        assert len(tape) == 1  # the kernel ran, not a fallback
+        torch.testing.assert_close(got.float(), expected.float(), **tol)
+
+
 @pytest.mark.usefixtures("kernel_isa")
 def test_operators_refuse_bad_arguments_with_clear_errors() -> None:
     x = torch.randn(4, 64)
@@ -194,6 +237,14 @@ def test_operators_refuse_bad_arguments_with_clear_errors() -> None:
     args[8] = 5  # 5 query heads over 2 KV heads
     with pytest.raises(ValueError, match="not a shape the kernel takes"):
         torch.ops.sgl.extend_attention(*args)
+    args = list(_extend_args(torch.float32, 6, 2, 32, 0.0, 0))
+    bits = torch.full((77,), -1, dtype=torch.int32)
+    bits[10] = 1  # a row of the 70-token second sequence: a tree the kernel cannot take
+    with pytest.raises(ValueError, match="token tree of 70 new tokens; the kernel takes trees "
+                                         "of at most 32"):
+        torch.ops.sgl.extend_attention(*args, bits)
+    with pytest.raises(ValueError, match="tree_bits must have one value per row of q"):
+        torch.ops.sgl.extend_attention(*args, bits[:5])
 
 
 @pytest.mark.usefixtures("kernel_isa")

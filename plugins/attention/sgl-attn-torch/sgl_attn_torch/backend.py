@@ -104,6 +104,27 @@ class _NativeExtend:
     prefix_lens: torch.Tensor
     extend_lens: torch.Tensor
     table: torch.Tensor
+    #: int32 [tokens]: the new tokens each token of a token tree sees (bit j: new token j of
+    #: its sequence), -1 elsewhere; None without trees
+    tree_bits: torch.Tensor | None = None
+
+
+def _tree_bits(seqs: list[_ExtendSeq], tokens: int) -> torch.Tensor | None:
+    """``sgl::extend_attention``'s ``tree_bits`` for a batch with token trees: row i of a tree
+    has bit j set where it sees new token j; -1 for the other rows. None when a tree has more
+    than 32 tokens (the kernel's limit)."""
+    bits = torch.full((tokens,), -1, dtype=torch.int32)
+    for seq in seqs:
+        if seq.tree is None:
+            continue
+        n = seq.q_end - seq.q_start
+        if n > 32:
+            return None
+        weights = torch.ones(n, dtype=torch.int64) << torch.arange(n)
+        packed = (seq.tree.to("cpu", torch.int64) * weights).sum(dim=1)
+        bits[seq.q_start:seq.q_end] = packed.to(torch.int64).where(packed < 2**31,
+                                                                  packed - 2**32).to(torch.int32)
+    return bits
 
 
 def _cpu_list(values: list[int], tensor: torch.Tensor) -> list[int]:
@@ -136,15 +157,16 @@ class TorchAttentionBackend(BaseAttentionBackend):
             plan.extend.append(_ExtendSeq(start, end, prefix, indices, tree=tree))
             start = end
         kernels = cpu.load() if self.device.type == "cpu" else None
-        if batch.tree_masks is not None:
-            kernels = None  # sgl's extend kernel is causal only: trees take the torch path
+        tree_bits = _tree_bits(plan.extend, start) if batch.tree_masks is not None else None
+        if batch.tree_masks is not None and tree_bits is None:
+            kernels = None  # a tree of more than 32 tokens: the torch path
         if kernels is not None and table.dtype == torch.int64 and table.stride(1) == 1:
             extend = [seq.q_end - seq.q_start for seq in plan.extend]
             plan.native_extend = _NativeExtend(
                 kernels, torch.tensor(rows, dtype=torch.int64),
                 torch.tensor([seq.q_start for seq in plan.extend], dtype=torch.int64),
                 torch.tensor(prefix_lens, dtype=torch.int64),
-                torch.tensor(extend, dtype=torch.int64), table)
+                torch.tensor(extend, dtype=torch.int64), table, tree_bits)
         return plan
 
     def _plan_decode(self, batch: ForwardBatch, seq_lens: list[int]) -> TorchAttentionMetadata:
@@ -214,6 +236,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
         new K/V are in it already); None when this layer's tensors do not fit it."""
         if native is None or not native.kernels.extend_attention_faster(q.dtype):
             return None
+        if native.tree_bits is not None and layer.sliding_window:
+            return None  # the torch path says that trees and windows do not mix
         k_pool = self.kv_pool.k_buffer[layer.layer_id]
         v_pool = self.kv_pool.v_buffer[layer.layer_id]
         q2 = q.view(q.shape[0], -1)
@@ -226,7 +250,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
         return torch.ops.sgl.extend_attention(
             q2, k_pool, v_pool, native.table, native.rows, native.q_starts, native.prefix_lens,
             native.extend_lens, layer.num_heads, layer.num_kv_heads, layer.head_dim,
-            layer.scaling, layer.logit_softcap or 0.0, layer.sliding_window or 0)
+            layer.scaling, layer.logit_softcap or 0.0, layer.sliding_window or 0,
+            native.tree_bits)
 
     def _decode_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: AttentionLayerSpec, native: _NativeDecode) -> torch.Tensor | None:

@@ -164,6 +164,7 @@ typedef struct {
     int64_t out_stride, Hq, Hk, D, Dv, window, QT, es;
     float scale, softcap;
     int dtype;
+    const int32_t *tree_bits; /* per query token (q row): bit j = it sees new token j (j < 32) */
     atomic_int failed;
 } extend_job;
 
@@ -193,15 +194,16 @@ static inline extend_item extend_locate(const extend_job *j, int64_t item) {
 
 /* A thread's buffers for its items: qt [D][64] (queries transposed), st [KB][64] (scores),
    ot [Dv][64] (output), kf [KB][D] and vf [KB][Dv] (bfloat16 keys/values widened), the running
-   maximum and sum of each row, and each row's position (-1: a padding row). */
+   maximum and sum of each row, each row's position (-1: a padding row) and, for a token tree,
+   the new tokens each row sees (tree_bits). */
 typedef struct {
     float *qt, *st, *ot, *kf, *vf, *mrow, *lrow;
-    int32_t *pos;
+    int32_t *pos, *tbits;
 } extend_buffers;
 
 static inline int extend_buffers_get(const extend_job *j, extend_buffers *s) {
     const int64_t D = j->D, Dv = j->Dv;
-    float *buf = scratch_f32((D + EXT_KB + Dv) * EXT_ROWS + EXT_KB * (D + Dv) + 3 * EXT_ROWS);
+    float *buf = scratch_f32((D + EXT_KB + Dv) * EXT_ROWS + EXT_KB * (D + Dv) + 4 * EXT_ROWS);
     if (!buf) return -1;
     s->qt = buf;
     s->st = s->qt + D * EXT_ROWS;
@@ -211,6 +213,7 @@ static inline int extend_buffers_get(const extend_job *j, extend_buffers *s) {
     s->mrow = s->vf + EXT_KB * Dv;
     s->lrow = s->mrow + EXT_ROWS;
     s->pos = (int32_t *)(s->lrow + EXT_ROWS);
+    s->tbits = s->pos + EXT_ROWS;
     return 0;
 }
 
@@ -222,6 +225,8 @@ static inline void extend_item_reset(const extend_job *j, const extend_item *it,
     memset(s->ot, 0, (size_t)(j->Dv * EXT_ROWS) * sizeof(float));
     for (int64_t r = 0; r < EXT_ROWS; r++) {
         s->pos[r] = r < it->rows ? (int32_t)(prefix + it->t0 + r % it->nt) : -1;
+        s->tbits[r] = j->tree_bits && r < it->rows
+                          ? j->tree_bits[j->q_starts[it->b] + it->t0 + r % it->nt] : -1;
         s->mrow[r] = -INFINITY;
         s->lrow[r] = 0.0f;
     }
@@ -262,7 +267,7 @@ static inline int run_extend_attention(
     const void *v_pool, const int64_t *table, int64_t table_stride, const int64_t *rows,
     const int64_t *q_starts, const int64_t *prefix_lens, const int64_t *extend_lens, int64_t B,
     void *out, int64_t out_stride, int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, float scale,
-    float softcap, int64_t window, int dtype) {
+    float softcap, int64_t window, int dtype, const int32_t *tree_bits) {
     if (D % 16 || Dv % 16 || D < 16 || Dv < 16 || D > 256 || Dv > 256 || Hk < 1 || Hq % Hk
         || Hq / Hk > EXT_ROWS || B < 0) return -1;
     const int64_t G = Hq / Hk, es = dtype ? 2 : 4;
@@ -274,7 +279,8 @@ static inline int run_extend_attention(
         first_item[b + 1] = first_item[b] + (extend_lens[b] + QT - 1) / QT;
     extend_job job = {q, q_stride, k_pool, v_pool, Hk * D * es, Hk * Dv * es, table, rows,
                       q_starts, prefix_lens, extend_lens, first_item, table_stride, B, out,
-                      out_stride, Hq, Hk, D, Dv, window, QT, es, scale, softcap, dtype, 0};
+                      out_stride, Hq, Hk, D, Dv, window, QT, es, scale, softcap, dtype,
+                      tree_bits, 0};
     sgl_parallel_for(items_fn, &job, first_item[B] * Hk, 1);
     free(first_item);
     return atomic_load(&job.failed) ? -2 : 0;

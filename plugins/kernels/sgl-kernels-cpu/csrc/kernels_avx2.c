@@ -728,21 +728,29 @@ AVX2_TARGET INLINE void ext_pv(const float *const *v, int64_t nk, const float *p
 
 /* the online-softmax step of one row vector (8 rows) over keys k0 .. k0 + nk of a block */
 AVX2_TARGET INLINE void ext_softmax(const extend_job *j, float *st, float *ot, float *mrow,
-                                    float *lrow, const int32_t *pos, int64_t k0, int64_t nk,
-                                    int rb) {
+                                    float *lrow, const int32_t *pos, const int32_t *tbits,
+                                    int64_t prefix, int64_t k0, int64_t nk, int rb) {
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     const __m256i p = _mm256_loadu_si256((const __m256i *)(pos + 8 * rb));
     const __m256i lo = j->window > 0 ? _mm256_sub_epi32(p, _mm256_set1_epi32((int)j->window - 1))
                                      : _mm256_setzero_si256();
     __m256 mx = _mm256_load_ps(mrow + 8 * rb);
     const __m256 m_old = mx;
+    const __m256i seen = tbits ? _mm256_loadu_si256((const __m256i *)(tbits + 8 * rb))
+                               : _mm256_setzero_si256();
     int any = 0;
     for (int64_t x = 0; x < nk; x++) {
         const __m256i key = _mm256_set1_epi32((int)(k0 + x));
         /* lo <= key <= p */
-        const __m256 ok = _mm256_castsi256_ps(_mm256_andnot_si256(
+        __m256 ok = _mm256_castsi256_ps(_mm256_andnot_si256(
             _mm256_or_si256(_mm256_cmpgt_epi32(key, p), _mm256_cmpgt_epi32(lo, key)),
             _mm256_set1_epi32(-1)));
+        const int64_t jn = k0 + x - prefix; /* the key's index among the new tokens */
+        if (tbits && jn >= 0 && jn < 32) { /* a tree: only the rows whose bit jn is set */
+            const __m256i unseen = _mm256_cmpeq_epi32(
+                _mm256_and_si256(seen, _mm256_set1_epi32((int)(1u << jn))), _mm256_setzero_si256());
+            ok = _mm256_andnot_ps(_mm256_castsi256_ps(unseen), ok);
+        }
         __m256 s = _mm256_load_ps(st + x * EXT_ROWS + 8 * rb);
         if (j->softcap > 0) { /* cap * tanh(s / cap), tanh(y) = 1 - 2 / (e^2y + 1) */
             const __m256 e2 = exp8(_mm256_mul_ps(s, _mm256_set1_ps(2.0f / j->softcap)));
@@ -788,11 +796,12 @@ AVX2_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t i1
     }
     float *qt = buf.qt, *st = buf.st, *ot = buf.ot, *kf = buf.kf, *vf = buf.vf;
     float *mrow = buf.mrow, *lrow = buf.lrow;
-    const int32_t *pos = buf.pos;
+    const int32_t *pos = buf.pos, *tbits = j->tree_bits ? buf.tbits : NULL;
     const float *kx[EXT_KB], *vx[EXT_KB];
     for (int64_t item = i0; item < i1; item++) {
         const extend_item it = extend_locate(j, item);
         const int64_t hk = it.hk, rows = it.rows, p_last = it.p_last, *slots = it.slots;
+        const int64_t prefix = j->prefix_lens[it.b];
         const int nbv = (int)((rows + 7) / 8);
         extend_item_reset(j, &it, &buf);
         extend_load_queries(j, &it, qt);
@@ -821,7 +830,8 @@ AVX2_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t i1
 #undef EXT_QK
                 }
             }
-            for (int rb = 0; rb < nbv; rb++) ext_softmax(j, st, ot, mrow, lrow, pos, k0, nk, rb);
+            for (int rb = 0; rb < nbv; rb++)
+                ext_softmax(j, st, ot, mrow, lrow, pos, tbits, prefix, k0, nk, rb);
             for (int b0 = 0; b0 < nbv; b0 += 4) {
                 const int nb = nbv - b0 < 4 ? nbv - b0 : 4;
                 for (int64_t c = 0; c < Dv; c += 2) { /* Dv is even (a multiple of 16) */
@@ -850,10 +860,12 @@ AVX2_TARGET int sgl_extend_attention_avx2(
     const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int64_t *table,
     int64_t table_stride, const int64_t *rows, const int64_t *q_starts, const int64_t *prefix_lens,
     const int64_t *extend_lens, int64_t B, void *out, int64_t out_stride, int64_t Hq, int64_t Hk,
-    int64_t D, int64_t Dv, float scale, float softcap, int64_t window, int dtype) {
+    int64_t D, int64_t Dv, float scale, float softcap, int64_t window, int dtype,
+    const int32_t *tree_bits) {
     return run_extend_attention(extend_attention_items, q, q_stride, k_pool, v_pool, table,
                                 table_stride, rows, q_starts, prefix_lens, extend_lens, B, out,
-                                out_stride, Hq, Hk, D, Dv, scale, softcap, window, dtype);
+                                out_stride, Hq, Hk, D, Dv, scale, softcap, window, dtype,
+                                tree_bits);
 }
 
 #endif

@@ -964,7 +964,8 @@ AVX512_TARGET int sgl_linear_bf16_avx512(const uint16_t *x, int64_t ldx, const u
  * rows q_starts[b] .. + extend_lens[b] of q; the keys and values of all of them (the new ones
  * already written) are the pool rows table[rows[b]][0 .. prefix + extend). New token i sits at
  * position p = prefix + i and attends positions [start(p), p] (causal; start(p) = p - window + 1
- * with a window, else 0).
+ * with a window, else 0). With tree_bits (a token tree of at most 32 new tokens), row i also sees
+ * new token j only where bit j of tree_bits[q row of i] is set (its ancestors and itself).
  *
  * Flash-style, in float32: a work item is one tile of QT query tokens of one sequence and one KV
  * head, i.e. R = G * QT <= 64 query rows (the G query heads that share the KV head), which walk
@@ -1044,11 +1045,12 @@ AVX512_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t 
     }
     float *qt = buf.qt, *st = buf.st, *ot = buf.ot, *kf = buf.kf, *vf = buf.vf;
     float *mrow = buf.mrow, *lrow = buf.lrow;
-    const int32_t *pos = buf.pos;
+    const int32_t *pos = buf.pos, *tbits = j->tree_bits ? buf.tbits : NULL;
     const float *kx[EXT_KB], *vx[EXT_KB];
     for (int64_t item = i0; item < i1; item++) {
         const extend_item it = extend_locate(j, item);
         const int64_t hk = it.hk, rows = it.rows, p_last = it.p_last, *slots = it.slots;
+        const int64_t prefix = j->prefix_lens[it.b];
         const int nb = (int)((rows + 15) / 16);
         extend_item_reset(j, &it, &buf);
         extend_load_queries(j, &it, qt);
@@ -1089,11 +1091,16 @@ AVX512_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t 
                                                  : _mm512_setzero_si512();
                 __m512 mx = _mm512_load_ps(mrow + 16 * rb);
                 const __m512 m_old = mx;
+                const __m512i seen = tbits ? _mm512_loadu_si512(tbits + 16 * rb)
+                                           : _mm512_setzero_si512();
                 __mmask16 any = 0;
                 for (int64_t x = 0; x < nk; x++) {
                     const __m512i key = _mm512_set1_epi32((int)(k0 + x));
-                    const __mmask16 ok = _mm512_cmp_epi32_mask(key, p, _MM_CMPINT_LE)
-                                         & _mm512_cmp_epi32_mask(key, lo, _MM_CMPINT_NLT);
+                    __mmask16 ok = _mm512_cmp_epi32_mask(key, p, _MM_CMPINT_LE)
+                                   & _mm512_cmp_epi32_mask(key, lo, _MM_CMPINT_NLT);
+                    const int64_t jn = k0 + x - prefix; /* the key's index among the new tokens */
+                    if (tbits && jn >= 0 && jn < 32)
+                        ok &= _mm512_test_epi32_mask(seen, _mm512_set1_epi32((int)(1u << jn)));
                     __m512 s = _mm512_load_ps(st + x * EXT_ROWS + 16 * rb);
                     if (j->softcap > 0) { /* cap * tanh(s / cap), tanh(y) = 1 - 2 / (e^2y + 1) */
                         const __m512 e2 = exp_any(_mm512_mul_ps(s, _mm512_set1_ps(2.0f / j->softcap)));
@@ -1155,10 +1162,12 @@ AVX512_TARGET int sgl_extend_attention(
     const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int64_t *table,
     int64_t table_stride, const int64_t *rows, const int64_t *q_starts, const int64_t *prefix_lens,
     const int64_t *extend_lens, int64_t B, void *out, int64_t out_stride, int64_t Hq, int64_t Hk,
-    int64_t D, int64_t Dv, float scale, float softcap, int64_t window, int dtype) {
+    int64_t D, int64_t Dv, float scale, float softcap, int64_t window, int dtype,
+    const int32_t *tree_bits) {
     return run_extend_attention(extend_attention_items, q, q_stride, k_pool, v_pool, table,
                                 table_stride, rows, q_starts, prefix_lens, extend_lens, B, out,
-                                out_stride, Hq, Hk, D, Dv, scale, softcap, window, dtype);
+                                out_stride, Hq, Hk, D, Dv, scale, softcap, window, dtype,
+                                tree_bits);
 }
 
 

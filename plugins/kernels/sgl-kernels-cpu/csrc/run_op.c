@@ -11,7 +11,7 @@
 
 #if defined(__x86_64__)
 
-int sgl_kernels_version(void) { return 4; }
+int sgl_kernels_version(void) { return 5; }
 
 /* Embedding lookup: row t of out (row stride o_stride elements) = row ids[t] of w [vocab, H]
    (row stride w_stride), `es`-byte elements. -1 (nothing written) when an id is outside
@@ -79,7 +79,8 @@ int sgl_run_op(const sgl_op *op) {
         return (op->kind == SGL_OP_EXTEND_ATTENTION ? sgl_extend_attention
                                                     : sgl_extend_attention_avx2)(
             P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), P(8), P(9), a[10], P(11), a[12],
-            a[13], a[14], a[15], a[16], f32_bits(a[17]), f32_bits(a[18]), a[19], (int)a[20]);
+            a[13], a[14], a[15], a[16], f32_bits(a[17]), f32_bits(a[18]), a[19], (int)a[20],
+            P(21));
     default:
         return -100;
     }

@@ -381,7 +381,7 @@ Tensor extend_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_p
                         const Tensor& table, const Tensor& rows, const Tensor& q_starts,
                         const Tensor& prefix_lens, const Tensor& extend_lens, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, double scale, double softcap,
-                        int64_t window) {
+                        int64_t window, const OptTensor& tree_bits) {
   const char* op = "sgl::extend_attention";
   check_rows(op, "q", q);
   const auto dtype = q.scalar_type();
@@ -407,6 +407,16 @@ Tensor extend_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_p
                           row[b] < table.size(0),
                       op, ": sequence ", b, " lies outside the table");
   }
+  if (tree_bits.has_value()) {
+    check_contiguous(op, "tree_bits", *tree_bits, at::kInt);
+    TORCH_CHECK_VALUE(tree_bits->numel() == q.size(0), op, ": tree_bits must have one value per "
+                      "row of q, got ", tree_bits->numel(), " for ", q.size(0));
+    const int32_t* seen = tree_bits->data_ptr<int32_t>();
+    for (int64_t b = 0; b < batch; b++)  // a longer sequence must be plain causal (all bits)
+      for (int64_t t = 0; lens[b] > 32 && t < lens[b]; t++)
+        TORCH_CHECK_VALUE(seen[starts[b] + t] == -1, op, ": sequence ", b, " is a token tree of ",
+                          lens[b], " new tokens; the kernel takes trees of at most 32");
+  }
   const int64_t v_dim = v_pool.size(-1);
   Tensor out = at::zeros({q.size(0), num_heads * v_dim}, q.options());
   Call call(at_level(SGL_OP_EXTEND_ATTENTION, SGL_OP_EXTEND_ATTENTION_AVX2));
@@ -414,8 +424,9 @@ Tensor extend_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_p
        << ptr(rows) << ptr(q_starts) << ptr(prefix_lens) << ptr(extend_lens) << batch << ptr(out)
        << out.stride(0) << num_heads << num_kv_heads << head_dim << v_dim
        << bits(static_cast<float>(scale)) << bits(static_cast<float>(softcap)) << window
-       << dtype_code(q);
-  const int rc = run(call, {q, k_pool, v_pool, table, rows, q_starts, prefix_lens, extend_lens},
+       << dtype_code(q) << ptr(tree_bits);
+  const int rc = run(call, {q, k_pool, v_pool, table, rows, q_starts, prefix_lens, extend_lens,
+                            tree_bits},
                      {out});
   TORCH_CHECK(rc != -2, op, ": no memory for its buffers");
   TORCH_CHECK_VALUE(rc == 0, op, ": ", num_heads, " heads and ", num_kv_heads, " KV heads of ",

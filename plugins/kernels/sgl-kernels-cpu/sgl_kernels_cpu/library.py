@@ -32,7 +32,7 @@ KERNEL_NAMES = {1: "sgl_linear_bf16_amx", 2: "sgl_linear_f32", 3: "sgl_rmsnorm",
                 16: "sgl_decode_attention_avx2", 17: "sgl_argmax_f32_avx2",
                 18: "sgl_extend_attention_avx2"}
 #: what ``sgl_kernels_version`` of a build of this source returns
-VERSION = 4
+VERSION = 5
 
 _lock = threading.Lock()
 _loaded_path: Path | None = None
