@@ -135,6 +135,9 @@ class ServerSettings:
     speculative_draft_model_path: str | None = _opt(
         None, "Draft model of STANDALONE (a folder or .gguf file sgl can load that shares the "
         "target's tokenizer), or the draft head of EAGLE / EAGLE3 (its Hugging Face folder).")
+    speculative_token_map: str | None = _opt(
+        None, "EAGLE's hot vocabulary (SGLang's flag, FR-Spec): a .pt file holding the token ids "
+        "the head may draft; its LM head shrinks to those rows. EAGLE only.")
     speculative_disable_by_batch_size: int | None = _opt(
         None, "Run steps with more decoding requests than this without speculation (the "
         "verification then costs more than it saves); default: the algorithm's.", minimum=1)
@@ -382,7 +385,7 @@ def _check_ranges(s: ServerSettings) -> None:
     if s.speculative_algorithm is None:
         for key in ("speculative_num_draft_tokens", "speculative_num_steps",
                     "speculative_eagle_topk", "speculative_draft_model_path",
-                    "speculative_disable_by_batch_size"):
+                    "speculative_token_map", "speculative_disable_by_batch_size"):
             if getattr(s, key) is not None:
                 fail(key, "it needs --speculative-algorithm (speculative decoding is off)")
     if s.api_key is not None and not s.api_key.strip():

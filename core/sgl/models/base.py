@@ -58,6 +58,12 @@ class BaseCausalLM(nn.Module):
         share with their target. Models that have none to share raise NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} does not share its token embedding")
 
+    def get_output_embeddings(self) -> nn.Module:
+        """The LM head (a :class:`~sgl.layers.ParallelLMHead`, ``.weight [vocab, hidden]``),
+        which an EAGLE head's hot vocabulary slices. Models without one to share raise
+        NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} does not share its LM head")
+
     def capture_hidden_layers(self, layer_ids: Sequence[int]) -> None:
         """From now on keep, after each forward, the hidden states (residual stream) that
         entered the decoder layers ``layer_ids`` in :attr:`captured_hidden`, concatenated in

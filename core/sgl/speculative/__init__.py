@@ -7,8 +7,8 @@ from sgl.speculative.base import (
     DraftRequest,
     DraftTree,
     TargetStates,
-    check_draft_chain_settings,
+    check_draft_model_settings,
 )
 
 __all__ = ["BaseSpeculativeAlgorithm", "DraftRequest", "DraftTree", "TargetStates",
-           "check_draft_chain_settings"]
+           "check_draft_model_settings"]

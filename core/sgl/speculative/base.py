@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from sgl.config import ServerSettings
 
 __all__ = ["BaseSpeculativeAlgorithm", "DraftRequest", "DraftTree", "TargetStates",
-           "check_draft_chain_settings"]
+           "check_draft_model_settings"]
 
 
 @dataclass(frozen=True)
@@ -135,13 +135,20 @@ class BaseSpeculativeAlgorithm(ABC):
         added nothing to its cache."""
 
 
-def check_draft_chain_settings(settings: ServerSettings, name: str, draft: str) -> str | None:
-    """The flag checks of an algorithm whose draft model drafts one chain per request
-    (``STANDALONE``, ``EAGLE``): ``draft`` says what ``--speculative-draft-model-path`` is."""
+def check_draft_model_settings(settings: ServerSettings, name: str, draft: str, *,
+                               token_map: bool = False, trees: bool = False) -> str | None:
+    """The flag checks of an algorithm with a draft model (``STANDALONE``, ``EAGLE``):
+    ``draft`` says what ``--speculative-draft-model-path`` is; ``token_map``: it takes
+    ``--speculative-token-map``; ``trees``: it drafts trees too (``--speculative-eagle-topk``
+    above 1, whose sizes it checks itself), else only chains."""
     if not settings.speculative_draft_model_path:
         return f"{name} needs --speculative-draft-model-path ({draft})"
+    if settings.speculative_token_map and not token_map:
+        return (f"{name} takes no --speculative-token-map (the hot vocabulary of an EAGLE "
+                "head whose LM head is its target's)")
     if (settings.speculative_eagle_topk or 1) > 1:
-        return f"{name} drafts one chain per request (--speculative-eagle-topk 1)"
+        return None if trees else (f"{name} drafts one chain per request "
+                                   "(--speculative-eagle-topk 1)")
     steps, tokens = settings.speculative_num_steps, settings.speculative_num_draft_tokens
     if steps is not None and tokens is not None and tokens != steps + 1:
         return (f"with one chain, --speculative-num-draft-tokens ({tokens}) must be "

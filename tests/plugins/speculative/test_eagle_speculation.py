@@ -167,12 +167,14 @@ class ReferenceHead:
     state."""
 
     def __init__(self, version: int, w: dict[str, torch.Tensor], config, embed: torch.Tensor,
-                 lm_head: torch.Tensor, feats: torch.Tensor, tokens: list[int]) -> None:
+                 lm_head: torch.Tensor, feats: torch.Tensor, tokens: list[int],
+                 token_map: torch.Tensor | None = None) -> None:
         self.version, self.w, self.config, self.embed, self.lm_head = (version, w, config,
                                                                       embed, lm_head)
         n = len(tokens) - 1
         self.ids, self.feats = list(tokens[1:]), list(feats[:n])
-        self.hot = (w["d2t"] + torch.arange(len(w["d2t"]))) if "d2t" in w else None
+        # the draft vocabulary: EAGLE-3's (d2t), or EAGLE's hot tokens (--speculative-token-map)
+        self.hot = (w["d2t"] + torch.arange(len(w["d2t"]))) if "d2t" in w else token_map
         self.memo: dict[tuple[int, ...], torch.Tensor] = {}
 
     def state(self, path: tuple[int, ...]) -> torch.Tensor:
@@ -196,7 +198,7 @@ class ReferenceHead:
         """The k likeliest next tokens after ``path``: (log-probability, target id)."""
         state = self.state(path)
         if self.version == 1:
-            logits = state @ self.lm_head.T
+            logits = state @ (self.lm_head if self.hot is None else self.lm_head[self.hot]).T
         else:
             head = self.w["lm_head.weight"] if self.hot is not None else self.lm_head
             logits = rms(state, self.w["norm.weight"]) @ head.T
@@ -238,12 +240,14 @@ def start_one(h: Harness, prompt: list[int]) -> str:
     raise AssertionError("the request did not start")
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+@pytest.mark.parametrize(("algorithm", "hot"), [("EAGLE", False), ("EAGLE3", False),
+                                              ("EAGLE", True)], ids=["EAGLE", "EAGLE3", "hot"])
 @pytest.mark.parametrize(("topk", "steps", "tokens"), [(1, 5, 6), (2, 3, 6), (3, 4, 12)])
-def test_drafts_equal_the_dense_reference(algorithm: str, topk: int, steps: int, tokens: int,
-                                          target: Path, heads: dict[str, Path],
+def test_drafts_equal_the_dense_reference(algorithm: str, hot: bool, topk: int, steps: int,
+                                          tokens: int, target: Path, heads: dict[str, Path],
                                           tmp_path: Path) -> None:
-    """Chains (topk 1) and trees: the tree's nodes, parents and order as well."""
+    """Chains (topk 1) and trees: the tree's nodes, parents and order as well; ``hot``: with
+    --speculative-token-map (EAGLE drafts from those tokens only)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from sgl.model_loader import open_weights
@@ -252,9 +256,14 @@ def test_drafts_equal_the_dense_reference(algorithm: str, topk: int, steps: int,
     w = dict(open_weights(heads[algorithm]))
     config = LlamaConfig.from_pretrained(heads[algorithm])
     hf = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    token_map = torch.tensor([14, 2, 9, 5, 11, 7, 0, 12]) if hot else None
+    extra = {}
+    if token_map is not None:
+        torch.save(token_map, tmp_path / "hot.pt")
+        extra["speculative_token_map"] = str(tmp_path / "hot.pt")
     h = harness(tmp_path, target, algorithm, heads[algorithm], chunked_prefill_size=7,
                 speculative_eagle_topk=topk, speculative_num_steps=steps,
-                speculative_num_draft_tokens=tokens)
+                speculative_num_draft_tokens=tokens, **extra)
     try:
         with torch.inference_mode():
             prompt = [3, 7, 1, 9, 4, 12, 7, 1, 5, 14, 3, 9, 6, 1, 2, 8, 11, 4, 4, 10]
@@ -271,10 +280,13 @@ def test_drafts_equal_the_dense_reference(algorithm: str, topk: int, steps: int,
             feats = states[-1][0] if version == 1 else torch.cat(
                 [states[i][0] for i in (2, LAYERS // 2, LAYERS - 3)], -1)
             ref = ReferenceHead(version, w, config, hf.model.embed_tokens.weight,
-                                hf.lm_head.weight, feats, ids)
+                                hf.lm_head.weight, feats, ids, token_map)
             # the head's state after catching up on the prompt (through three chunks and the
             # first token), then its drafts
             torch.testing.assert_close(kept, ref.state(()), rtol=1e-4, atol=1e-4)
+            if token_map is not None:
+                drafted = got if topk == 1 else got.tokens
+                assert set(drafted) <= set(token_map.tolist())
             if topk == 1:
                 assert got == ref.chain(tokens - 1), (got, ref.chain(tokens - 1))
             else:
@@ -310,14 +322,19 @@ def plain16(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     h.close()
 
 
-@pytest.mark.parametrize(("algorithm", "topk"), [("EAGLE", 1), ("EAGLE3", 1), ("EAGLE", 3),
-                                                ("EAGLE3", 2)])
-def test_outputs_equal_those_without_speculation(algorithm: str, topk: int, target: Path,
-                                                 heads: dict[str, Path], plain16: Harness,
-                                                 tmp_path: Path,
+@pytest.mark.parametrize(("algorithm", "topk", "hot"), [
+    ("EAGLE", 1, False), ("EAGLE3", 1, False), ("EAGLE", 3, False), ("EAGLE3", 2, False),
+    ("EAGLE", 2, True)])
+def test_outputs_equal_those_without_speculation(algorithm: str, topk: int, hot: bool,
+                                                 target: Path, heads: dict[str, Path],
+                                                 plain16: Harness, tmp_path: Path,
                                                  caplog: pytest.LogCaptureFixture) -> None:
+    extra = {}
+    if hot:
+        torch.save(torch.arange(1, VOCAB, 2), tmp_path / "hot.pt")
+        extra["speculative_token_map"] = str(tmp_path / "hot.pt")
     spec = harness(tmp_path, target, algorithm, heads[algorithm], chunked_prefill_size=64,
-                   speculative_eagle_topk=topk)
+                   speculative_eagle_topk=topk, **extra)
     try:
         with torch.inference_mode():
             prompts = vocab16_prompts(12)
@@ -398,10 +415,21 @@ def test_a_head_of_the_other_design_is_refused(target: Path, heads: dict[str, Pa
                target_hidden=48, seed=3)
     with pytest.raises(ModelLoadError, match="48 wide"):
         harness(tmp_path, target, "EAGLE", wide)
+    for bad in (torch.tensor([1.0, 2.0]), torch.tensor([3, 3]), torch.tensor([VOCAB])):
+        torch.save(bad, tmp_path / "hot.pt")
+        with pytest.raises(ModelLoadError, match="--speculative-token-map .*distinct token ids"):
+            harness(tmp_path, target, "EAGLE", heads["EAGLE"],
+                    speculative_token_map=str(tmp_path / "hot.pt"))
 
 
 @pytest.mark.parametrize(("args", "names"), [
     (["--speculative-algorithm", "EAGLE"], ["--speculative-draft-model-path"]),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "x",
+      "--speculative-token-map", "hot.pt"], ["--speculative-token-map"]),
+    (["--speculative-algorithm", "NGRAM", "--speculative-token-map", "hot.pt"],
+     ["--speculative-token-map"]),
+    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "x",
+      "--speculative-token-map", "/no/such/hot.pt"], ["--speculative-token-map", "no such file"]),
     (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "x",
       "--speculative-eagle-topk", "2", "--speculative-num-steps", "2",
       "--speculative-num-draft-tokens", "10"],

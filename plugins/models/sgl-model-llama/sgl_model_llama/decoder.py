@@ -326,6 +326,9 @@ class DecoderForCausalLM(BaseCausalLM):
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
 
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
     def capture_hidden_layers(self, layer_ids: Sequence[int]) -> None:
         layers = len(self.model.layers)
         wrong = [i for i in layer_ids if not 0 <= i <= layers]

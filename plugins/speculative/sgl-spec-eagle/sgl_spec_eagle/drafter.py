@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -38,13 +39,14 @@ from sgl.engine.batch_builder import BatchSeq, make_forward_batch
 from sgl.forward_batch import ForwardMode
 from sgl.kernels.cpu import argmax_rows
 from sgl.kvcache.pool import KVPool, ReqToTokenPool
+from sgl.layers import ParallelLMHead
 from sgl.model_loader import ModelLoadError, load_hf_config, open_weights
 from sgl.speculative import (
     BaseSpeculativeAlgorithm,
     DraftRequest,
     DraftTree,
     TargetStates,
-    check_draft_chain_settings,
+    check_draft_model_settings,
 )
 from sgl_spec_eagle.heads import Eagle3Head, EagleHead, aux_layer_ids, head_design
 
@@ -82,6 +84,17 @@ class _State:
     row: int
     length: int
     last: torch.Tensor | None = None
+
+
+def _top_k(logits: torch.Tensor, k: int,
+           ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` likeliest columns of each row of ``logits``: log-probabilities (zeros for
+    ``k == 1``, where greedy chains need none) and token ids (``ids[column]``, or the column)."""
+    if k == 1:
+        logp, best = logits.new_zeros(logits.shape[0], 1), argmax_rows(logits).view(-1, 1)
+    else:
+        logp, best = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    return logp, best if ids is None else ids[best]
 
 
 class _Beams:
@@ -158,6 +171,13 @@ class EagleDrafter(BaseSpeculativeAlgorithm):
         self.target = runner.model
         self.head = self._build(config, runner)
         self.head.eval()
+        #: the target ids of --speculative-token-map's hot vocabulary and the LM head's rows
+        #: for them (None: the full vocabulary)
+        self.hot: torch.Tensor | None = None
+        self.hot_head: ParallelLMHead | None = None
+        if settings.speculative_token_map:
+            self.hot, self.hot_head = self._hot_vocabulary(settings.speculative_token_map,
+                                                           runner)
         self.head.load_weights(open_weights(path, runner.dtype))
         for module in self.head.modules():  # the CPU matmuls' packed weights
             process = getattr(module, "process_weights_after_loading", None)
@@ -178,8 +198,13 @@ class EagleDrafter(BaseSpeculativeAlgorithm):
     @classmethod
     def check_settings(cls, settings: ServerSettings) -> str | None:
         topk = settings.speculative_eagle_topk or 1
-        if topk == 1 or not settings.speculative_draft_model_path:
-            return check_draft_chain_settings(settings, cls.name, f"the {cls.name} head")
+        problem = check_draft_model_settings(settings, cls.name, f"the {cls.name} head",
+                                             token_map=cls.version == 1, trees=True)
+        if not problem and settings.speculative_token_map \
+                and not Path(settings.speculative_token_map).is_file():
+            problem = f"--speculative-token-map {settings.speculative_token_map}: no such file"
+        if problem or topk == 1:
+            return problem
         steps = settings.speculative_num_steps or DEFAULT_TREE_STEPS
         tokens = settings.speculative_num_draft_tokens
         most = topk + (steps - 1) * topk * topk  # every candidate of the beam search
@@ -208,6 +233,31 @@ class EagleDrafter(BaseSpeculativeAlgorithm):
                                  f"{width}; an EAGLE head reads the target's hidden states")
         self.target_hidden = "final"
         return EagleHead(config, dtype=runner.dtype, device=runner.device)
+
+    @staticmethod
+    def _hot_vocabulary(path: str, runner: Any) -> tuple[torch.Tensor, ParallelLMHead]:
+        """SGLang's token map (a ``.pt`` file of token ids, FR-Spec): the ids and an LM head of
+        the target's rows for them."""
+        try:
+            ids = torch.as_tensor(torch.load(path, map_location="cpu", weights_only=True))
+        except Exception as exc:
+            raise ModelLoadError(f"--speculative-token-map {path}: cannot read it as a tensor "
+                                 f"of token ids ({exc})") from exc
+        vocab = runner.vocab_size
+        if (ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point()
+                or int(ids.min()) < 0 or int(ids.max()) >= vocab
+                or ids.unique().numel() != ids.numel()):
+            raise ModelLoadError(f"--speculative-token-map {path}: expected distinct token ids "
+                                 f"in [0, {vocab}) as a 1-D tensor, got {tuple(ids.shape)} "
+                                 f"{ids.dtype}")
+        full = runner.model.get_output_embeddings()
+        head = ParallelLMHead(ids.numel(), full.weight.shape[1], dtype=full.weight.dtype,
+                              device=full.weight.device, logit_softcap=full.logit_softcap)
+        with torch.no_grad():
+            head.weight.copy_(full.weight[ids.to(full.weight.device)])
+        head.process_weights_after_loading()
+        logger.info("EAGLE drafts from a hot vocabulary of %d tokens (%s)", ids.numel(), path)
+        return ids.to(torch.int64).to(runner.device), head
 
     def _memory(self, config: Any, runner: Any, backend: str, registries: Any) -> _HeadMemory:
         heads = config.num_attention_heads
@@ -240,10 +290,9 @@ class EagleDrafter(BaseSpeculativeAlgorithm):
 
     def _top(self, for_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` likeliest next tokens of each row: log-probabilities and target ids."""
-        logits = self.target.compute_logits(for_logits)
-        if k == 1:  # greedy chains need no probabilities
-            return logits.new_zeros(logits.shape[0], 1), argmax_rows(logits).view(-1, 1)
-        return torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+        if self.hot_head is None:
+            return _top_k(self.target.compute_logits(for_logits), k, None)
+        return _top_k(self.hot_head(for_logits), k, self.hot)
 
     # the algorithm -----------------------------------------------------------------------------
 
@@ -393,9 +442,4 @@ class Eagle3Drafter(EagleDrafter):
         head: Eagle3Head = self.head  # type: ignore[assignment]
         if head.lm_head is None:
             return super()._top(for_logits, k)
-        logits = head.lm_head(for_logits)
-        if k == 1:
-            return logits.new_zeros(logits.shape[0], 1), head.hot_token_ids[
-                argmax_rows(logits)].view(-1, 1)
-        logp, best = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
-        return logp, head.hot_token_ids[best]
+        return _top_k(head.lm_head(for_logits), k, head.hot_token_ids)

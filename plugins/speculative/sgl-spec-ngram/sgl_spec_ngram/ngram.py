@@ -119,6 +119,8 @@ class NgramDrafter(BaseSpeculativeAlgorithm):
         if settings.speculative_draft_model_path is not None:
             return ("NGRAM drafts from the request's own text and takes no "
                     "--speculative-draft-model-path")
+        if settings.speculative_token_map is not None:
+            return "NGRAM drafts from the request's own text and takes no --speculative-token-map"
         if settings.speculative_num_steps is not None:
             return ("NGRAM drafts --speculative-num-draft-tokens minus one tokens per step and "
                     "takes no --speculative-num-steps (the depth of a draft model)")

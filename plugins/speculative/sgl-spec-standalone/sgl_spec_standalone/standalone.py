@@ -20,7 +20,7 @@ import torch
 from sgl.engine.batch_builder import BatchSeq, make_forward_batch
 from sgl.forward_batch import ForwardMode
 from sgl.kernels.cpu import argmax_rows
-from sgl.speculative import BaseSpeculativeAlgorithm, DraftRequest, check_draft_chain_settings
+from sgl.speculative import BaseSpeculativeAlgorithm, DraftRequest, check_draft_model_settings
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
@@ -69,7 +69,7 @@ class DraftModelDrafter(BaseSpeculativeAlgorithm):
 
     @classmethod
     def check_settings(cls, settings: ServerSettings) -> str | None:
-        return check_draft_chain_settings(settings, "STANDALONE", "the draft model")
+        return check_draft_model_settings(settings, "STANDALONE", "the draft model")
 
     # the draft model's KV ----------------------------------------------------------------------
 
