@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--num-draft-tokens", type=int, default=None)
+    ap.add_argument("--ngram-breadth", type=int, default=None,
+                    help="NGRAM's --speculative-ngram-max-bfs-breadth (above 1: token trees)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workload", choices=["copy", "json"], default="copy",
@@ -97,6 +99,8 @@ def main() -> None:
                      "speculative_disable_by_batch_size": 1024}
     if args.num_draft_tokens:
         spec_settings["speculative_num_draft_tokens"] = args.num_draft_tokens
+    if args.ngram_breadth:
+        spec_settings["plugins"] = {"speculative-ngram": {"max_bfs_breadth": args.ngram_breadth}}
     engines = {"off": sgl.Engine(**common), "on": sgl.Engine(**common, **spec_settings)}
     texts = copy_prompts() if args.workload == "copy" else json_prompts()
     extra = {"json_schema": json.dumps(PERSON_SCHEMA)} if args.workload == "json" else None

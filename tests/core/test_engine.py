@@ -187,6 +187,22 @@ def test_unknown_or_bad_engine_settings_fail_before_starting() -> None:
         sgl.Engine(max_running_requests=0)
 
 
+def test_plugin_options_through_engine_keywords() -> None:
+    """``plugins=`` takes each plugin's options as a config file's ``[plugins.<id>]`` table,
+    with the same checks (an unknown plugin or option names what exists)."""
+    from sgl.entrypoints.engine import engine_settings
+    from sgl.plugins import create_plugin_manager
+
+    classes = create_plugin_manager().config_classes()
+    settings = engine_settings(None, {"plugins": {"speculative-ngram": {"max_bfs_breadth": 3}}},
+                               classes)
+    assert settings.plugin_settings["speculative-ngram"].max_bfs_breadth == 3
+    with pytest.raises(ConfigError, match="unknown plugin 'speculative-ngrm'"):
+        engine_settings(None, {"plugins": {"speculative-ngrm": {}}}, classes)
+    with pytest.raises(ConfigError, match="max_bfs_breadth"):
+        engine_settings(None, {"plugins": {"speculative-ngram": {"max_bfs_bredth": 3}}}, classes)
+
+
 def test_settings_record_their_source(engine: sgl.Engine) -> None:
     assert engine.settings.sources["max_total_tokens"] == "Engine(...)"
     assert engine.settings.sources["port"] == "default"

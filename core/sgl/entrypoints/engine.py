@@ -53,14 +53,15 @@ class EngineClosedError(RuntimeError):
 def engine_settings(model_path: str | None, settings: dict[str, Any],
                     plugin_classes: dict[str, type] | None = None) -> ServerSettings:
     """Settings from ``Engine(...)`` keyword arguments (field names of
-    :class:`~sgl.config.ServerSettings`). ``SGL_*`` variables and config files are not read.
+    :class:`~sgl.config.ServerSettings`, and ``plugins``: plugin id -> its options, as a config
+    file's ``[plugins.<id>]`` tables). ``SGL_*`` variables and config files are not read.
 
     :raises TypeError: for a name that is not a setting (the message lists the valid ones).
     :raises sgl.config.ConfigError: (a ``ValueError``) for a bad value, naming the setting.
     """
     from sgl.config import ServerSettings, load_settings, option_fields
 
-    valid = [f.name for f in option_fields(ServerSettings)]
+    valid = [f.name for f in option_fields(ServerSettings)] + ["plugins"]
     unknown = [name for name in settings if name not in valid]
     if unknown:
         close = difflib.get_close_matches(unknown[0], valid, n=1)
@@ -68,9 +69,11 @@ def engine_settings(model_path: str | None, settings: dict[str, Any],
         raise TypeError(f"Engine() got unknown setting(s) {', '.join(map(repr, unknown))}{hint} "
                         f"(valid settings: {', '.join(valid)})")
     values = dict(settings)
+    plugins = values.pop("plugins", None)
     if model_path is not None:
         values["model_path"] = str(model_path)
-    return load_settings(cli=values, env={}, plugin_classes=plugin_classes, cli_source=SOURCE)
+    return load_settings(cli=values, env={}, file_data={"plugins": plugins} if plugins else None,
+                         plugin_classes=plugin_classes, cli_source=SOURCE)
 
 
 async def _next_or_done(agen: AsyncIterator[T]) -> tuple[bool, T | None]:
@@ -86,7 +89,8 @@ class Engine:
     :param model_path: a Hugging Face model folder or ``.gguf`` file; default: the bundled
         SmolLM2-135M-Instruct.
     :param settings: any :class:`~sgl.config.ServerSettings` field by name, e.g.
-        ``dtype="float32"``, ``max_total_tokens=4096``, ``chat_template="chat.jinja"``.
+        ``dtype="float32"``, ``max_total_tokens=4096``, ``chat_template="chat.jinja"``, and
+        ``plugins={"speculative-ngram": {"max_bfs_breadth": 3}}`` for plugins' options.
     """
 
     def __init__(self, model_path: str | None = None, **settings: Any) -> None:
