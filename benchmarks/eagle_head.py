@@ -8,7 +8,8 @@ as SmolLM2 (576): EAGLE (its drafts scored by the target's 49152-token LM head),
 a 4096-token ``--speculative-token-map``, and EAGLE-3 with an 8192-token draft vocabulary. For
 ``--batch`` requests of a 300-token prompt each: the target's decode step (replayed where sgl
 replays it), the head catching up on one kept position per request (``observe``), and drafting
-``num_draft_tokens - 1`` = 3 tokens each (``propose``, a chain), median ms of ``--reps``.
+``num_draft_tokens - 1`` = 3 tokens each (``propose``, a chain), median ms of ``--reps``;
+threads as ``sgl serve`` sets them by default.
 """
 
 from __future__ import annotations
@@ -66,9 +67,17 @@ def main() -> None:
                                         {"speculative_token_map": str(tmp / "hot.pt")}),
              "EAGLE-3, 8192 draft vocab": ("EAGLE3", tmp / "eagle3", {})}
 
+    from sgl.kernels import cpu
+    from sgl.threads import plan_threads
+
+    plan = plan_threads(None, None, kernels=cpu.load() is not None)  # as sgl serve runs
+    torch.set_num_threads(plan.torch_threads)
+    if cpu.load() is not None:
+        cpu.set_threads(plan.kernel_threads)
     pm = create_plugin_manager()
     batches = [int(b) for b in args.batch.split(",")]
-    print(f"SmolLM2, {args.dtype}, torch threads {torch.get_num_threads()}")
+    print(f"SmolLM2, {args.dtype}, torch threads {plan.torch_threads}, kernel threads "
+          f"{plan.kernel_threads}")
     print("| head | batch | target decode step (ms) | observe (ms) | propose 3 (ms) | "
           "head / step |")
     print("|---|---:|---:|---:|---:|---:|")

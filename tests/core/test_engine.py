@@ -194,8 +194,9 @@ def test_plugin_options_through_engine_keywords() -> None:
     from sgl.plugins import create_plugin_manager
 
     classes = create_plugin_manager().config_classes()
-    settings = engine_settings(None, {"plugins": {"speculative-ngram": {"max_bfs_breadth": 3}}},
-                               classes)
+    options = {"plugins": {"speculative-ngram": {"max_bfs_breadth": 3}}}
+    engine_settings(None, options)  # the first pass, before the plugins load, leaves them
+    settings = engine_settings(None, options, classes)
     assert settings.plugin_settings["speculative-ngram"].max_bfs_breadth == 3
     with pytest.raises(ConfigError, match="unknown plugin 'speculative-ngrm'"):
         engine_settings(None, {"plugins": {"speculative-ngrm": {}}}, classes)

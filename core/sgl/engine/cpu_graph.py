@@ -102,6 +102,9 @@ class _Graph:
     inputs: list[torch.Tensor]  # what the recorded calls read of the batch, in _inputs' order
     output: torch.Tensor
     nbytes: int  # what the recording allocated (activations, kept for the replays)
+    #: the model's ``captured_parts`` after the recorded forward: recorded tensors too, which
+    #: a replay rewrites, so it restores them (EAGLE-3's layer states)
+    captured: list[torch.Tensor] | None = None
 
 
 class CpuGraphRunner:
@@ -161,6 +164,8 @@ class CpuGraphRunner:
             del self.graphs[key]
             return self.model(batch)
         self.replays += 1
+        if graph.captured is not None:
+            self.model.captured_parts = graph.captured
         return graph.output
 
     def _capture(self, batch: ForwardBatch, key: tuple[int, ...]) -> torch.Tensor:
@@ -188,7 +193,9 @@ class CpuGraphRunner:
                          "(%.0f MiB) exceed the %.0f MiB for graphs", batch.batch_size,
                          nbytes / 2**20, self.max_bytes / 2**20)
         elif len(tape):
-            graph = _Graph(tape, inputs, output, nbytes)
+            captured = getattr(self.model, "captured_parts", None)
+            graph = _Graph(tape, inputs, output, nbytes,
+                           list(captured) if captured is not None else None)
             self.captures += 1
             log = logger.info if self.captures == 1 else logger.debug
             log("recorded the decode forward of batch size %d (%d kernel calls, %.1f MiB); "

@@ -72,7 +72,8 @@ def engine_settings(model_path: str | None, settings: dict[str, Any],
     plugins = values.pop("plugins", None)
     if model_path is not None:
         values["model_path"] = str(model_path)
-    return load_settings(cli=values, env={}, file_data={"plugins": plugins} if plugins else None,
+    tables = {"plugins": plugins} if plugins and plugin_classes is not None else None
+    return load_settings(cli=values, env={}, file_data=tables,  # the tables once plugins load
                          plugin_classes=plugin_classes, cli_source=SOURCE)
 
 

@@ -32,8 +32,9 @@ class BaseCausalLM(nn.Module):
         self.dtype = dtype
         self.device = device
         #: after each forward, with :meth:`capture_hidden_layers` on: the hidden states that
-        #: entered the chosen layers, ``[num_tokens, len(layer_ids) * hidden]``
-        self.captured_hidden: torch.Tensor | None = None
+        #: entered the chosen layers, ``[num_tokens, hidden]`` each, as the forward computed
+        #: them (kept, not copied: a replayed decode forward restores its own)
+        self.captured_parts: list[torch.Tensor] | None = None
 
     @abstractmethod
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -58,6 +59,12 @@ class BaseCausalLM(nn.Module):
         share with their target. Models that have none to share raise NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} does not share its token embedding")
 
+    @property
+    def captured_hidden(self) -> torch.Tensor | None:
+        """:attr:`captured_parts` concatenated, ``[num_tokens, len(layer_ids) * hidden]``."""
+        parts = self.captured_parts
+        return None if parts is None else torch.cat(parts, dim=-1)
+
     def get_output_embeddings(self) -> nn.Module:
         """The LM head (a :class:`~sgl.layers.ParallelLMHead`, ``.weight [vocab, hidden]``),
         which an EAGLE head's hot vocabulary slices. Models without one to share raise
@@ -66,8 +73,10 @@ class BaseCausalLM(nn.Module):
 
     def capture_hidden_layers(self, layer_ids: Sequence[int]) -> None:
         """From now on keep, after each forward, the hidden states (residual stream) that
-        entered the decoder layers ``layer_ids`` in :attr:`captured_hidden`, concatenated in
-        that order; ``num_layers`` names the output of the last layer, before the final norm.
-        EAGLE-3 drafts from them. Models that cannot raise NotImplementedError."""
+        entered the decoder layers ``layer_ids`` in :attr:`captured_parts`, in that order;
+        ``num_layers`` names the output of the last layer, before the final norm. Keeping them
+        must compute nothing (a reference to a tensor the forward made anyway), so that a
+        recorded decode forward still replays. EAGLE-3 drafts from them. Models that cannot
+        raise NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} cannot keep the hidden states of "
                                   "its layers")

@@ -131,7 +131,7 @@ def harness(tmp: Path, model: Path | str, algorithm: str | None = None,
     spec = {} if algorithm is None else dict(
         speculative_algorithm=algorithm, speculative_draft_model_path=str(head),
         speculative_disable_by_batch_size=64)
-    return Harness(tmp, model_path=str(model), grammar_backend="none", **spec, **overrides)
+    return Harness(tmp, model_path=str(model), grammar_backend="none", **{**spec, **overrides})
 
 
 # -- the dense reference -------------------------------------------------------------------------
@@ -369,6 +369,60 @@ def test_outputs_equal_those_without_speculation(algorithm: str, topk: int, hot:
         assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
     finally:
         spec.close()
+
+
+def test_eagle3_reads_replayed_decode_steps(tmp_path: Path) -> None:
+    """Decode steps without drafts (more requests than the batch limit) replay their recorded
+    forward; EAGLE-3 still gets the layer states of each, the very ones an eager forward
+    computes: the head's states after a run with replays equal those after one without."""
+    from transformers import LlamaForCausalLM
+
+    from sgl.kernels import cpu
+
+    torch.manual_seed(3)  # heads 16 wide: shapes sgl's kernels take, so forwards record
+    wide = tiny_llama_config(hidden_size=64, intermediate_size=128)
+    LlamaForCausalLM(wide).save_pretrained(tmp_path / "target")
+    load_tokenizer(None).save_pretrained(tmp_path / "target")
+    write_head(tmp_path / "head", 3, tiny_llama_config(hidden_size=64, intermediate_size=128,
+                                                       num_hidden_layers=1),
+               target_hidden=64, seed=5, draft_vocab=12)
+    prompts = vocab16_prompts(3)
+    kept = {}
+    for graphs in (True, False):
+        folder = tmp_path / str(graphs)
+        folder.mkdir()
+        h = harness(folder, tmp_path / "target", "EAGLE3", tmp_path / "head",
+                    chunked_prefill_size=64, speculative_disable_by_batch_size=1,
+                    disable_cpu_graph=not graphs)
+        try:
+            with torch.inference_mode():
+                s = h.scheduler
+
+                def start(prompt: list[int], n: int) -> str:
+                    rid = h.submit(prompt, max_new_tokens=n, temperature=0, ignore_eos=True)
+                    while all(r.rid != rid for r in [*s.running, *s.waiting]):
+                        s.recv_requests(block=True)
+                    return rid
+
+                rids = [start(p, 40) for p in prompts]
+                for _ in range(8):  # three decoding: recorded, then replayed
+                    s.step()
+                # a fourth comes and goes (its prefill and its batches of four run in between);
+                # then the batch of three replays again and must bring back its own states
+                extra = start(prompts[0][:9], 4)
+                for _ in range(12):
+                    s.step()
+                drafter = s.spec.algorithm
+                kept[graphs] = [(drafter.states[r].length, drafter.states[r].last.clone())
+                                for r in rids]
+                if graphs and cpu.load() is not None:
+                    assert s.runner.cpu_graphs.replays > 0
+                h.run([*rids, extra])
+        finally:
+            h.close()
+    for prompt, (n_on, last_on), (n_off, last_off) in zip(prompts, kept[True], kept[False]):
+        assert n_on == n_off > len(prompt)
+        torch.testing.assert_close(last_on, last_off, rtol=1e-5, atol=1e-5)
 
 
 def test_smollm2_with_an_eagle3_head_of_its_own_width(tmp_path: Path) -> None:

@@ -189,6 +189,9 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = _norm(config, size, options, dtype=dtype,
                                                     device=device)
         self.mlp = mlp
+        #: keep the residual stream entering this layer in :attr:`stream` (EAGLE-3)
+        self.keep_stream = False
+        self.stream: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None,
@@ -196,6 +199,8 @@ class DecoderLayer(nn.Module):
         """``hidden`` is the previous layer's output, not yet added to ``residual``; returns
         the same pair for the next layer."""
         hidden, residual = self.input_layernorm(hidden, residual)
+        if self.keep_stream:  # the norm's sum, a tensor of its own: kept, not copied
+            self.stream = residual
         hidden = self.self_attn(positions, hidden, batch)
         if not self.sandwich:
             hidden, residual = self.post_attention_layernorm(hidden, residual)
@@ -235,7 +240,7 @@ class DecoderModel(nn.Module):
         #: indices of the layers whose incoming hidden states each forward keeps (EAGLE-3;
         #: ``len(layers)``: the last layer's output), in :attr:`captured`
         self.capture: tuple[int, ...] = ()
-        self.captured: torch.Tensor | None = None
+        self.captured: list[torch.Tensor] | None = None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         positions = batch.positions
@@ -244,16 +249,12 @@ class DecoderModel(nn.Module):
                                                        batch.extend_seq_lens)
         hidden = self.embed_tokens(batch.input_ids)
         residual: torch.Tensor | None = None
-        captured: list[torch.Tensor] = []
-        for i, layer in enumerate(self.layers):
-            if i in self.capture:
-                captured.append(hidden if residual is None else hidden + residual)
+        for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, batch)
         hidden, stream = self.norm(hidden, residual)
         if self.capture:
-            if len(self.layers) in self.capture:
-                captured.append(stream)
-            self.captured = torch.cat(captured, dim=-1)
+            self.captured = [stream if i == len(self.layers) else self.layers[i].stream
+                             for i in self.capture]
         return hidden
 
 
@@ -320,7 +321,7 @@ class DecoderForCausalLM(BaseCausalLM):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(batch)
-        self.captured_hidden = self.model.captured
+        self.captured_parts = self.model.captured
         return hidden
 
     def get_input_embeddings(self) -> nn.Module:
@@ -336,6 +337,8 @@ class DecoderForCausalLM(BaseCausalLM):
             raise ValueError(f"layers to capture must be distinct and ascending, from 0 to "
                              f"{layers} (the last layer's output), got {list(layer_ids)}")
         self.model.capture = tuple(layer_ids)
+        for i, layer in enumerate(self.model.layers):
+            layer.keep_stream = i in self.model.capture
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
