@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 import torch
 
 from sgl.model_loader.errors import ModelLoadError
-from sgl.model_loader.source import WeightSource
+from sgl.model_loader.source import WeightSource, indexed_shards
 
 __all__ = ["SafetensorsWeights"]
 
@@ -18,20 +17,9 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def _shard_files(folder: Path) -> list[Path]:
-    index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ModelLoadError(f"cannot read the shard index {str(index)!r}: {exc}") from exc
-        files = [folder / name for name in dict.fromkeys(weight_map.values())]
-        missing = [str(f.name) for f in files if not f.is_file()]
-        if missing:
-            raise ModelLoadError(
-                f"{str(index)!r} lists shards that are missing from the folder: "
-                f"{', '.join(missing)}"
-            )
-        return files
+    indexed = indexed_shards(folder, INDEX_FILE)
+    if indexed is not None:
+        return indexed
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         others = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))

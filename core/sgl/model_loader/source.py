@@ -2,13 +2,35 @@
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-__all__ = ["WeightSource"]
+__all__ = ["WeightSource", "indexed_shards"]
+
+
+def indexed_shards(folder: Path, index_name: str) -> list[Path] | None:
+    """The shard files a checkpoint's index (``index_name``: its ``weight_map`` of tensor ->
+    file) lists, in order; None without an index. :class:`ModelLoadError` for an unreadable
+    index or a missing shard."""
+    from sgl.model_loader.errors import ModelLoadError
+
+    index = folder / index_name
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"cannot read the shard index {str(index)!r}: {exc}") from exc
+    files = [folder / name for name in dict.fromkeys(weight_map.values())]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"{str(index)!r} lists shards that are missing from the folder: "
+                             f"{', '.join(missing)}")
+    return files
 
 
 class WeightSource(ABC):

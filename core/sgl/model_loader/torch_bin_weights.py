@@ -4,14 +4,13 @@ EAGLE heads come. Read with ``torch.load(weights_only=True)``: tensors only, no 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from sgl.model_loader.errors import ModelLoadError
-from sgl.model_loader.source import WeightSource
+from sgl.model_loader.source import WeightSource, indexed_shards
 
 __all__ = ["TorchBinWeights", "torch_bin_files"]
 
@@ -20,19 +19,8 @@ INDEX_FILE = "pytorch_model.bin.index.json"
 
 def torch_bin_files(folder: Path) -> list[Path]:
     """The folder's ``pytorch_model*.bin`` files, in the index's order when there is one."""
-    index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ModelLoadError(f"cannot read the shard index {str(index)!r}: {exc}") from exc
-        files = [folder / name for name in dict.fromkeys(weight_map.values())]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ModelLoadError(f"{str(index)!r} lists shards that are missing from the "
-                                 f"folder: {', '.join(missing)}")
-        return files
-    return sorted(folder.glob("pytorch_model*.bin"))
+    indexed = indexed_shards(folder, INDEX_FILE)
+    return indexed if indexed is not None else sorted(folder.glob("pytorch_model*.bin"))
 
 
 class TorchBinWeights(WeightSource):
