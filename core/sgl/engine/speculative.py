@@ -294,24 +294,25 @@ class SpeculativeDecoding:
         :meth:`kept`); if it fails, the requests concerned lose their drafting state (their
         drafts then start afresh), never their output."""
         kept, self._kept = self._kept, []
+        kept = [(req, rows) for req, rows in kept if req.row is not None]
         if not kept:
             return
-        source = hidden if self.target_hidden == "final" else self.runner.model.captured_hidden
-        if source is None:
-            raise RuntimeError("the target model kept no hidden states of its layers")
-        states = [TargetStates(req.rid, req.row, req.kv_len - len(rows),
-                               source.index_select(0, torch.tensor(list(rows), dtype=torch.int64,
-                                                                   device=source.device)),
-                               req.input_ids + req.output_ids)
-                  for req, rows in kept if req.row is not None]
         try:
-            self.algorithm.observe(states)
+            source = hidden if self.target_hidden == "final" \
+                else self.runner.model.captured_hidden
+            if source is None:
+                raise RuntimeError("the target model kept no hidden states of its layers")
+            self.algorithm.observe([
+                TargetStates(req.rid, req.row, req.kv_len - len(rows),
+                             source.index_select(0, torch.tensor(list(rows), dtype=torch.int64,
+                                                                 device=source.device)),
+                             req.input_ids + req.output_ids) for req, rows in kept])
         except Exception:
             logger.error("speculative algorithm %s failed to take the target's states of %d "
-                         "requests; their drafting starts afresh:\n%s", self.name, len(states),
+                         "requests; their drafting starts afresh:\n%s", self.name, len(kept),
                          traceback.format_exc())
-            for state in states:
-                self.algorithm.release(state.rid)
+            for req, _ in kept:
+                self.algorithm.release(req.rid)
 
     def release(self, rid: str) -> None:
         self.algorithm.release(rid)

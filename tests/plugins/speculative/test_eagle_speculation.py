@@ -371,6 +371,39 @@ def test_outputs_equal_those_without_speculation(algorithm: str, topk: int, hot:
         spec.close()
 
 
+def test_a_failing_head_costs_drafts_never_requests(target: Path, heads: dict[str, Path],
+                                                   plain16: Harness, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """The head failing to catch up (a fault injected into its observe every third step, the
+    only fake here: a real head does not fail on demand) drops the requests' drafting state;
+    their outputs are those without speculation, and the head drafts again afterwards."""
+    from sgl_spec_eagle.drafter import EagleDrafter
+
+    calls = {"n": 0}
+    original = EagleDrafter.observe
+
+    def flaky(self, states):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("injected fault")
+        return original(self, states)
+
+    monkeypatch.setattr(EagleDrafter, "observe", flaky)
+    spec = harness(tmp_path, target, "EAGLE", heads["EAGLE"], chunked_prefill_size=64)
+    try:
+        with torch.inference_mode():
+            prompts = vocab16_prompts(6)
+            want = run(plain16, prompts, max_new_tokens=30, temperature=0, ignore_eos=True)
+            got = run(spec, prompts, max_new_tokens=30, temperature=0, ignore_eos=True)
+            assert [g.output_ids for g in got] == [w.output_ids for w in want]
+            assert spec.scheduler.spec.stats.accepted_drafts > 0
+            assert "injected fault" in caplog.text
+            assert "their drafting starts afresh" in caplog.text
+    finally:
+        spec.close()
+
+
 def test_eagle3_reads_replayed_decode_steps(tmp_path: Path) -> None:
     """Decode steps without drafts (more requests than the batch limit) replay their recorded
     forward; EAGLE-3 still gets the layer states of each, the very ones an eager forward
