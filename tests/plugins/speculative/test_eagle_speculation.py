@@ -38,6 +38,18 @@ VOCAB = 16
 LAYERS = 8  # EAGLE-3's default layers 2, 4, 5 fit
 
 
+def test_plugin_is_installed() -> None:
+    from sgl.plugins import create_plugin_manager
+    from sgl_spec_eagle.drafter import Eagle3Drafter, EagleDrafter
+
+    pm = create_plugin_manager()
+    assert pm.records["speculative-eagle"].available
+    assert "sgl_register_speculative_algorithms" in pm.records["speculative-eagle"].hooks
+    for name, cls in (("EAGLE", EagleDrafter), ("EAGLE3", Eagle3Drafter)):
+        entry = pm.registries.speculative.entry(name)
+        assert entry.owner == "speculative-eagle" and entry.load() is cls
+
+
 def tiny_llama_config(**changes: object):
     from transformers import LlamaConfig
 
@@ -458,28 +470,51 @@ def test_eagle3_reads_replayed_decode_steps(tmp_path: Path) -> None:
         torch.testing.assert_close(last_on, last_off, rtol=1e-5, atol=1e-5)
 
 
-def test_smollm2_with_an_eagle3_head_of_its_own_width(tmp_path: Path) -> None:
-    """The real target; a head 64 wide with its own embedding and a 2000-token draft
-    vocabulary (d2t) reads SmolLM2's 576-wide layer states."""
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
+    """The bundled SmolLM2 without speculation (float32)."""
+    h = Harness(tmp_path_factory.mktemp("smollm2"))
+    with torch.inference_mode():
+        yield h
+    h.close()
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_smollm2_keeps_its_outputs(algorithm: str, smollm2: Harness, tmp_path: Path) -> None:
+    """The real target, with a mix of prompts, batch sizes and the radix cache: an EAGLE head
+    as wide as SmolLM2 (576, its LM head shared); an EAGLE-3 head 64 wide with its own
+    embedding and a 2000-token draft vocabulary (d2t), reading SmolLM2's 576-wide layer
+    states."""
     head = tmp_path / "head"
-    config = tiny_llama_config(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                               num_hidden_layers=1, max_position_embeddings=8192)
-    write_head(head, 3, config, target_hidden=576, seed=4, draft_vocab=2000,
-               target_vocab=49152, own_embedding=True)
-    (tmp_path / "plain").mkdir()
-    (tmp_path / "spec").mkdir()
-    plain = Harness(tmp_path / "plain")
-    spec = Harness(tmp_path / "spec", speculative_algorithm="EAGLE3",
+    if algorithm == "EAGLE":
+        config = tiny_llama_config(vocab_size=49152, hidden_size=576, intermediate_size=256,
+                                   num_hidden_layers=1, num_attention_heads=9,
+                                   num_key_value_heads=3, max_position_embeddings=8192)
+        write_head(head, 1, config, target_hidden=576, seed=4, target_vocab=49152)
+    else:
+        config = tiny_llama_config(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=1, max_position_embeddings=8192)
+        write_head(head, 3, config, target_hidden=576, seed=4, draft_vocab=2000,
+                   target_vocab=49152, own_embedding=True)
+    spec = Harness(tmp_path, speculative_algorithm=algorithm,
                    speculative_draft_model_path=str(head), speculative_disable_by_batch_size=64)
     try:
         with torch.inference_mode():
-            prompts = mixed_prompts(plain, 6)
-            want = run(plain, prompts, max_new_tokens=24, temperature=0)
-            got = run(spec, prompts, max_new_tokens=24, temperature=0)
+            prompts = mixed_prompts(smollm2, 6)
+            want = [run(smollm2, prompts[:1], max_new_tokens=24, temperature=0)[0],
+                    *run(smollm2, prompts[1:], max_new_tokens=24, temperature=0)]
+            got = [run(spec, prompts[:1], max_new_tokens=24, temperature=0)[0]]
+            rids = [spec.submit(p, max_new_tokens=24, temperature=0) for p in prompts[1:]]
+            results = spec.run(rids)  # no flush: the radix cache keeps them (and the head's KV)
+            got += [results[r] for r in rids]
             assert [g.output_ids for g in got] == [w.output_ids for w in want]
             assert spec.scheduler.spec.stats.proposed_drafts > 100
+            # the same prompts again: their prefixes come from the radix cache, with the head's KV
+            hits = spec.scheduler.cache.stats.hit_tokens
+            again = run(spec, prompts, max_new_tokens=24, temperature=0)
+            assert spec.scheduler.cache.stats.hit_tokens > hits
+            assert [g.output_ids for g in again] == [w.output_ids for w in want]
     finally:
-        plain.close()
         spec.close()
 
 
