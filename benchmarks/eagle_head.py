@@ -99,12 +99,12 @@ def main() -> None:
                 source = hidden if spec.target_hidden == "final" else runner.model.captured_hidden
                 tokens = [p + [7] for p in prompts]
                 head.observe([TargetStates(f"r{i}", r, 0, source[300 * i:300 * (i + 1)],
-                                           t) for i, (r, t) in enumerate(zip(rows, tokens))])
+                                           t[1:]) for i, (r, t) in enumerate(zip(rows, tokens))])
                 asks = [DraftRequest(f"r{i}", t, 3) for i, t in enumerate(tokens)]
                 step = make_forward_batch(runner, ForwardMode.DECODE, [
                     BatchSeq(r, 300, [7]) for r in rows])
                 decode = timed(lambda: runner.forward(step), args.reps)
-                one = [TargetStates(f"r{i}", r, 299, source[300 * i + 299:300 * (i + 1)], t)
+                one = [TargetStates(f"r{i}", r, 299, source[300 * i + 299:300 * (i + 1)], t[300:])
                        for i, (r, t) in enumerate(zip(rows, tokens))]
                 observe = timed(lambda: head.observe(one), args.reps)
                 propose = timed(lambda: head.propose(asks), args.reps)

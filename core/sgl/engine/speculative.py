@@ -306,7 +306,8 @@ class SpeculativeDecoding:
                 TargetStates(req.rid, req.row, req.kv_len - len(rows),
                              source.index_select(0, torch.tensor(list(rows), dtype=torch.int64,
                                                                  device=source.device)),
-                             req.input_ids + req.output_ids) for req, rows in kept])
+                             req.token_slice(req.kv_len - len(rows) + 1, req.kv_len + 1))
+                for req, rows in kept])
         except Exception:
             logger.error("speculative algorithm %s failed to take the target's states of %d "
                          "requests; their drafting starts afresh:\n%s", self.name, len(kept),

@@ -61,15 +61,15 @@ class TargetStates:
         included, whose states the target did not compute).
     :param start: the position of the first of ``hidden``.
     :param hidden: ``[k, width]``, the states of positions ``start .. start + k - 1``.
-    :param token_ids: the request's prompt and output; ``token_ids[p + 1]`` follows position
-        ``p``, so every position of ``hidden`` has its next token.
+    :param next_ids: the token that follows each of those positions (``next_ids[i]`` follows
+        position ``start + i``; the last is the token the next step runs).
     """
 
     rid: str
     row: int
     start: int
     hidden: torch.Tensor
-    token_ids: Sequence[int]
+    next_ids: Sequence[int]
 
 
 class BaseSpeculativeAlgorithm(ABC):

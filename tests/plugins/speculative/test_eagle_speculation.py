@@ -470,15 +470,6 @@ def test_eagle3_reads_replayed_decode_steps(tmp_path: Path) -> None:
         torch.testing.assert_close(last_on, last_off, rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
-    """The bundled SmolLM2 without speculation (float32)."""
-    h = Harness(tmp_path_factory.mktemp("smollm2"))
-    with torch.inference_mode():
-        yield h
-    h.close()
-
-
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
 def test_smollm2_keeps_its_outputs(algorithm: str, smollm2: Harness, tmp_path: Path) -> None:
     """The real target, with a mix of prompts, batch sizes and the radix cache: an EAGLE head

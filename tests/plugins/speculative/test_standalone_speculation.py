@@ -6,7 +6,6 @@ pool is back to empty after every run, also through retraction and abort."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,14 +20,6 @@ from sgl.model_loader import resolve_model_path  # noqa: E402
 pytestmark = pytest.mark.slow
 TASKS = ["Repeat this: the cat sat on the mat, and the dog lay by the door.",
          "What is the capital of France?", "Write the numbers from 1 to 20."]
-
-
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
-    h = Harness(tmp_path_factory.mktemp("plain"))
-    with torch.inference_mode():
-        yield h
-    h.close()
 
 
 def draft_harness(tmp: Path, draft: str, **overrides: object) -> Harness:
@@ -49,17 +40,17 @@ def run(h: Harness, prompts: list[list[int]], **params: object) -> list[Result]:
     return [results[r] for r in rids]
 
 
-def test_the_target_as_its_own_draft_accepts_every_draft_token(plain: Harness,
+def test_the_target_as_its_own_draft_accepts_every_draft_token(smollm2: Harness,
                                                               tmp_path: Path) -> None:
     spec = draft_harness(tmp_path, str(resolve_model_path(None)))
     try:
         with torch.inference_mode():
-            prompts = [plain.chat_ids(t) for t in TASKS] + mixed_prompts(plain, 6)
+            prompts = [smollm2.chat_ids(t) for t in TASKS] + mixed_prompts(smollm2, 6)
             stats = spec.scheduler.spec.stats
             for params in (dict(temperature=0), dict(temperature=0.8, seed=3),
                            dict(temperature=0.9, top_p=0.9, frequency_penalty=0.4, seed=8)):
                 before = (stats.accepted_drafts, stats.proposed_drafts)
-                want = run(plain, prompts, max_new_tokens=32, **params)
+                want = run(smollm2, prompts, max_new_tokens=32, **params)
                 got = run(spec, prompts, max_new_tokens=32, **params)
                 for a, b in zip(want, got):
                     assert b.output_ids == a.output_ids, params
@@ -72,11 +63,11 @@ def test_the_target_as_its_own_draft_accepts_every_draft_token(plain: Harness,
         spec.close()
 
 
-def test_a_random_draft_changes_nothing(plain: Harness, tmp_path: Path) -> None:
+def test_a_random_draft_changes_nothing(smollm2: Harness, tmp_path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    vocab = plain.scheduler.runner.vocab_size
+    vocab = smollm2.scheduler.runner.vocab_size
     config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=2048, tie_word_embeddings=True)
@@ -85,9 +76,9 @@ def test_a_random_draft_changes_nothing(plain: Harness, tmp_path: Path) -> None:
     spec = draft_harness(tmp_path, str(folder))
     try:
         with torch.inference_mode():
-            prompts = mixed_prompts(plain, 40) + [plain.chat_ids(t) for t in TASKS]
+            prompts = mixed_prompts(smollm2, 40) + [smollm2.chat_ids(t) for t in TASKS]
             lengths = [8 + (i % 4) * 4 for i in range(len(prompts))]
-            want = [run(plain, [p], max_new_tokens=n, temperature=0)[0]
+            want = [run(smollm2, [p], max_new_tokens=n, temperature=0)[0]
                     for p, n in zip(prompts, lengths)]
             s = spec.scheduler
             s.new_token_ratio = 0.1  # admission under-reserves: the small pool retracts

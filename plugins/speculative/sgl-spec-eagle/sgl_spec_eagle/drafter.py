@@ -301,7 +301,7 @@ class EagleDrafter(BaseSpeculativeAlgorithm):
         seqs, slots, features, kept = [], [], [], []
         table = self.runner.req_to_token_pool.req_to_token
         for s in states:
-            k = min(s.hidden.shape[0], len(s.token_ids) - 1 - s.start)  # each needs its next token
+            k = min(s.hidden.shape[0], len(s.next_ids))  # each position needs its next token
             if k <= 0:
                 continue
             state = self.states.get(s.rid)
@@ -310,8 +310,7 @@ class EagleDrafter(BaseSpeculativeAlgorithm):
                 # new here (or after a failure): the prefix's KV is the one at its slots
                 state = self.states[s.rid] = _State(s.row, s.start)
                 prefix = table[s.row, :s.start]
-            seqs.append(BatchSeq(s.row, s.start, list(s.token_ids[s.start + 1:s.start + 1 + k]),
-                                 prefix_slots=prefix))
+            seqs.append(BatchSeq(s.row, s.start, list(s.next_ids[:k]), prefix_slots=prefix))
             slots.append(table[s.row, s.start:s.start + k])
             features.append(s.hidden[:k])
             kept.append((state, k))
