@@ -21,6 +21,7 @@ PLUGINS := \
 	plugins/speculative/sgl-spec-ngram \
 	plugins/speculative/sgl-spec-standalone \
 	plugins/speculative/sgl-spec-eagle \
+	plugins/parallel/sgl-parallel-tp \
 	plugins/tools/sgl-bench \
 	plugins/grammar/sgl-grammar-xgrammar \
 	plugins/grammar/sgl-grammar-outlines \

@@ -31,6 +31,7 @@ from sgl.config import (
     read_config_file,
 )
 from sgl.plugins import PluginError, PluginSelection, SglPluginManager, create_plugin_manager
+from sgl.parallel.select import parallel_strategy
 from sgl.registry import DuplicateRegistrationError
 
 __all__ = ["build_cli", "main"]
@@ -245,6 +246,7 @@ def _settings_or_exit(ctx: click.Context, pm: SglPluginManager,
         settings = settings_from_click(ctx, pm)
         if check:
             pm.check_backends(settings)
+            parallel_strategy(settings, pm.registries)
     except (ConfigError, DuplicateRegistrationError, PluginError) as exc:
         raise click.UsageError(str(exc), ctx) from None
     return settings

@@ -141,6 +141,23 @@ class ServerSettings:
     speculative_disable_by_batch_size: int | None = _opt(
         None, "Run steps with more decoding requests than this without speculation (the "
         "verification then costs more than it saves); default: the algorithm's.", minimum=1)
+    tp_size: int = _opt(
+        1, "Tensor-parallel ranks: the model's heads, MLP and vocabulary are split over this "
+        "many scheduler processes (torch.distributed: gloo on CPU), spread over --nnodes "
+        "machines; each rank on this machine takes its share of the CPU cores. Needs the "
+        "sgl-parallel-tp plugin.", minimum=1)
+    nnodes: int = _opt(
+        1, "Machines the --tp-size ranks run on; start `sgl serve` on each with the same "
+        "settings, --node-rank and --dist-init-addr. Node 0 serves HTTP.", minimum=1)
+    node_rank: int = _opt(
+        0, "This machine's index among --nnodes (0 serves HTTP; the others only run their "
+        "ranks).", minimum=0)
+    dist_init_addr: str | None = _opt(
+        None, "HOST:PORT where the ranks of all nodes meet (node 0's address and a free port); "
+        "required with --nnodes above 1. Default on one machine: a free loopback port.")
+    dist_timeout: float = _opt(
+        600.0, "Seconds the ranks wait for each other: at start-up for every node to join "
+        "(--dist-init-addr), and in each collective of a forward.", minimum=1)
     frontends: tuple[str, ...] = _opt(
         (), "HTTP frontends to mount (repeatable); default: every installed one.",
         registry="frontends", flags=("--frontend",))
@@ -363,6 +380,21 @@ def load_settings(
     return settings
 
 
+def split_host_port(address: str) -> tuple[str, int] | None:
+    """``"host:port"`` (``"[::1]:port"`` for IPv6) as ``(host, port)``, else None."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
+
+
+def cores_per_rank(s: ServerSettings) -> int:
+    """The CPU cores each scheduler process of this machine gets: the usable cores shared out
+    among its tensor-parallel ranks (at least one)."""
+    return max(1, usable_cores() // (s.tp_size // s.nnodes))
+
+
 def _check_ranges(s: ServerSettings) -> None:
     """The bounds of the settings: a field's ``minimum`` metadata, and the rules below."""
     def fail(key: str, msg: str) -> None:
@@ -375,7 +407,7 @@ def _check_ranges(s: ServerSettings) -> None:
             fail(f.name, f"expected at least {low}")
     if not 0 < s.port < 65536:
         fail("port", "expected 1-65535")
-    problem = check_thread_counts(s.num_threads, s.kernel_threads, usable_cores())
+    problem = check_thread_counts(s.num_threads, s.kernel_threads, cores_per_rank(s))
     if problem:
         fail("kernel_threads" if s.kernel_threads is not None else "num_threads", problem)
     if not 0 < s.mem_fraction_static <= 1:
@@ -388,6 +420,15 @@ def _check_ranges(s: ServerSettings) -> None:
                     "speculative_token_map", "speculative_disable_by_batch_size"):
             if getattr(s, key) is not None:
                 fail(key, "it needs --speculative-algorithm (speculative decoding is off)")
+    if s.node_rank >= s.nnodes:
+        fail("node_rank", f"expected a node index below --nnodes ({s.nnodes})")
+    if s.tp_size % s.nnodes:
+        fail("tp_size", f"expected a multiple of --nnodes ({s.nnodes}): every node runs the "
+             "same number of ranks")
+    if s.nnodes > 1 and s.dist_init_addr is None:
+        fail("nnodes", "more than one node needs --dist-init-addr HOST:PORT (node 0's address)")
+    if s.dist_init_addr is not None and split_host_port(s.dist_init_addr) is None:
+        fail("dist_init_addr", "expected HOST:PORT with a port in 1-65535")
     if s.api_key is not None and not s.api_key.strip():
         fail("api_key", "expected a non-empty key")
     if s.chat_template and not Path(s.chat_template).expanduser().is_file() \

@@ -132,8 +132,6 @@ class Registries:
 
     #: registries whose hook has a contract but nothing in this sgl that runs it yet
     NOT_RUN_YET = {
-        "parallel": "sgl starts exactly one scheduler process (no tensor or data parallelism "
-                    "yet)",
         "transfer": "sgl has no prefill/decode disaggregation yet",
     }
 
@@ -241,6 +239,9 @@ class SglPluginManager(pluggy.PluginManager):
                     f"{entry.owner!r} registered {algorithm!r}, which is not a subclass of "
                     "sgl.speculative.BaseSpeculativeAlgorithm")
             problem = algorithm.check_settings(settings)
+            if problem is None and settings.tp_size > 1 and not algorithm.tensor_parallel:
+                problem = (f"not supported with --tp-size {settings.tp_size} (its draft model "
+                           "is not split over the ranks); NGRAM is")
             if problem:
                 raise ConfigError(f"--speculative-algorithm {settings.speculative_algorithm}: "
                                   f"{problem}")

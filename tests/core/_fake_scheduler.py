@@ -45,4 +45,4 @@ def start_fake_scheduler(settings: Any, pm: Any, vocab_size: int = 400) -> Sched
                           name="sgl-fake-scheduler", daemon=True)
     process.start()
     child.close()
-    return SchedulerHandle(process, endpoints, ipc_dir, parent)
+    return SchedulerHandle([process], endpoints, ipc_dir, [parent])

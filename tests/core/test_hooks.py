@@ -86,8 +86,6 @@ def test_hook_sgl_register_kv_transfer_backends(plugin_manager, register_plugin)
 
 
 @pytest.mark.parametrize("hook,what", [
-    ("sgl_register_parallel_strategies", "parallel strategy 'unused'.* exactly one "
-                                         "scheduler process"),
     ("sgl_register_kv_transfer_backends", "KV transfer backend 'unused'.* no "
                                           "prefill/decode disaggregation yet"),
 ])
@@ -111,20 +109,30 @@ def test_sgl_plugins_lists_what_is_not_used(tmp_path) -> None:
     path = tmp_path / "eager_tp.py"
     path.write_text("from sgl import hookimpl\n\n@hookimpl\n"
                     "def sgl_register_parallel_strategies(register):\n"
-                    "    register('tp', 'eager_tp:TP')\n"
+                    "    register('pp', 'eager_tp:PP')\n"
+                    "@hookimpl\n"
+                    "def sgl_register_kv_transfer_backends(register):\n"
+                    "    register('nixl', 'eager_tp:Nixl')\n"
                     "@hookimpl\n"
                     "def sgl_register_speculative_algorithms(register):\n"
                     "    register('MEDUSA', 'eager_tp:Medusa')\n")
     result = run_cli(["plugins", "--plugin", str(path)])
     assert result.returncode == 0, result.stderr
-    assert ("Not used: plugin 'eager_tp' registers parallel strategy 'tp', which is not used: "
-            "sgl starts exactly one scheduler process") in result.stdout
-    # speculative algorithms are used now: selected by --speculative-algorithm, and one whose
-    # class cannot be imported fails with a message naming the plugin, before any model loads
+    assert ("Not used: plugin 'eager_tp' registers KV transfer backend 'nixl', which is not "
+            "used: sgl has no prefill/decode disaggregation yet") in result.stdout
+    # speculative algorithms and parallel strategies are used now: selected by their flags, and
+    # one whose class cannot be imported fails with a message naming the plugin, before any
+    # model loads
     assert "speculative algorithm" not in result.stdout
+    assert "parallel strategy" not in result.stdout
     flag = run_cli(["serve", "--speculative-algorithm", "MEDUSA", "--plugin", str(path)])
     assert flag.returncode != 0 and "Traceback" not in flag.stderr, flag.stderr
     assert "eager_tp" in flag.stderr, flag.stderr
+    tp = run_cli(["serve", "--tp-size", "3", "--disable-plugin", "parallel-tp", "--plugin",
+                  str(path)])
+    assert tp.returncode != 0 and "Traceback" not in tp.stderr, tp.stderr
+    assert "no installed plugin provides tensor parallelism" in tp.stderr, tp.stderr
+    assert "parallel strategy 'pp' of plugin 'eager_tp' failed to import" in tp.stderr
 
 
 def test_hook_sgl_register_api_names(plugin_manager, register_plugin) -> None:

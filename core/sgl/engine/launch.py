@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import shutil
+import socket
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sgl.engine.messages import SchedulerInfo
+from sgl.parallel.base import RankInfo
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -29,68 +31,118 @@ class SchedulerStartError(RuntimeError):
 
 @dataclass
 class SchedulerHandle:
-    process: BaseProcess
+    """The scheduler processes this node started: one, or one per tensor-parallel rank (the
+    leader, which owns ``endpoints``, first when this node has it)."""
+
+    processes: list[BaseProcess]
     endpoints: dict[str, str]
     ipc_dir: str
-    ready_conn: Any
+    ready_conns: list[Any]
     info: SchedulerInfo | None = None
 
+    @property
+    def process(self) -> BaseProcess:
+        """The first process (the leader on node 0)."""
+        return self.processes[0]
+
     def wait_ready(self, timeout: float = 900.0) -> SchedulerInfo:
-        """Block until the scheduler has loaded the model; raise if it died or failed."""
+        """Block until every process has loaded its model; raise if one died or failed.
+        Returns the first process's report (the leader's on node 0)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.ready_conn.poll(0.2):
+        reports: dict[int, SchedulerInfo] = {}
+        while len(reports) < len(self.processes):
+            if time.monotonic() >= deadline:
+                self.stop()
+                raise SchedulerStartError(f"the scheduler was not ready after {timeout:.0f} s")
+            for i, conn in enumerate(self.ready_conns):
+                if i in reports or not conn.poll(0.2 / len(self.processes)):
+                    continue
                 try:
-                    info: SchedulerInfo = self.ready_conn.recv()
+                    info: SchedulerInfo = conn.recv()
                 except EOFError:
                     info = SchedulerInfo(ok=False, error=(
-                        "the scheduler process exited before it reported (see its log above). "
-                        "If you start sgl.Engine from a script, put that code under "
+                        f"{self.processes[i].name} exited before it reported (see its log "
+                        "above). If you start sgl.Engine from a script, put that code under "
                         "`if __name__ == \"__main__\":`: the scheduler process is started with "
                         "multiprocessing's spawn method, which imports your script again"))
                 if not info.ok:
-                    self.stop()
+                    self.stop(timeout=1)
                     raise SchedulerStartError(f"the scheduler failed to start: {info.error}")
-                self.info = info
-                return info
-            if not self.process.is_alive():
-                raise SchedulerStartError(
-                    f"the scheduler process exited with code {self.process.exitcode} before it "
-                    "was ready; see its log above")
-        self.stop()
-        raise SchedulerStartError(f"the scheduler was not ready after {timeout:.0f} s")
+                reports[i] = info
+            for i, process in enumerate(self.processes):
+                if i not in reports and not process.is_alive() and not self.ready_conns[i].poll():
+                    self.stop(timeout=1)
+                    raise SchedulerStartError(
+                        f"{process.name} exited with code {process.exitcode} before it was "
+                        "ready; see its log above")
+        self.info = reports[0]
+        return self.info
 
     @property
     def alive(self) -> bool:
-        return self.process.is_alive()
+        """Whether every process still runs (one rank gone stops them all)."""
+        return all(p.is_alive() for p in self.processes)
+
+    def death_reason(self) -> str:
+        """Which process is gone and how, for the message that fails the requests."""
+        dead = [p for p in self.processes if not p.is_alive()]
+        if not dead:
+            return "the scheduler is running"
+        if len(self.processes) == 1:
+            return f"the scheduler process died (exit code {dead[0].exitcode})"
+        return "; ".join(f"the scheduler process of {p.name.removeprefix('sgl-scheduler ')} "
+                         f"died (exit code {p.exitcode})" for p in dead)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask politely (the caller sent ShutdownRequest, if it could), then terminate, then kill."""
-        self.process.join(timeout=timeout)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout=5)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in self.processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 def start_scheduler(settings: ServerSettings, pm: SglPluginManager) -> SchedulerHandle:
-    """Spawn the scheduler process. It loads the plugins ``pm`` loaded (no rediscovery) and the
-    model, then reports a :class:`SchedulerInfo` through :meth:`SchedulerHandle.wait_ready`."""
+    """Spawn this node's scheduler processes: one, or the ranks of the parallel strategy the
+    settings turn on (:mod:`sgl.parallel`). They load the plugins ``pm`` loaded (no
+    rediscovery) and the model, then report through :meth:`SchedulerHandle.wait_ready`."""
     from sgl.engine.scheduler import run_scheduler_process
+    from sgl.parallel.select import parallel_strategy
 
+    chosen = parallel_strategy(settings, pm.registries)
     ipc_dir = tempfile.mkdtemp(prefix="sgl-ipc-")
     endpoints = {"requests": f"ipc://{ipc_dir}/requests", "outputs": f"ipc://{ipc_dir}/outputs"}
     ctx = multiprocessing.get_context("spawn")
-    parent_conn, child_conn = ctx.Pipe(duplex=False)
-    process = ctx.Process(
-        target=run_scheduler_process,
-        args=(settings.to_dict(), pm.loaded_records(), endpoints, child_conn),
-        name="sgl-scheduler",
-        daemon=True,
-    )
-    process.start()
-    child_conn.close()
-    return SchedulerHandle(process, endpoints, ipc_dir, parent_conn)
+    ranks: list[RankInfo | None] = [None]
+    if chosen is not None:
+        ranks = list(chosen[1].local_ranks(settings.dist_init_addr or _free_loopback_address()))
+    processes, conns = [], []
+    for rank in ranks:
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        name = "sgl-scheduler" if rank is None else f"sgl-scheduler {rank.strategy} rank {rank.rank}"
+        process = ctx.Process(
+            target=run_scheduler_process,
+            args=(settings.to_dict(), pm.loaded_records(), endpoints, child_conn, rank),
+            name=name, daemon=True)
+        process.start()
+        child_conn.close()
+        processes.append(process)
+        conns.append(parent_conn)
+    if chosen is not None:
+        logger.info("parallel strategy %s: ranks %s on this node", chosen[0],
+                    ", ".join(str(r.rank) for r in ranks if r is not None))
+    return SchedulerHandle(processes, endpoints, ipc_dir, conns)
+
+
+def _free_loopback_address() -> str:
+    """``127.0.0.1:PORT`` with a port nothing listens on now, where one machine's ranks meet."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"

@@ -153,3 +153,4 @@ class SchedulerInfo:
     cache_policy: str = "none"
     schedule_policy: str = "fcfs"
     grammar_backend: str = "none"  # the backend constrained requests use; "none": refused
+    parallel: dict[str, Any] = field(default_factory=dict)  # the strategy and its sizes, if any

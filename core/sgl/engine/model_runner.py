@@ -19,7 +19,9 @@ from sgl.engine.memory import available_memory_bytes, kv_pool_tokens
 from sgl.kernels import cpu
 from sgl.kvcache.pool import KVPool, ReqToTokenPool
 from sgl.layers.attention import Attention
+from sgl.layers.tp import get_tp_group, tp_min
 from sgl.model_loader import ModelLoadError, load_hf_config, open_weights, resolve_model_path
+from sgl.parallel.base import GroupFailure
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from sgl.attention.base import BaseAttentionBackend
     from sgl.forward_batch import ForwardBatch
     from sgl.models.base import BaseCausalLM
+    from sgl.parallel.base import RunnerMirror
     from sgl.plugins import Registries
 
 __all__ = ["SUPPORTED_DTYPES", "ModelRunner", "auto_cpu_dtype", "resolve_architecture",
@@ -170,8 +173,9 @@ class ModelRunner:
         num_layers, kv_heads, head_dim = _kv_layout(self.model, self.hf_config)
         per_token = KVPool.bytes_per_token(num_layers=num_layers, num_kv_heads=kv_heads,
                                            head_dim=head_dim, dtype=self.dtype)
-        size = self._pool_size(max_total_tokens, mem_fraction, per_token,
-                               max_running_requests * self.context_length)
+        # tensor-parallel ranks share slot numbers (the leader hands them out): one size
+        size = tp_min(self._pool_size(max_total_tokens, mem_fraction, per_token,
+                                      max_running_requests * self.context_length))
         self.kv_pool = KVPool(size=size, num_layers=num_layers, num_kv_heads=kv_heads,
                               head_dim=head_dim, dtype=self.dtype, device=self.device,
                               page_size=page_size)
@@ -182,13 +186,20 @@ class ModelRunner:
         self.attn_backend: BaseAttentionBackend = backend_cls(
             kv_pool=self.kv_pool, req_to_token_pool=self.req_to_token_pool, device=self.device)
         #: replays recorded decode forwards (sgl.engine.cpu_graph); None when off
+        #: tells the other tensor-parallel ranks about each forward and logits call (set on
+        #: the leader by the parallel strategy); None in a single process
+        self.mirror: RunnerMirror | None = None
+        self._last_hidden: torch.Tensor | None = None
         self.cpu_graphs: CpuGraphRunner | None = None
-        if cpu_graphs and self.device.type == "cpu" and cpu.load() is not None:
+        tensor_parallel = get_tp_group().size > 1  # a replay cannot run the all-reduces
+        if cpu_graphs and self.device.type == "cpu" and cpu.load() is not None \
+                and not tensor_parallel:
             self.cpu_graphs = CpuGraphRunner(self.model, self.attn_backend)
         logger.info("model %s (%s, %s): KV pool of %d tokens (%.1f MiB), backend %s, decode "
                     "graphs %s, CPU kernels %s", self.model_path.name, model_cls.__name__,
                     self.dtype, size, self.kv_pool_bytes / 2**20, attention_backend,
-                    "on" if self.cpu_graphs is not None else "off",
+                    "on" if self.cpu_graphs is not None else
+                    "off (tensor parallel)" if tensor_parallel else "off",
                     cpu.describe_isa() if self.device.type == "cpu" else "not used")
 
     def _context_length(self, requested: int | None) -> int:
@@ -239,6 +250,16 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model; hidden states ``[num_tokens, hidden]`` of every new token."""
+        if self.mirror is None:
+            return self._forward(batch)
+        self.mirror.forward(batch)
+        try:
+            self._last_hidden = self._forward(batch)
+        except Exception as exc:  # the other ranks are in (or past) the same collectives
+            raise GroupFailure(f"a tensor-parallel forward failed: {exc}") from exc
+        return self._last_hidden
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         self.attn_backend.init_forward_metadata(batch)
         if self.cpu_graphs is not None and batch.mode == ForwardMode.DECODE:
             return self.cpu_graphs.forward(batch)
@@ -246,8 +267,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits_at(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[len(indices), vocab]`` of the chosen token rows of ``hidden``."""
-        return self.model.compute_logits(hidden.index_select(0, indices.to(hidden.device)))
+        """float32 logits ``[len(indices), vocab]`` of the chosen token rows of ``hidden``
+        (with tensor parallelism: of the last forward's hidden states, which the other ranks
+        hold too)."""
+        if self.mirror is None:
+            return self.model.compute_logits(hidden.index_select(0, indices.to(hidden.device)))
+        if hidden is not self._last_hidden:
+            raise ValueError("with tensor parallelism, logits_at takes the hidden states the "
+                             "last forward returned")
+        self.mirror.logits_at(indices)
+        try:
+            return self.model.compute_logits(hidden.index_select(0, indices.to(hidden.device)))
+        except Exception as exc:
+            raise GroupFailure(f"a tensor-parallel logits computation failed: {exc}") from exc
 
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model; float32 logits ``[batch_size, vocab]`` of each sequence's last new

@@ -59,7 +59,10 @@ from sgl.engine.speculative import (
 )
 from sgl.engine.sequence import Req
 from sgl.kernels import cpu
+from sgl.layers.tp import get_tp_group
+from sgl.model_loader import ModelLoadError
 from sgl.kvcache import BaseCachePolicy, NoPrefixCache, PrefixMatch
+from sgl.parallel.base import GroupFailure, RankInfo
 from sgl.threads import ThreadPlan, plan_threads
 
 if TYPE_CHECKING:
@@ -67,7 +70,7 @@ if TYPE_CHECKING:
     from sgl.engine.model_runner import ModelRunner
     from sgl.plugins import SglPluginManager
 
-__all__ = ["Scheduler", "configure_threads"]
+__all__ = ["Scheduler", "build_runner", "configure_threads", "prepare_process"]
 
 logger = logging.getLogger("sgl.scheduler")
 
@@ -98,30 +101,43 @@ def configure_threads(num_threads: int | None, kernel_threads: int | None) -> Th
     return plan
 
 
+def prepare_process(settings: ServerSettings, pm: SglPluginManager) -> ThreadPlan:
+    """What a scheduler process sets before it builds its model: the CPU kernels' library and
+    level, and the threads."""
+    cpu.use_plugins(pm)  # the kernel library of the plugins this process loaded
+    cpu.set_isa(settings.cpu_isa)
+    return configure_threads(settings.num_threads, settings.kernel_threads)
+
+
+def build_runner(settings: ServerSettings, pm: SglPluginManager) -> ModelRunner:
+    """The model runner the settings describe."""
+    from sgl.engine.model_runner import ModelRunner
+
+    return ModelRunner(
+        model_path=settings.model_path, dtype=settings.dtype,
+        attention_backend=settings.attention_backend, registries=pm.registries,
+        plugin_manager=pm, max_total_tokens=settings.max_total_tokens,
+        mem_fraction=settings.mem_fraction_static,
+        max_running_requests=settings.max_running_requests,
+        context_length=settings.context_length, page_size=settings.page_size,
+        cpu_graphs=not settings.disable_cpu_graph,
+        show_progress=get_tp_group().rank == 0)  # one bar, not one per rank
+
+
 class Scheduler:
     def __init__(self, settings: ServerSettings, pm: SglPluginManager,
                  endpoints: dict[str, str]) -> None:
-        from sgl.engine.model_runner import ModelRunner
         from sgl.model_loader import load_tokenizer, resolve_model_path
 
         self.settings = settings
-        cpu.use_plugins(pm)  # the kernel library of the plugins this process loaded
-        cpu.set_isa(settings.cpu_isa)
-        self.threads = configure_threads(settings.num_threads, settings.kernel_threads)
+        self.threads = prepare_process(settings, pm)
         # the tokenizer (for stop strings) loads while the model does; transformers' lazy
         # module is not safe to import from two threads at once, so import it here first
         from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
         self._tokenizer: Future[Any] = ThreadPoolExecutor(1).submit(
             load_tokenizer, resolve_model_path(settings.model_path))
-        self.runner: ModelRunner = ModelRunner(
-            model_path=settings.model_path, dtype=settings.dtype,
-            attention_backend=settings.attention_backend, registries=pm.registries,
-            plugin_manager=pm, max_total_tokens=settings.max_total_tokens,
-            mem_fraction=settings.mem_fraction_static,
-            max_running_requests=settings.max_running_requests,
-            context_length=settings.context_length, page_size=settings.page_size,
-            cpu_graphs=not settings.disable_cpu_graph)
+        self.runner: ModelRunner = build_runner(settings, pm)
         self.eos_token_ids = _eos_ids(self.runner.hf_config)
         if self.runner.kv_pool.size < self.runner.context_length:
             logger.warning("the KV pool (%d tokens) is smaller than the context length (%d): a "
@@ -151,6 +167,8 @@ class Scheduler:
         self.parent_pid = os.getppid()
         self._replies: list[TokenOutput] = []  # outputs of requests rejected or aborted
         self._step_slots: torch.Tensor | None = None  # KV slots of a forward still running
+        #: the parallel strategy this scheduler leads, for /get_server_info; empty without one
+        self.parallel: dict[str, Any] = {}
 
         #: what each message from the server does
         self.handlers: dict[type, Callable[[Any], None]] = {
@@ -195,7 +213,7 @@ class Scheduler:
             max_running_requests=self.settings.max_running_requests,
             chunked_prefill_size=self.chunk_size, eos_token_ids=self.eos_token_ids,
             cache_policy=self.cache.name, schedule_policy=self.settings.schedule_policy,
-            grammar_backend=self.grammar.name or "none")
+            grammar_backend=self.grammar.name or "none", parallel=self.parallel)
 
     # the loop --------------------------------------------------------------------------------
 
@@ -738,6 +756,8 @@ class Scheduler:
         self.running = still_running
 
     def close(self) -> None:
+        if self.runner.mirror is not None:  # the other ranks stop with the leader
+            self.runner.mirror.close()
         self.grammar.close()
         self.recv_sock.close(linger=0)
         self.send_sock.close(linger=0)
@@ -767,27 +787,59 @@ def _eos_ids(hf_config: Any) -> list[int]:
 
 
 def run_scheduler_process(settings_data: dict[str, Any], records: tuple[Any, ...],
-                          endpoints: dict[str, str], ready_conn: Any) -> None:
-    """Entry point of the scheduler process (started with the ``spawn`` method)."""
+                          endpoints: dict[str, str], ready_conn: Any,
+                          rank: RankInfo | None = None) -> None:
+    """Entry point of a scheduler process (started with the ``spawn`` method): the only one,
+    or one rank of a parallel strategy, where the leader schedules and the others follow."""
     from sgl.config import settings_from_dict
     from sgl.log import setup_logging
     from sgl.plugins import PluginSelection, create_plugin_manager
 
-    setup_logging(settings_data.get("log_level", "info"), process="scheduler")
+    setup_logging(settings_data.get("log_level", "info"),
+                  process="scheduler" if rank is None else f"{rank.strategy}{rank.rank}")
     try:
         pm = create_plugin_manager(PluginSelection(exact=tuple(records)))
         settings = settings_from_dict(settings_data, pm.config_classes())
-        scheduler = Scheduler(settings, pm, endpoints)
-        pm.notify_startup(settings=settings, process="scheduler", context=scheduler)
+        strategy = None
+        if rank is not None:
+            strategy = pm.registries.parallel.load(rank.strategy)(settings)
+            strategy.init_process(rank)
+        if rank is not None and not rank.leader:
+            prepare_process(settings, pm)
+            runner = build_runner(settings, pm)
+        else:
+            scheduler = Scheduler(settings, pm, endpoints)
+            if strategy is not None:
+                strategy.lead(scheduler.runner)
+                scheduler.parallel = {"strategy": rank.strategy, **strategy.describe()}
+            pm.notify_startup(settings=settings, process="scheduler", context=scheduler)
     except BaseException as exc:  # report why, then exit non-zero
-        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
+        if isinstance(exc, (ValueError, ModelLoadError)):  # the message says it all
+            logger.error("scheduler failed to start: %s", exc)
+        else:
+            logger.error("scheduler failed to start:\n%s", traceback.format_exc())
         ready_conn.send(SchedulerInfo(ok=False, error=f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None
+    if rank is not None and not rank.leader:
+        assert strategy is not None
+        ready_conn.send(SchedulerInfo(ok=True, model_path=str(runner.model_path),
+                                      architecture=runner.architecture,
+                                      max_total_tokens=runner.kv_pool.size))
+        ready_conn.close()
+        try:
+            strategy.follow(runner)
+        except GroupFailure as exc:
+            logger.error("rank %d stops: %s", rank.rank, exc)
+            raise SystemExit(1) from None
+        return
     ready_conn.send(scheduler.info())
     ready_conn.close()
     try:
         with torch.inference_mode():
             scheduler.event_loop()
+    except GroupFailure as exc:
+        logger.error("the scheduler stops: %s", exc)
+        raise SystemExit(1) from None
     finally:
         pm.notify_shutdown(settings=settings, process="scheduler")
         scheduler.close()

@@ -97,6 +97,8 @@ class Engine:
     def __init__(self, model_path: str | None = None, **settings: Any) -> None:
         self._closed = True  # until start-up succeeded; makes __del__ and shutdown() safe
         from sgl.engine.launch import start_scheduler
+        from sgl.config import ConfigError
+        from sgl.parallel.select import parallel_strategy
         from sgl.model_loader import load_tokenizer, resolve_model_path
         from sgl.plugins import PluginSelection, create_plugin_manager
         from sgl.grammar.select import GrammarChecker
@@ -109,6 +111,10 @@ class Engine:
                                                         pm.config_classes())
         self.plugin_manager: SglPluginManager = pm
         pm.check_backends(self.settings)
+        parallel_strategy(self.settings, pm.registries)
+        if self.settings.node_rank > 0:
+            raise ConfigError("sgl.Engine runs node 0 of --nnodes; start the other nodes with "
+                              "`sgl serve --node-rank K` and the same settings")
         resolved = resolve_model_path(self.settings.model_path)
         self._handle: SchedulerHandle = start_scheduler(self.settings, pm)
         try:
@@ -348,8 +354,8 @@ class Engine:
         """Fail pending and future calls once the scheduler process is gone."""
         while self._handle.alive:
             await asyncio.sleep(WATCH_INTERVAL)
-        reason = (f"the scheduler process died (exit code {self._handle.process.exitcode}); "
-                  "this sgl.Engine cannot run requests any more, create a new one")
+        reason = (f"{self._handle.death_reason()}; this sgl.Engine cannot run requests any "
+                  "more, create a new one")
         if self.tokenizer_manager.dead_reason is None:
             logger.error("%s", reason)
             self.tokenizer_manager.fail_all(reason)

@@ -12,13 +12,14 @@ if TYPE_CHECKING:
 
 @hookspec
 def sgl_register_parallel_strategies(register: RegisterFn) -> None:
-    """Register parallelism strategies by name (``tp``, ``dp``, ``pp``, ...).
+    """Register parallelism strategies by name (``tp``, ``pp``, ...).
 
     Call ``register(name, "module:Class")``; the class subclasses
-    :class:`sgl.parallel.BaseParallelStrategy`. It decides how many scheduler processes start and
-    how weights are sharded among them. Nothing runs it yet: sgl starts exactly one scheduler
-    process, so a registration is reported as not used (a warning, and a ``Not used:`` line in
-    ``sgl plugins``).
+    :class:`sgl.parallel.BaseParallelStrategy`. The core asks every registered class
+    ``from_settings(settings)``; the one strategy the settings turn on decides which scheduler
+    processes (ranks) start on this machine, joins them in each (``init_process``), gives the
+    leader's model runner a mirror (``lead``) and runs the other ranks (``follow``). See
+    docs/parallelism.md.
 
     :param register: ``register(name: str, target: str | type) -> None``.
     :return: nothing.

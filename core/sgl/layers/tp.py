@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["TPGroup", "divide", "get_tp_group", "set_tp_group", "tp_all_gather", "tp_all_reduce"]
+__all__ = ["TPGroup", "divide", "get_tp_group", "set_tp_group", "tp_all_gather", "tp_all_reduce",
+           "tp_min"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     """``numerator / denominator``, or a clear error when the split is uneven."""
     if numerator % denominator:
         raise ValueError(
-            f"{what} ({numerator}) is not divisible by the tensor-parallel size {denominator}"
+            f"{what} ({numerator}) is not divisible by the tensor-parallel size {denominator} "
+            "(--tp-size); choose a size that divides it"
         )
     return numerator // denominator
 
@@ -67,3 +69,15 @@ def tp_all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(tensor) for _ in range(group.size)]
     dist.all_gather(parts, tensor.contiguous(), group=group.process_group)
     return torch.cat(parts, dim=dim)
+
+
+def tp_min(value: int) -> int:
+    """The smallest of every rank's ``value`` (what all ranks can agree to, e.g. a pool size)."""
+    group = get_tp_group()
+    if group.size == 1:
+        return value
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group.process_group)
+    return int(tensor.item())

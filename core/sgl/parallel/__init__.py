@@ -1,7 +1,7 @@
-"""Parallelism: the base class strategy plugins implement."""
+"""Parallelism: the base class strategy plugins implement, and how the core picks one."""
 
 from __future__ import annotations
 
-from sgl.parallel.base import BaseParallelStrategy, RankInfo
+from sgl.parallel.base import BaseParallelStrategy, GroupFailure, RankInfo, RunnerMirror
 
-__all__ = ["BaseParallelStrategy", "RankInfo"]
+__all__ = ["BaseParallelStrategy", "GroupFailure", "RankInfo", "RunnerMirror"]

@@ -99,8 +99,7 @@ async def _watch_scheduler(server: ServerContext) -> None:
     """If the scheduler dies, fail in-flight requests, turn unhealthy and exit non-zero."""
     while server.scheduler.alive:
         await asyncio.sleep(0.5)
-    reason = (f"the scheduler process died (exit code {server.scheduler.process.exitcode}); "
-              "the server is shutting down")
+    reason = f"{server.scheduler.death_reason()}; the server is shutting down"
     logger.error("%s", reason)
     server.tokenizer_manager.fail_all(reason)
     server.exit_code = 1

@@ -78,6 +78,8 @@ def run_server(settings: ServerSettings, pm: SglPluginManager) -> int:
     from sgl.server.tokenizer_manager import TokenizerManager
 
     setup_logging(settings.log_level, process="server")
+    if settings.node_rank > 0:
+        return run_ranks_only(settings, pm)
     problem = _check_port(settings.host, settings.port)
     if problem:
         logger.error("%s", problem)
@@ -119,8 +121,7 @@ def run_server(settings: ServerSettings, pm: SglPluginManager) -> int:
         pm.notify_startup(settings=settings, process="server", context=ctx)
     except Exception as exc:  # a plugin's router or start-up hook failed
         logger.error("%s", exc)
-        handle.process.terminate()
-        handle.stop(timeout=5)
+        handle.stop(timeout=0)
         return 1
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
                             log_level=settings.log_level,
@@ -139,3 +140,34 @@ def run_server(settings: ServerSettings, pm: SglPluginManager) -> int:
     if not server.started and ctx.exit_code == 0:
         return 1
     return ctx.exit_code
+
+
+def run_ranks_only(settings: ServerSettings, pm: SglPluginManager) -> int:
+    """``sgl serve --node-rank K`` (K > 0): run this node's ranks, no HTTP server, until they
+    stop (node 0's leader stops them) or the process is interrupted."""
+    logger.info("node %d of %d: starting this node's ranks; node 0 (%s) serves HTTP",
+                settings.node_rank, settings.nnodes, settings.dist_init_addr)
+    handle = start_scheduler(settings, pm)
+    stopping = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stopping.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        handle.wait_ready(timeout=settings.dist_timeout + 900)
+        logger.info("node %d is ready: its ranks follow node 0", settings.node_rank)
+        while handle.alive and not stopping.is_set():
+            stopping.wait(0.5)
+    except SchedulerStartError as exc:
+        logger.error("%s", exc)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        handle.stop(timeout=0 if stopping.is_set() else 10)
+    if stopping.is_set():
+        return 0
+    codes = [p.exitcode for p in handle.processes]
+    if any(codes):
+        logger.error("%s", handle.death_reason())
+        return 1
+    logger.info("node 0 stopped the ranks of node %d", settings.node_rank)
+    return 0

@@ -93,6 +93,10 @@ class BaseSpeculativeAlgorithm(ABC):
     #: names the last layer's output, see ``BaseCausalLM.capture_hidden_layers``). May be set
     #: per instance in ``__init__``.
     target_hidden: str | tuple[int, ...] | None = None
+    #: whether it runs with ``--tp-size`` above 1: it drafts without a model of its own and
+    #: reads the target only through the runner's ``forward`` and ``logits_at`` (which the
+    #: tensor-parallel ranks mirror)
+    tensor_parallel: ClassVar[bool] = False
 
     def __init__(self, *, settings: ServerSettings, runner: Any, num_draft_tokens: int,
                  plugin_manager: Any = None) -> None:

@@ -99,6 +99,7 @@ class NgramDrafter(BaseSpeculativeAlgorithm):
     #: 1.26x at 4 decoding requests and lost (0.64x) at 8; float32 still gained 1.15x at 32
     default_num_draft_tokens = 8
     default_disable_by_batch_size = 4
+    tensor_parallel = True  # drafts from the request's tokens, no model
 
     def default_batch_limit(self) -> int:
         import torch
