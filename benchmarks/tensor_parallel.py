@@ -11,8 +11,9 @@ divide it; ``bundled`` is SmolLM2 itself (9 heads: ``--tp 3``). Part 1 runs ``sg
 ``--tp-size 1`` and ``N`` with the defaults otherwise (threads, cores): a 512-token prefill,
 and greedy decoding of ``B`` requests (``ignore_eos``, 64 tokens). Part 2 spawns the ranks
 itself with the tp strategy's own code, decodes ``--steps`` steps of ``B`` requests on the
-leader under torch.profiler, and reports per step: the wall time, and the time inside gloo's
-collectives (all_reduce, allgather, broadcast), from the profile.
+leader, first plainly, then under torch.profiler, and reports per step: the wall time, and
+from the profile the time inside the collectives (the shared-memory all-reduce and all-gather
+of ranks on one machine, gloo's broadcast of each call).
 """
 
 from __future__ import annotations
@@ -116,17 +117,22 @@ def profile_rank(rank: int, tp: int, addr: str, model: str | None, dtype: str, b
     from torch.profiler import ProfilerActivity, profile
 
     start = time.perf_counter()
+    for i in range(steps):
+        ids = step(PROMPT_LEN + 3 + i)
+    plain = (time.perf_counter() - start) / steps * 1000
+    start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for i in range(steps):
-            ids = step(PROMPT_LEN + 3 + i)
+            ids = step(PROMPT_LEN + 3 + steps + i)
     wall = (time.perf_counter() - start) / steps * 1000
     collectives: dict[str, float] = {}
     for event in prof.key_averages():
         name = event.key.lower()
-        if name.startswith("gloo:") or "c10d::" in name:
+        if name.startswith(("gloo:", "sgl_tp::")):
             collectives[event.key] = event.cpu_time_total / 1000 / steps
     runner.mirror.close()
-    results.put({"batch": batch, "step ms (profiled)": wall, "collectives": collectives})
+    results.put({"batch": batch, "step ms": plain, "step ms (profiled)": wall,
+                 "collectives": collectives})
 
 
 def main() -> None:
@@ -168,8 +174,9 @@ def main() -> None:
             p.join(timeout=60)
         total = sum(result["collectives"].values())
         parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(result["collectives"].items()))
-        print(f"batch {batch}: step {result['step ms (profiled)']:.2f} ms, in collectives "
-              f"{total:.2f} ms ({total / result['step ms (profiled)']:.0%}): {parts}")
+        print(f"batch {batch}: step {result['step ms']:.2f} ms ({result['step ms (profiled)']:.2f}"
+              f" ms profiled), in collectives {total:.2f} ms "
+              f"({total / result['step ms (profiled)']:.0%} of the profiled step): {parts}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     process_group: Any = None  # a torch.distributed ProcessGroup when size > 1
+    #: faster collectives than the process group's, where the strategy has them (ranks on one
+    #: machine: shared memory): ``all_reduce(tensor) -> tensor`` (in place) and
+    #: ``all_gather(tensor, dim) -> tensor``, each returning None for a tensor it does not take
+    fast: Any = None
 
 
 _current = TPGroup()
@@ -53,6 +57,8 @@ def tp_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     group = get_tp_group()
     if group.size == 1:
         return tensor
+    if group.fast is not None and group.fast.all_reduce(tensor) is not None:
+        return tensor
     import torch.distributed as dist
 
     dist.all_reduce(tensor, group=group.process_group)
@@ -64,6 +70,10 @@ def tp_all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
     group = get_tp_group()
     if group.size == 1:
         return tensor
+    if group.fast is not None:
+        gathered = group.fast.all_gather(tensor, dim)
+        if gathered is not None:
+            return gathered
     import torch.distributed as dist
 
     parts = [torch.empty_like(tensor) for _ in range(group.size)]

@@ -27,8 +27,9 @@ import torch.distributed as dist
 
 from sgl.config import split_host_port
 from sgl.forward_batch import ForwardBatch
-from sgl.layers.tp import TPGroup, set_tp_group
+from sgl.layers.tp import TPGroup, get_tp_group, set_tp_group
 from sgl.parallel import BaseParallelStrategy, GroupFailure, RankInfo, RunnerMirror
+from sgl_parallel_tp.shm import SharedMemoryCollectives, shared_memory_usable
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
@@ -85,7 +86,7 @@ class TensorParallel(BaseParallelStrategy):
 
     def init_process(self, rank: RankInfo) -> None:
         self.rank = rank
-        _take_cores(rank)
+        self.sharing_cores = _take_cores(rank)
         address = split_host_port(rank.init_addr)
         if address is None:
             raise ValueError(f"--dist-init-addr {rank.init_addr!r}: expected HOST:PORT")
@@ -103,10 +104,33 @@ class TensorParallel(BaseParallelStrategy):
         self._check_same_settings()
         #: the leader's calls travel on a group of their own, which may wait idle for long
         self.calls = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        self.shared = self._shared_memory(rank)
         set_tp_group(TPGroup(rank=rank.rank, size=rank.world_size,
-                             process_group=dist.group.WORLD))
+                             process_group=dist.group.WORLD, fast=self.shared))
         logger.info("tensor-parallel rank %d of %d: pid %d, cores %s", rank.rank,
                     rank.world_size, os.getpid(), _cores_text())
+
+    def _shared_memory(self, rank: RankInfo) -> SharedMemoryCollectives | None:
+        """The forward's collectives through shared memory when every rank is on this
+        machine (on x86-64), else None (gloo)."""
+        if rank.local_size != rank.world_size or not shared_memory_usable():
+            return None
+        box: list[Any] = [f"sgl-tp-{os.getpid()}-{rank.init_addr.rpartition(':')[2]}"]
+        dist.broadcast_object_list(box, src=0)
+        pids: list[Any] = [None] * rank.world_size
+        dist.all_gather_object(pids, os.getpid())
+        shared = None
+        if rank.leader:
+            shared = SharedMemoryCollectives(box[0], rank.rank, rank.world_size, create=True,
+                                             pids=pids, timeout=self.settings.dist_timeout,
+                                             share_cores=self.sharing_cores)
+        dist.barrier()  # the block exists before the others attach
+        if not rank.leader:
+            shared = SharedMemoryCollectives(box[0], rank.rank, rank.world_size, create=False,
+                                             pids=pids, timeout=self.settings.dist_timeout,
+                                             share_cores=self.sharing_cores)
+        dist.barrier()
+        return shared
 
     def _check_same_settings(self) -> None:
         """Every rank must build the same model the same way: compare the settings that shape
@@ -203,7 +227,10 @@ class BroadcastMirror(RunnerMirror):
 
 def _leave() -> None:
     """Close the group before the process exits (gloo's threads, left running, abort the
-    interpreter's exit)."""
+    interpreter's exit), and the shared memory block."""
+    fast = get_tp_group().fast
+    if fast is not None:
+        fast.close()
     try:
         dist.destroy_process_group()
     except Exception as exc:  # a peer closed first: nothing is left to close
@@ -216,19 +243,21 @@ def _receive(group: Any) -> tuple[Any, ...]:
     return box[0]
 
 
-def _take_cores(rank: RankInfo) -> None:
+def _take_cores(rank: RankInfo) -> bool:
     """This rank's equal share of the cores the node's processes may use; with fewer cores
-    than ranks, one core each, ranks sharing cores in turn."""
+    than ranks, one core each, ranks sharing cores in turn. Whether ranks share cores."""
     try:
         cores = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux: leave the threads where they are
-        return
+        return True
     share = max(1, len(cores) // rank.local_size)
     start = rank.local_rank * share % len(cores)
-    if len(cores) < rank.local_size:
+    sharing = len(cores) < rank.local_size
+    if sharing:
         logger.warning("%d ranks on %d core(s): ranks share cores and wait on each other",
                        rank.local_size, len(cores))
     os.sched_setaffinity(0, cores[start:start + share])
+    return sharing
 
 
 def _cores_text() -> str:
