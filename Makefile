@@ -22,6 +22,7 @@ PLUGINS := \
 	plugins/speculative/sgl-spec-standalone \
 	plugins/speculative/sgl-spec-eagle \
 	plugins/parallel/sgl-parallel-tp \
+	plugins/parallel/sgl-parallel-dp \
 	plugins/tools/sgl-bench \
 	plugins/grammar/sgl-grammar-xgrammar \
 	plugins/grammar/sgl-grammar-outlines \

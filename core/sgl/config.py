@@ -155,6 +155,16 @@ class ServerSettings:
     dist_init_addr: str | None = _opt(
         None, "HOST:PORT where the ranks of all nodes meet (node 0's address and a free port); "
         "required with --nnodes above 1. Default on one machine: a free loopback port.")
+    dp_size: int = _opt(
+        1, "Data-parallel replicas: this many whole schedulers (each with the whole model and "
+        "its own KV cache and prefix cache) behind one server, each on its share of the cores; "
+        "--load-balance-method picks one per request. Needs the sgl-parallel-dp plugin.",
+        minimum=1)
+    load_balance_method: Literal["round_robin", "shortest_queue", "cache_aware"] | None = _opt(
+        None, "How --dp-size replicas share the requests: round_robin (default), shortest_queue "
+        "(fewest requests in flight) or cache_aware (the replica whose cache likely holds the "
+        "longest prefix of the prompt, else the least loaded). A session's requests stay on "
+        "one replica.")
     dist_timeout: float = _opt(
         600.0, "Seconds the ranks wait for each other: at start-up for every node to join "
         "(--dist-init-addr), and in each collective of a forward.", minimum=1)
@@ -392,7 +402,7 @@ def split_host_port(address: str) -> tuple[str, int] | None:
 def cores_per_rank(s: ServerSettings) -> int:
     """The CPU cores each scheduler process of this machine gets: the usable cores shared out
     among its tensor-parallel ranks (at least one)."""
-    return max(1, usable_cores() // (s.tp_size // s.nnodes))
+    return max(1, usable_cores() // (s.tp_size // s.nnodes * s.dp_size))
 
 
 def _check_ranges(s: ServerSettings) -> None:
@@ -420,6 +430,9 @@ def _check_ranges(s: ServerSettings) -> None:
                     "speculative_token_map", "speculative_disable_by_batch_size"):
             if getattr(s, key) is not None:
                 fail(key, "it needs --speculative-algorithm (speculative decoding is off)")
+    if s.load_balance_method is not None and s.dp_size == 1:
+        fail("load_balance_method", "it needs --dp-size above 1 (one replica takes every "
+             "request)")
     if s.node_rank >= s.nnodes:
         fail("node_rank", f"expected a node index below --nnodes ({s.nnodes})")
     if s.tp_size % s.nnodes:

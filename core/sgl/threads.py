@@ -19,10 +19,13 @@ that fight over the cores are refused by :func:`check_thread_counts`.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
-__all__ = ["ThreadPlan", "check_thread_counts", "plan_threads", "usable_cores"]
+__all__ = ["ThreadPlan", "check_thread_counts", "plan_threads", "take_core_share", "usable_cores"]
+
+logger = logging.getLogger("sgl.threads")
 
 
 def usable_cores() -> int:
@@ -82,3 +85,23 @@ def plan_threads(num_threads: int | None, kernel_threads: int | None, *, kernels
     elif kernel_threads is None:
         kernel_threads = cores if num_threads == 1 else 1
     return ThreadPlan(torch_threads=num_threads, kernel_threads=kernel_threads)
+
+
+def take_core_share(index: int, count: int) -> bool:
+    """Pin this process to share ``index`` of ``count`` equal shares of the cores it may use
+    (one scheduler process of several on one machine: tensor-parallel ranks, data-parallel
+    replicas), so that its threads, sized afterwards from :func:`usable_cores`, do not fight the
+    others'. With fewer cores than processes each takes one core, processes sharing cores in
+    turn. Returns whether processes share cores."""
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux: leave the threads where they are
+        return True
+    share = max(1, len(cores) // count)
+    start = index * share % len(cores)
+    sharing = len(cores) < count
+    if sharing:
+        logger.warning("%d scheduler processes on %d core(s): they share cores and wait on "
+                       "each other", count, len(cores))
+    os.sched_setaffinity(0, cores[start:start + share])
+    return sharing

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sgl.engine.messages import SchedulerInfo
-from sgl.parallel.base import RankInfo
+from sgl.parallel.base import RankInfo, RequestRouter
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -35,10 +35,14 @@ class SchedulerHandle:
     leader, which owns ``endpoints``, first when this node has it)."""
 
     processes: list[BaseProcess]
-    endpoints: dict[str, str]
+    #: ``"requests"``: the requests socket of each replica (one without data parallelism);
+    #: ``"outputs"``: the one socket every replica answers on
+    endpoints: dict[str, Any]
     ipc_dir: str
     ready_conns: list[Any]
     info: SchedulerInfo | None = None
+    #: picks a replica for each request when there are several (the strategy's)
+    router: RequestRouter | None = None
 
     @property
     def process(self) -> BaseProcess:
@@ -118,15 +122,19 @@ def start_scheduler(settings: ServerSettings, pm: SglPluginManager) -> Scheduler
 
     chosen = parallel_strategy(settings, pm.registries)
     ipc_dir = tempfile.mkdtemp(prefix="sgl-ipc-")
-    endpoints = {"requests": f"ipc://{ipc_dir}/requests", "outputs": f"ipc://{ipc_dir}/outputs"}
+    outputs = f"ipc://{ipc_dir}/outputs"
     ctx = multiprocessing.get_context("spawn")
     ranks: list[RankInfo | None] = [None]
     if chosen is not None:
         ranks = list(chosen[1].local_ranks(settings.dist_init_addr or _free_loopback_address()))
+    replicas = sorted({0 if rank is None else rank.replica for rank in ranks})
+    requests = {replica: f"ipc://{ipc_dir}/requests" + (f"-{replica}" if replica else "")
+                for replica in replicas}
     processes, conns = [], []
     for rank in ranks:
         parent_conn, child_conn = ctx.Pipe(duplex=False)
-        name = "sgl-scheduler" if rank is None else f"sgl-scheduler {rank.strategy} rank {rank.rank}"
+        name = "sgl-scheduler" if rank is None else f"sgl-scheduler {rank.label}"
+        endpoints = {"requests": requests[0 if rank is None else rank.replica], "outputs": outputs}
         process = ctx.Process(
             target=run_scheduler_process,
             args=(settings.to_dict(), pm.loaded_records(), endpoints, child_conn, rank),
@@ -138,7 +146,9 @@ def start_scheduler(settings: ServerSettings, pm: SglPluginManager) -> Scheduler
     if chosen is not None:
         logger.info("parallel strategy %s: ranks %s on this node", chosen[0],
                     ", ".join(str(r.rank) for r in ranks if r is not None))
-    return SchedulerHandle(processes, endpoints, ipc_dir, conns)
+    endpoints = {"requests": [requests[r] for r in replicas], "outputs": outputs}
+    router = chosen[1].request_router() if chosen is not None else None
+    return SchedulerHandle(processes, endpoints, ipc_dir, conns, router=router)
 
 
 def _free_loopback_address() -> str:

@@ -163,6 +163,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
+        self.num_received_reqs = 0  # generation requests this scheduler was sent, ever
         self.stopping = False
         self.parent_pid = os.getppid()
         self._replies: list[TokenOutput] = []  # outputs of requests rejected or aborted
@@ -604,6 +605,7 @@ class Scheduler:
         self.stopping = True
 
     def add_request(self, msg: GenerateRequest) -> None:
+        self.num_received_reqs += 1
         seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(62)
         req = Req(msg.rid, list(msg.input_ids), msg.sampling, msg.logprobs, seed=seed,
                   arrival_time=msg.arrival_time or time.time(), session_id=msg.session_id)
@@ -692,6 +694,7 @@ class Scheduler:
                 "kv_used_tokens": pool.num_used, "kv_total_tokens": pool.size,
                 "kv_free_tokens": pool.num_free, "new_token_ratio": self.new_token_ratio,
                 "num_retractions": self.num_retractions,
+                "num_received_reqs": self.num_received_reqs,
                 "req_rows_free": self.runner.req_to_token_pool.num_free,
                 "schedule_policy": self.settings.schedule_policy,
                 "num_sessions": len(self.sessions), **self.cache.info(), **self.grammar.info(),
@@ -796,7 +799,8 @@ def run_scheduler_process(settings_data: dict[str, Any], records: tuple[Any, ...
     from sgl.plugins import PluginSelection, create_plugin_manager
 
     setup_logging(settings_data.get("log_level", "info"),
-                  process="scheduler" if rank is None else f"{rank.strategy}{rank.rank}")
+                  process="scheduler" if rank is None else rank.label.replace(" rank ", "")
+                  .replace(" replica ", ""))
     try:
         pm = create_plugin_manager(PluginSelection(exact=tuple(records)))
         settings = settings_from_dict(settings_data, pm.config_classes())

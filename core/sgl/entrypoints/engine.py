@@ -131,7 +131,8 @@ class Engine:
         try:
             self.tokenizer_manager: TokenizerManager = TokenizerManager(
                 self.tokenizer, self._handle.endpoints, self.info, self.settings,
-                grammar=GrammarChecker.for_server(pm, self.info.grammar_backend))
+                grammar=GrammarChecker.for_server(pm, self.info.grammar_backend),
+                router=self._handle.router)
             self._run(self._start())
             pm.notify_startup(settings=self.settings, process="engine", context=self)
         except BaseException:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
-from sgl.parallel.base import BaseParallelStrategy, GroupFailure, RankInfo, RunnerMirror
+from sgl.parallel.base import (
+    BaseParallelStrategy,
+    GroupFailure,
+    RankInfo,
+    RequestRouter,
+    RunnerMirror,
+)
 
-__all__ = ["BaseParallelStrategy", "GroupFailure", "RankInfo", "RunnerMirror"]
+__all__ = ["BaseParallelStrategy", "GroupFailure", "RankInfo", "RequestRouter", "RunnerMirror"]

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from sgl.config import ServerSettings
     from sgl.forward_batch import ForwardBatch
 
-__all__ = ["BaseParallelStrategy", "GroupFailure", "RankInfo", "RunnerMirror"]
+__all__ = ["BaseParallelStrategy", "GroupFailure", "RankInfo", "RequestRouter", "RunnerMirror"]
 
 
 class GroupFailure(BaseException):
@@ -47,6 +47,7 @@ class RankInfo:
     :param local_rank: its place among the ranks of its node (which CPU cores it takes).
     :param local_size: how many ranks its node runs.
     :param init_addr: ``host:port`` where the ranks meet (torch.distributed's TCP store).
+    :param replica: the data-parallel replica it belongs to (0 without data parallelism).
     """
 
     strategy: str
@@ -55,10 +56,20 @@ class RankInfo:
     local_rank: int
     local_size: int
     init_addr: str
+    #: which replica (set of ranks behind one leader, with its own requests socket) it serves
+    replica: int = 0
 
     @property
     def leader(self) -> bool:
+        """Rank 0 of its replica: the one scheduler of those ranks."""
         return self.rank == 0
+
+    @property
+    def label(self) -> str:
+        """``tp rank 1``, or ``dp replica 1`` for a replica of one rank (for logs, messages)."""
+        if self.world_size == 1:
+            return f"{self.strategy} replica {self.replica}"
+        return f"{self.strategy} rank {self.rank}"
 
 
 class RunnerMirror(ABC):
@@ -121,6 +132,29 @@ class BaseParallelStrategy(ABC):
         """On every other rank: run what the leader's mirror announces on ``runner`` until the
         leader closes it. Raises :class:`GroupFailure` when the leader is gone."""
 
+    def request_router(self) -> RequestRouter | None:
+        """In the server process: what picks a replica for each request when this machine
+        starts several leaders (data parallelism); None for one leader."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """What ``/get_server_info`` shows of the strategy."""
+        return {}
+
+
+class RequestRouter(ABC):
+    """Which scheduler replica takes each generation request (data parallelism). Lives in the
+    server process; a session's requests bypass it (they stay on the session's replica)."""
+
+    @abstractmethod
+    def pick(self, request: Any, in_flight: list[int]) -> int:
+        """The replica (index) for ``request`` (a :class:`sgl.engine.messages.GenerateRequest`:
+        ``rid``, ``input_ids``, ``sampling``); ``in_flight`` counts each replica's requests that
+        have not finished."""
+
+    def finished(self, rid: str, replica: int) -> None:
+        """Request ``rid`` on ``replica`` is over."""
+
+    def describe(self) -> dict[str, Any]:
+        """What ``/get_server_info`` shows of the router."""
         return {}

@@ -48,6 +48,10 @@ def parallel_strategy(settings: ServerSettings,
         raise ConfigError(f"--tp-size {settings.tp_size}: no installed plugin provides tensor "
                           "parallelism (install sgl-parallel-tp: make install does)"
                           + "".join(f"; {line}" for line in broken))
+    if settings.dp_size > 1 and not active:
+        raise ConfigError(f"--dp-size {settings.dp_size}: no installed plugin provides data "
+                          "parallelism (install sgl-parallel-dp: make install does)"
+                          + "".join(f"; {line}" for line in broken))
     if len(active) > 1:
         raise ConfigError("these settings turn on more than one parallel strategy ("
                           f"{', '.join(name for name, _ in active)}); sgl runs one at a time")

@@ -64,7 +64,9 @@ def create_app(server: ServerContext) -> FastAPI:
         load as gauges."""
         tm = server.tokenizer_manager
         try:
-            tm.metrics.set_load(await tm.get_load())
+            loads = await tm.get_loads()
+            tm.metrics.set_load(tm.add_loads(loads))
+            tm.metrics.set_replica_loads(loads)
         except GenerateError:  # the scheduler is gone: still serve the counters
             pass
         return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)

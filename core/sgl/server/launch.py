@@ -113,7 +113,8 @@ def run_server(settings: ServerSettings, pm: SglPluginManager) -> int:
                 info.context_length)
 
     tm = TokenizerManager(tokenizer, handle.endpoints, info, settings,
-                          grammar=GrammarChecker.for_server(pm, info.grammar_backend))
+                          grammar=GrammarChecker.for_server(pm, info.grammar_backend),
+                          router=handle.router)
     ctx = ServerContext(settings=settings, plugin_manager=pm, scheduler=handle, info=info,
                         tokenizer_manager=tm)
     try:

@@ -60,6 +60,19 @@ class ServerMetrics:
         self.cache_hit_rate = Gauge("sgl:cache_hit_rate",
                                     "Fraction of prompt tokens found in the prefix cache.",
                                     registry=r)
+        #: per data-parallel replica (--dp-size above 1); the gauges above add them up
+        self.replica_running = Gauge("sgl:replica_num_running_reqs",
+                                     "Requests running in one data-parallel replica.",
+                                     ["dp_rank"], registry=r)
+        self.replica_queued = Gauge("sgl:replica_num_queue_reqs",
+                                    "Requests waiting in one data-parallel replica.",
+                                    ["dp_rank"], registry=r)
+        self.replica_token_usage = Gauge("sgl:replica_token_usage",
+                                         "Fraction of one data-parallel replica's KV pool in use.",
+                                         ["dp_rank"], registry=r)
+        self.replica_received = Gauge("sgl:replica_num_received_reqs",
+                                      "Requests one data-parallel replica was sent, ever.",
+                                      ["dp_rank"], registry=r)
 
     def request_finished(self, state: ReqState, now: float) -> None:
         """Count one request that finished, failed or was aborted."""
@@ -87,6 +100,19 @@ class ServerMetrics:
         self.kv_used.set(used)
         self.token_usage.set(used / total if total else 0.0)
         self.cache_hit_rate.set(load.get("cache_hit_rate") or 0.0)
+
+    def set_replica_loads(self, loads: list[dict[str, Any]]) -> None:
+        """The per-replica gauges, from each replica's load report (several replicas only)."""
+        if len(loads) < 2:
+            return
+        for rank, load in enumerate(loads):
+            label = str(rank)
+            self.replica_running.labels(dp_rank=label).set(load.get("num_running_reqs", 0))
+            self.replica_queued.labels(dp_rank=label).set(load.get("num_waiting_reqs", 0))
+            total = load.get("kv_total_tokens", 0)
+            self.replica_token_usage.labels(dp_rank=label).set(
+                load.get("kv_used_tokens", 0) / total if total else 0.0)
+            self.replica_received.labels(dp_rank=label).set(load.get("num_received_reqs", 0))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,12 +56,14 @@ from sgl.server.io_struct import (
     unpaired_surrogate,
 )
 from sgl.server.metrics import ServerMetrics
+from sgl.server.replicas import Replicas
 from sgl.server.request_state import ReqState
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
     from sgl.engine.messages import SchedulerInfo
     from sgl.grammar.select import GrammarChecker
+    from sgl.parallel import RequestRouter
 
 __all__ = ["BadRequestError", "GenerateError", "GenerateReqInput", "TokenizerManager",
            "load_chat_template"]
@@ -96,15 +98,20 @@ class TokenizerManager:
     """Tokenize, send, receive, detokenize. Must be started (:meth:`start`) on the loop that
     will use it."""
 
-    def __init__(self, tokenizer: Any, endpoints: dict[str, str], info: SchedulerInfo,
+    def __init__(self, tokenizer: Any, endpoints: dict[str, Any], info: SchedulerInfo,
                  settings: ServerSettings | None = None,
-                 grammar: GrammarChecker | None = None) -> None:
+                 grammar: GrammarChecker | None = None,
+                 router: RequestRouter | None = None) -> None:
         self.tokenizer = tokenizer
         #: checks json_schema/regex/ebnf/structural_tag before sending (None: the scheduler does)
         self.grammar = grammar
         self.info = info
         self.settings = settings
         self.endpoints = endpoints
+        requests = endpoints["requests"]
+        #: the scheduler replicas' request sockets (several with --dp-size) and the dispatch
+        self.replicas = Replicas([requests] if isinstance(requests, str) else list(requests),
+                                 router)
         self.context_length = info.context_length
         self.vocab_size = info.vocab_size or len(tokenizer)
         self.chat_template = load_chat_template(settings.chat_template if settings else None)
@@ -118,8 +125,7 @@ class TokenizerManager:
 
     async def start(self) -> None:
         self._zmq = zmq.asyncio.Context()
-        self._send = self._zmq.socket(zmq.PUSH)
-        self._send.bind(self.endpoints["requests"])
+        self.replicas.bind(self._zmq)
         self._recv = self._zmq.socket(zmq.PULL)
         self._recv.bind(self.endpoints["outputs"])
         self._recv_task = asyncio.create_task(self._recv_loop(), name="sgl-recv")
@@ -132,11 +138,13 @@ class TokenizerManager:
         if self._zmq is not None:
             if self.dead_reason is None:
                 self.fail_all("the server is shutting down", status=503)
-            try:
-                await asyncio.wait_for(self._send_msg(ShutdownRequest(), check=False), timeout=1.0)
-            except (asyncio.TimeoutError, zmq.ZMQError):
-                pass
-            self._send.close(linger=100)
+            for replica in range(len(self.replicas)):
+                try:
+                    await asyncio.wait_for(self._send_msg(ShutdownRequest(), check=False,
+                                                          replica=replica), timeout=1.0)
+                except (asyncio.TimeoutError, zmq.ZMQError):
+                    pass
+            self.replicas.close()
             self._recv.close(linger=0)
             self._zmq.term()
             self._zmq = None
@@ -356,9 +364,9 @@ class TokenizerManager:
             states.append(state)
         try:
             for state, (req, ids) in zip(states, prepared):
-                await self._send_msg(GenerateRequest(
-                    req.rid, ids, req.sampling, req.logprobs, arrival_time=state.arrival_time,
-                    session_id=req.session_id))
+                msg = GenerateRequest(req.rid, ids, req.sampling, req.logprobs,
+                                      arrival_time=state.arrival_time, session_id=req.session_id)
+                await self._send_msg(msg, replica=self.replicas.assign(msg))
         except BaseException:
             await self._release(states)
             raise
@@ -378,6 +386,7 @@ class TokenizerManager:
             self._log_finished(st)
             if not st.finished:
                 self._send_abort(st.rid)
+            self.replicas.release(st.rid)
 
     def _log_finished(self, st: ReqState) -> None:
         """One INFO line and the metrics of a request that is over, however it ended."""
@@ -412,29 +421,42 @@ class TokenizerManager:
         """Tell a running scheduler to drop ``rid`` (without waiting: best effort)."""
         if self._zmq is None or self.dead_reason is not None:
             return
-        try:
-            self._send.send_pyobj(AbortRequest(rid), flags=zmq.NOBLOCK).add_done_callback(
-                _ignore_result)
-        except zmq.ZMQError:
-            pass
+        for replica in self.replicas.of(rid):
+            try:
+                self.replicas.sockets[replica].send_pyobj(
+                    AbortRequest(rid), flags=zmq.NOBLOCK).add_done_callback(_ignore_result)
+            except zmq.ZMQError:
+                pass
 
     # --- control round trips ------------------------------------------------------------------
 
     async def flush_cache(self) -> dict[str, Any]:
-        """Ask the scheduler to drop its cached prefixes; returns its answer."""
-        return await self._ask(FlushCacheRequest(rid=uuid.uuid4().hex))
+        """Ask the scheduler (every replica) to drop its cached prefixes; returns its answer
+        (with several replicas: success if all succeeded, their messages joined)."""
+        replies = await self._ask_all(lambda: FlushCacheRequest(rid=uuid.uuid4().hex))
+        if len(replies) == 1:
+            return replies[0]
+        return {"success": all(r.get("success") for r in replies),
+                "message": "; ".join(f"replica {i}: {r.get('message')}"
+                                     for i, r in enumerate(replies)),
+                "kv_free": sum(int(r.get("kv_free", 0)) for r in replies)}
 
     async def get_server_info(self) -> dict[str, Any]:
         """Settings, the model's facts and the scheduler's live state (SGLang's shape:
         settings and scheduler facts at the top level, ``internal_states`` and ``version``)."""
-        internal = {**await self.get_load(), "num_tracked_requests": len(self._states)}
+        internal = [{**load, "dp_rank": i, "num_tracked_requests": (
+                        len(self._states) if len(self.replicas) == 1
+                        else self.replicas.in_flight[i])}
+                    for i, load in enumerate(await self.get_loads())]
         facts = {k: v for k, v in dataclasses.asdict(self.info).items() if k not in ("ok", "error")}
+        if len(self.replicas) > 1:
+            facts["parallel"] = {**facts.get("parallel", {}), **self.replicas.info()}
         settings = self.settings.to_dict() if self.settings is not None else {}
         if settings.get("api_key"):
             settings["api_key"] = "<hidden>"
         from sgl.version import __version__
 
-        return {**settings, **facts, "internal_states": [internal], "version": __version__}
+        return {**settings, **facts, "internal_states": internal, "version": __version__}
 
     async def open_session(self, session_id: str | None = None) -> str:
         """Open a session whose conversation stays cached between its requests; returns its id.
@@ -445,7 +467,8 @@ class TokenizerManager:
         if len(session_id) > MAX_SESSION_ID_LENGTH:
             raise BadRequestError(f"session_id has {len(session_id)} characters, more than "
                                   f"{MAX_SESSION_ID_LENGTH}", param="session_id")
-        reply = await self._ask(OpenSessionRequest(rid=uuid.uuid4().hex, session_id=session_id))
+        reply = await self._ask(OpenSessionRequest(rid=uuid.uuid4().hex, session_id=session_id),
+                                replica=self.replicas.session_replica(session_id))
         if not reply.get("success"):
             raise BadRequestError(str(reply.get("message")), param="session_id")
         return session_id
@@ -455,21 +478,42 @@ class TokenizerManager:
 
         :raises BadRequestError: when no session of that id is open.
         """
-        reply = await self._ask(CloseSessionRequest(rid=uuid.uuid4().hex, session_id=session_id))
+        reply = await self._ask(CloseSessionRequest(rid=uuid.uuid4().hex, session_id=session_id),
+                                replica=self.replicas.session_replica(session_id))
         if not reply.get("success"):
             raise BadRequestError(str(reply.get("message")), param="session_id")
 
     async def get_load(self) -> dict[str, Any]:
-        """The scheduler's live state: running and waiting requests, KV pool use, ..."""
-        return await self._ask(ServerInfoRequest(rid=uuid.uuid4().hex))
+        """The scheduler's live state: running and waiting requests, KV pool use, ... (with
+        several replicas: their counts added up)."""
+        return self.add_loads(await self.get_loads())
+
+    @staticmethod
+    def add_loads(loads: list[dict[str, Any]]) -> dict[str, Any]:
+        """Several replicas' load reports as one: counts added up, the rest the first's."""
+        if len(loads) == 1:
+            return loads[0]
+        total = dict(loads[0])
+        for key, value in total.items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                total[key] = sum(int(load.get(key, 0)) for load in loads)
+        return total
+
+    async def get_loads(self) -> list[dict[str, Any]]:
+        """The live state of each scheduler replica."""
+        return await self._ask_all(lambda: ServerInfoRequest(rid=uuid.uuid4().hex))
+
+    async def _ask_all(self, make: Callable[[], Any]) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(self._ask(make(), replica=i)
+                                           for i in range(len(self.replicas)))))
 
     async def _ask(self, msg: FlushCacheRequest | ServerInfoRequest | OpenSessionRequest
-                   | CloseSessionRequest) -> dict[str, Any]:
+                   | CloseSessionRequest, replica: int = 0) -> dict[str, Any]:
         self._check_running()
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._info_waiters[msg.rid] = future
         try:
-            await self._send_msg(msg)
+            await self._send_msg(msg, replica=replica)
             return await asyncio.wait_for(future, INFO_TIMEOUT)
         except asyncio.TimeoutError:
             raise GenerateError(f"the scheduler did not answer {type(msg).__name__} within "
@@ -483,7 +527,7 @@ class TokenizerManager:
         if self._zmq is None:
             raise GenerateError("the tokenizer manager is not running", status=503)
 
-    async def _send_msg(self, msg: Any, check: bool = True) -> None:
+    async def _send_msg(self, msg: Any, check: bool = True, replica: int = 0) -> None:
         """Send without ever blocking on a scheduler that is gone: a PUSH socket without a
         connected peer (the scheduler not connected yet, or dead) would wait for one for ever,
         so retry until it is connected or known to be dead."""
@@ -491,7 +535,7 @@ class TokenizerManager:
             if check and self.dead_reason is not None:
                 raise GenerateError(self.dead_reason, status=503)
             try:
-                await self._send.send_pyobj(msg, flags=zmq.NOBLOCK)
+                await self.replicas.sockets[replica].send_pyobj(msg, flags=zmq.NOBLOCK)
                 return
             except zmq.Again:
                 await asyncio.sleep(0.01)

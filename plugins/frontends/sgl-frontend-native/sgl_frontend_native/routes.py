@@ -236,14 +236,15 @@ def make_router(server: ServerContext) -> APIRouter:
         what the cache keeps and could evict) plus the prompt tokens waiting. SGLang's router
         balances on ``num_tokens``."""
         try:
-            load = await tm.get_load()
+            loads = await tm.get_loads()
         except GenerateError as exc:
             return _error(exc.status, str(exc))
-        held = load["kv_used_tokens"] - load.get("evictable_tokens", 0)
-        return _json(200, [{"dp_rank": 0,
+        return _json(200, [{"dp_rank": rank,
                             "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
                             "num_waiting_reqs": load["num_waiting_reqs"],
-                            "num_tokens": held + load["num_waiting_tokens"]}])
+                            "num_tokens": load["kv_used_tokens"] - load.get("evictable_tokens", 0)
+                            + load["num_waiting_tokens"]}
+                           for rank, load in enumerate(loads)])
 
     @router.get("/health_generate", response_class=Response)
     async def health_generate() -> Response:

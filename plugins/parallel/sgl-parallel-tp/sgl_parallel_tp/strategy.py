@@ -28,6 +28,7 @@ import torch.distributed as dist
 from sgl.config import split_host_port
 from sgl.forward_batch import ForwardBatch
 from sgl.layers.tp import TPGroup, get_tp_group, set_tp_group
+from sgl.threads import take_core_share
 from sgl.parallel import BaseParallelStrategy, GroupFailure, RankInfo, RunnerMirror
 from sgl_parallel_tp.shm import SharedMemoryCollectives, shared_memory_usable
 
@@ -86,7 +87,7 @@ class TensorParallel(BaseParallelStrategy):
 
     def init_process(self, rank: RankInfo) -> None:
         self.rank = rank
-        self.sharing_cores = _take_cores(rank)
+        self.sharing_cores = take_core_share(rank.local_rank, rank.local_size)
         address = split_host_port(rank.init_addr)
         if address is None:
             raise ValueError(f"--dist-init-addr {rank.init_addr!r}: expected HOST:PORT")
@@ -241,23 +242,6 @@ def _receive(group: Any) -> tuple[Any, ...]:
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
-
-
-def _take_cores(rank: RankInfo) -> bool:
-    """This rank's equal share of the cores the node's processes may use; with fewer cores
-    than ranks, one core each, ranks sharing cores in turn. Whether ranks share cores."""
-    try:
-        cores = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux: leave the threads where they are
-        return True
-    share = max(1, len(cores) // rank.local_size)
-    start = rank.local_rank * share % len(cores)
-    sharing = len(cores) < rank.local_size
-    if sharing:
-        logger.warning("%d ranks on %d core(s): ranks share cores and wait on each other",
-                       rank.local_size, len(cores))
-    os.sched_setaffinity(0, cores[start:start + share])
-    return sharing
 
 
 def _cores_text() -> str:
