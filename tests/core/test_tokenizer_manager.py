@@ -240,7 +240,8 @@ def test_flush_cache_and_server_info() -> None:
 
     (flushed, info), _ = run_with(emit(""), body)
     assert flushed == {"success": True}
-    assert info["internal_states"] == [{"num_running_reqs": 0, "num_tracked_requests": 0}]
+    assert info["internal_states"] == [{"num_running_reqs": 0, "dp_rank": 0,
+                                        "num_tracked_requests": 0}]
     assert info["context_length"] == CONTEXT and "version" in info
 
 

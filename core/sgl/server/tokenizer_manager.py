@@ -108,7 +108,7 @@ class TokenizerManager:
         self.info = info
         self.settings = settings
         self.endpoints = endpoints
-        requests = endpoints["requests"]
+        requests = endpoints.get("requests", "")  # none: never started (tests of encoding)
         #: the scheduler replicas' request sockets (several with --dp-size) and the dispatch
         self.replicas = Replicas([requests] if isinstance(requests, str) else list(requests),
                                  router)
