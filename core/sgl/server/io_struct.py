@@ -54,6 +54,7 @@ class OneRequest:
     return_text_in_logprobs: bool
     field_name: str  # "text" or "input_ids", for error messages (with the batch index)
     session_id: str | None = None
+    data_parallel_rank: int | None = None  # the replica asked for (SGLang's router, dp-aware)
 
 
 def unpaired_surrogate(value: Any, path: str = "") -> str | None:
@@ -100,9 +101,9 @@ UNSUPPORTED_SGLANG_FIELDS = frozenset({
     "return_prompt_token_ids", "multi_item_delimiter_indices", "positional_embed_overrides",
     # adapters, custom sampling, reasoning budgets
     "lora_path", "lora_id", "custom_logit_processor", "require_reasoning", "max_thinking_tokens",
-    # disaggregation and data parallelism (one server here)
+    # disaggregation, and data-parallel routing other than data_parallel_rank
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",
-    "data_parallel_rank", "routed_dp_rank", "disagg_prefill_dp_rank", "kv_router_hint",
+    "routed_dp_rank", "disagg_prefill_dp_rank", "kv_router_hint",
     # scheduling, caching and bookkeeping
     "priority", "extra_key", "cache_salt", "session_id", "background", "routing_key",
     "conversation_id", "label", "http_worker_ipc", "received_time", "external_trace_header",
@@ -146,6 +147,9 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False
     stream: bool = False
     session_params: dict[str, Any] | None = None  # {"id": session id}; see docs/cache.md
+    #: the data-parallel replica to run on (SGLang's router sends it with --dp-aware); None:
+    #: the server's --load-balance-method picks
+    data_parallel_rank: int | None = None
 
     @classmethod
     def from_dict(cls, body: Any) -> GenerateReqInput:
@@ -209,6 +213,11 @@ class GenerateReqInput:
             return [value] * size
 
         session_id = _session_id(self.session_params)
+        if self.data_parallel_rank is not None and (
+                not _is_int(self.data_parallel_rank) or self.data_parallel_rank < 0):
+            raise BadRequestError(f"data_parallel_rank must be a replica index (an integer from "
+                                  f"0), got {self.data_parallel_rank!r}",
+                                  param="data_parallel_rank")
         samplings = per_prompt("sampling_params", self.sampling_params)
         rids = per_prompt("rid", self.rid)
         if batch and isinstance(self.rid, str):
@@ -245,7 +254,8 @@ class GenerateReqInput:
                     index=len(out), rid=f"{rid}-{j}" if n > 1 else rid, text=text, input_ids=ids,
                     sampling=sub, logprobs=copy.copy(logprobs),
                     return_text_in_logprobs=self.return_text_in_logprobs,
-                    field_name=f"{field_name}{where}", session_id=session_id))
+                    field_name=f"{field_name}{where}", session_id=session_id,
+                    data_parallel_rank=self.data_parallel_rank))
         return out, batch or len(out) > 1
 
 

@@ -3,8 +3,9 @@
 One scheduler (or one tensor-parallel group, whose leader alone talks to the server) is one
 replica. With data parallelism (``--dp-size N``) the server has N: each listens on its own
 ``requests`` socket and all answer on the one ``outputs`` socket. A generation request goes to
-the replica a :class:`~sgl.parallel.RequestRouter` picks (a session's requests to the session's
-replica), and its abort follows it there; control messages go to every replica.
+the replica it names (``data_parallel_rank``, which SGLang's router sends with ``--dp-aware``),
+else to the session's replica, else to the one a :class:`~sgl.parallel.RequestRouter` picks; its
+abort follows it there. Control messages go to every replica.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from sgl.engine.messages import GenerateRequest
+from sgl.server.io_struct import BadRequestError
 
 if TYPE_CHECKING:
     from sgl.parallel import RequestRouter
@@ -58,7 +60,13 @@ class Replicas:
 
     def assign(self, msg: GenerateRequest) -> int:
         """The replica that takes ``msg``, remembered until :meth:`release`."""
-        if len(self) == 1:
+        if msg.data_parallel_rank is not None:
+            if msg.data_parallel_rank >= len(self):
+                raise BadRequestError(f"data_parallel_rank {msg.data_parallel_rank}: this server "
+                                      f"has {len(self)} replica(s) (--dp-size)",
+                                      param="data_parallel_rank")
+            replica = msg.data_parallel_rank
+        elif len(self) == 1:
             replica = 0
         elif msg.session_id is not None:
             replica = self.session_replica(msg.session_id)

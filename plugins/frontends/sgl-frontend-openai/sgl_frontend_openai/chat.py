@@ -120,7 +120,8 @@ def plan_chat(server: ServerContext, parser: BaseToolParser,
     obj = GenerateReqInput(input_ids=input_ids, sampling_params=sampling,
                            return_logprob=req.logprobs,
                            top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else None,
-                           return_text_in_logprobs=True, stream=req.stream)
+                           return_text_in_logprobs=True, stream=req.stream,
+                           data_parallel_rank=req.data_parallel_rank)
     return _Plan(obj, prefix=prefix, tools=tools_on, forced=bool(prefix))
 
 

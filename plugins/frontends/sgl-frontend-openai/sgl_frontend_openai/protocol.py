@@ -28,7 +28,7 @@ UNSUPPORTED_SGLANG_FIELDS = frozenset({
     "custom_params", "custom_logit_processor", "images_config", "max_dynamic_patch",
     "min_dynamic_patch", "use_audio_in_video", "input_ids", "task", "rid", "extra_key",
     "cache_salt", "ngram_corpus_id", "priority", "bootstrap_host", "bootstrap_port",
-    "bootstrap_room", "routed_dp_rank", "disagg_prefill_dp_rank", "data_parallel_rank",
+    "bootstrap_room", "routed_dp_rank", "disagg_prefill_dp_rank",
     "custom_labels",
 })
 #: of those, the ones accepted whatever their value (they change nothing here)
@@ -142,6 +142,8 @@ class _SamplingFields(_Strict):
     regex: str | None = None  # constrained decoding (SGLang's extra body fields)
     ebnf: str | None = None
     response_format: ResponseFormat | None = None
+    #: the data-parallel replica to run on (SGLang's router sends it with --dp-aware)
+    data_parallel_rank: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="before")
     @classmethod
