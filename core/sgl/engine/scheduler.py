@@ -799,8 +799,7 @@ def run_scheduler_process(settings_data: dict[str, Any], records: tuple[Any, ...
     from sgl.plugins import PluginSelection, create_plugin_manager
 
     setup_logging(settings_data.get("log_level", "info"),
-                  process="scheduler" if rank is None else rank.label.replace(" rank ", "")
-                  .replace(" replica ", ""))
+                  process="scheduler" if rank is None else rank.tag)
     try:
         pm = create_plugin_manager(PluginSelection(exact=tuple(records)))
         settings = settings_from_dict(settings_data, pm.config_classes())

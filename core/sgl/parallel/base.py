@@ -71,6 +71,11 @@ class RankInfo:
             return f"{self.strategy} replica {self.replica}"
         return f"{self.strategy} rank {self.rank}"
 
+    @property
+    def tag(self) -> str:
+        """``tp1``, ``dp1``: the process's tag in log lines."""
+        return f"{self.strategy}{self.replica if self.world_size == 1 else self.rank}"
+
 
 class RunnerMirror(ABC):
     """What the leader's :class:`~sgl.engine.model_runner.ModelRunner` tells the other ranks
