@@ -37,6 +37,16 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                      "num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 32,
                                      "shared_expert_intermediate_size": 96}),
+    # fused qkv_proj / gate_up_proj in the checkpoint, split into the ranks' shards
+    "phi3": ("Phi3Config", {"vocab_size": 1001, "num_key_value_heads": 2, "pad_token_id": 0}),
+    # sliding windows shorter than the prompts
+    "mistral": ("MistralConfig", {"vocab_size": 1001, "num_key_value_heads": 2,
+                                  "sliding_window": 4}),
+    # tied and scaled embedding, soft-capped attention and logits, alternating windows
+    "gemma2": ("Gemma2Config", {"vocab_size": 999, "num_key_value_heads": 2, "head_dim": 16,
+                                "sliding_window": 8, "query_pre_attn_scalar": 24,
+                                "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0,
+                                "tie_word_embeddings": True, "attn_implementation": "eager"}),
 }
 
 
