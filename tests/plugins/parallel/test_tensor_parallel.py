@@ -47,6 +47,14 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                 "sliding_window": 8, "query_pre_attn_scalar": 24,
                                 "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0,
                                 "tie_word_embeddings": True, "attn_implementation": "eager"}),
+    # per-head q/k norms
+    "qwen3": ("Qwen3Config", {"vocab_size": 1001, "num_key_value_heads": 2, "head_dim": 16}),
+    # sandwich norms, local and global layers with their own rotary bases
+    "gemma3": ("Gemma3TextConfig", {"vocab_size": 1001, "num_key_value_heads": 2,
+                                    "head_dim": 16, "sliding_window": 8,
+                                    "query_pre_attn_scalar": 24, "sliding_window_pattern": 2,
+                                    "rope_theta": 10000.0, "rope_local_base_freq": 100.0,
+                                    "attn_implementation": "eager"}),
 }
 
 
