@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from sgl.config import ServerSettings
     from sgl.plugins import SglPluginManager
 
-__all__ = ["run_server"]
+__all__ = ["check_port", "run_server"]
 
 logger = logging.getLogger("sgl.server")
 
@@ -57,7 +57,8 @@ class _Server(uvicorn.Server):
             logger.info("%s", self.ready_message)
 
 
-def _check_port(host: str, port: int) -> str | None:
+def check_port(host: str, port: int) -> str | None:
+    """Why nothing could listen on ``host:port`` (a message naming --host/--port), or None."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -80,7 +81,7 @@ def run_server(settings: ServerSettings, pm: SglPluginManager) -> int:
     setup_logging(settings.log_level, process="server")
     if settings.node_rank > 0:
         return run_ranks_only(settings, pm)
-    problem = _check_port(settings.host, settings.port)
+    problem = check_port(settings.host, settings.port)
     if problem:
         logger.error("%s", problem)
         return 2

@@ -89,9 +89,11 @@ def router(worker_args: tuple[str, ...], worker_urls: tuple[str, ...], workers: 
     bad = [url for url in worker_urls if not url.startswith(("http://", "https://"))]
     if bad:
         raise click.UsageError(f"--worker-urls {bad[0]}: expected http://HOST:PORT")
-    problem = _port_problem(host, port)
+    from sgl.server.launch import check_port
+
+    problem = check_port(host, port)
     if problem:
-        raise click.UsageError(f"--port {port}: {problem}")
+        raise click.UsageError(problem)
 
     started: list[subprocess.Popen[bytes]] = []
     urls = list(worker_urls)
@@ -203,16 +205,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _port_problem(host: str, port: int) -> str | None:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            return f"cannot listen on {host}:{port}: {exc.strerror}"
-    return None
 
 
 def _client_host(host: str) -> str:
