@@ -36,6 +36,20 @@ def shared_memory_usable() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
+def _check_room(nbytes: int) -> None:
+    """OSError unless /dev/shm has ``nbytes`` free: a block larger than what is free is
+    created all the same (sparse), and the process dies of SIGBUS when it writes past it
+    (containers often give /dev/shm 64 MiB)."""
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return  # no /dev/shm to ask: let the creation tell
+    free = stat.f_bavail * stat.f_frsize
+    if free < nbytes:
+        raise OSError(f"/dev/shm has {free / 2**20:.0f} MiB free, the block needs "
+                      f"{nbytes / 2**20:.0f} MiB")
+
+
 class PeerFailure(RuntimeError):
     """A peer rank died or did not arrive within the timeout."""
 
@@ -52,8 +66,10 @@ class SharedMemoryCollectives:
     def __init__(self, name: str, rank: int, size: int, *, create: bool, pids: list[int],
                  timeout: float, share_cores: bool) -> None:
         header = 2 * size * 8
-        self.shm = shared_memory.SharedMemory(name=name, create=create,
-                                              size=header + size * SLOT_BYTES)
+        total = header + size * SLOT_BYTES
+        if create:
+            _check_room(total)
+        self.shm = shared_memory.SharedMemory(name=name, create=create, size=total)
         self.created = create
         self.rank, self.size = rank, size
         self.pids, self.timeout, self.share_cores = pids, timeout, share_cores

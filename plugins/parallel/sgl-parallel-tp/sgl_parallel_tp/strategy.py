@@ -113,7 +113,8 @@ class TensorParallel(BaseParallelStrategy):
 
     def _shared_memory(self, rank: RankInfo) -> SharedMemoryCollectives | None:
         """The forward's collectives through shared memory when every rank is on this
-        machine (on x86-64), else None (gloo)."""
+        machine (on x86-64), else None (gloo). A rank that cannot create or attach the block
+        (a small /dev/shm) makes every rank fall back to gloo."""
         if rank.local_size != rank.world_size or not shared_memory_usable():
             return None
         box: list[Any] = [f"sgl-tp-{os.getpid()}-{rank.init_addr.rpartition(':')[2]}"]
@@ -121,16 +122,23 @@ class TensorParallel(BaseParallelStrategy):
         pids: list[Any] = [None] * rank.world_size
         dist.all_gather_object(pids, os.getpid())
         shared = None
-        if rank.leader:
-            shared = SharedMemoryCollectives(box[0], rank.rank, rank.world_size, create=True,
-                                             pids=pids, timeout=self.settings.dist_timeout,
-                                             share_cores=self.sharing_cores)
-        dist.barrier()  # the block exists before the others attach
-        if not rank.leader:
-            shared = SharedMemoryCollectives(box[0], rank.rank, rank.world_size, create=False,
-                                             pids=pids, timeout=self.settings.dist_timeout,
-                                             share_cores=self.sharing_cores)
-        dist.barrier()
+        for creating in (True, False):  # the leader creates the block, then the others attach
+            failed = 0
+            if creating == rank.leader:
+                try:
+                    shared = SharedMemoryCollectives(
+                        box[0], rank.rank, rank.world_size, create=creating, pids=pids,
+                        timeout=self.settings.dist_timeout, share_cores=self.sharing_cores)
+                except OSError as exc:
+                    failed = 1
+                    logger.warning("rank %d: no shared memory block for the collectives (%s); "
+                                   "they go through gloo", rank.rank, exc)
+            anyone_failed = torch.tensor([failed])
+            dist.all_reduce(anyone_failed, op=dist.ReduceOp.MAX)
+            if anyone_failed.item():
+                if shared is not None:
+                    shared.close()
+                return None
         return shared
 
     def _check_same_settings(self) -> None:
