@@ -185,11 +185,11 @@ class ModelRunner:
                                                 device=self.device)
         self.attn_backend: BaseAttentionBackend = backend_cls(
             kv_pool=self.kv_pool, req_to_token_pool=self.req_to_token_pool, device=self.device)
-        #: replays recorded decode forwards (sgl.engine.cpu_graph); None when off
         #: tells the other tensor-parallel ranks about each forward and logits call (set on
         #: the leader by the parallel strategy); None in a single process
         self.mirror: RunnerMirror | None = None
         self._last_hidden: torch.Tensor | None = None
+        #: replays recorded decode forwards (sgl.engine.cpu_graph); None when off
         self.cpu_graphs: CpuGraphRunner | None = None
         tensor_parallel = get_tp_group().size > 1  # a replay cannot run the all-reduces
         if cpu_graphs and self.device.type == "cpu" and cpu.load() is not None \
@@ -270,14 +270,15 @@ class ModelRunner:
         """float32 logits ``[len(indices), vocab]`` of the chosen token rows of ``hidden``
         (with tensor parallelism: of the last forward's hidden states, which the other ranks
         hold too)."""
+        rows = hidden.index_select(0, indices.to(hidden.device))
         if self.mirror is None:
-            return self.model.compute_logits(hidden.index_select(0, indices.to(hidden.device)))
+            return self.model.compute_logits(rows)
         if hidden is not self._last_hidden:
             raise ValueError("with tensor parallelism, logits_at takes the hidden states the "
                              "last forward returned")
         self.mirror.logits_at(indices)
         try:
-            return self.model.compute_logits(hidden.index_select(0, indices.to(hidden.device)))
+            return self.model.compute_logits(rows)
         except Exception as exc:
             raise GroupFailure(f"a tensor-parallel logits computation failed: {exc}") from exc
 
