@@ -168,6 +168,24 @@ class ServerSettings:
     dist_timeout: float = _opt(
         600.0, "Seconds the ranks wait for each other: at start-up for every node to join "
         "(--dist-init-addr), and in each collective of a forward.", minimum=1)
+    disaggregation_mode: Literal["null", "prefill", "decode"] = _opt(
+        "null", "Prefill/decode disaggregation (SGLang's flag): prefill runs prompts only and "
+        "hands their KV to a decode server, decode takes it over and generates; null: both "
+        "here. Put SGLang's router in PD mode in front (sgl router --pd-disaggregation). "
+        "docs/disaggregation.md.")
+    disaggregation_transfer_backend: str = _opt(
+        "tcp", "What moves the KV pages from the prefill to the decode server, by registered "
+        "name: tcp (sockets, no extra dependency), mooncake (Mooncake's transfer engine) or "
+        "fake (moves nothing: warm-up and tests only). Both servers must use the same one.",
+        registry="transfer")
+    disaggregation_bootstrap_port: int = _opt(
+        8998, "Port of the prefill server's bootstrap server, where decode servers learn how "
+        "to reach it (the PORT after --prefill URL in the router's PD mode).")
+    disaggregation_timeout: float = _opt(
+        300.0, "Seconds a disaggregated request waits for its peer: on the prefill side for "
+        "the decode server to ask for the KV, on the decode side for the KV to arrive, and "
+        "for one transfer; then it ends with an error and its KV memory is freed.",
+        minimum=0.1)
     frontends: tuple[str, ...] = _opt(
         (), "HTTP frontends to mount (repeatable); default: every installed one.",
         registry="frontends", flags=("--frontend",))
@@ -433,6 +451,24 @@ def _check_ranges(s: ServerSettings) -> None:
     if s.load_balance_method is not None and s.dp_size == 1:
         fail("load_balance_method", "it needs --dp-size above 1 (one replica takes every "
              "request)")
+    if s.disaggregation_mode == "null":
+        for key in ("disaggregation_transfer_backend", "disaggregation_bootstrap_port",
+                    "disaggregation_timeout"):
+            if s.sources.get(key, "default") != "default":
+                fail(key, "it needs --disaggregation-mode prefill or decode")
+    else:
+        if not 0 < s.disaggregation_bootstrap_port < 65536:
+            fail("disaggregation_bootstrap_port", "expected 1-65535")
+        if s.disaggregation_mode == "prefill" and s.disaggregation_bootstrap_port == s.port:
+            fail("disaggregation_bootstrap_port", "it is also the HTTP --port; give each its "
+                 "own port")
+        for key, what in (("tp_size", "tensor parallelism"), ("dp_size", "data parallelism")):
+            if getattr(s, key) > 1:
+                fail(key, f"{what} with --disaggregation-mode is not built yet; run one "
+                     "scheduler per prefill or decode server")
+        if s.speculative_algorithm is not None:
+            fail("speculative_algorithm", "speculative decoding with --disaggregation-mode is "
+                 "not built yet (the draft model's KV is not transferred)")
     if s.node_rank >= s.nnodes:
         fail("node_rank", f"expected a node index below --nnodes ({s.nnodes})")
     if s.tp_size % s.nnodes:

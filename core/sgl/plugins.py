@@ -130,18 +130,6 @@ class Registries:
     tool_parsers: Registry[Any] = _registry("tool-call parser", "sgl_register_tool_parsers")
     api_names: Registry[Any] = _registry("top-level name", "sgl_register_api_names")
 
-    #: registries whose hook has a contract but nothing in this sgl that runs it yet
-    NOT_RUN_YET = {
-        "transfer": "sgl has no prefill/decode disaggregation yet",
-    }
-
-    def unused(self) -> list[str]:
-        """One line per registration that nothing in this sgl will use (see
-        :attr:`NOT_RUN_YET`), naming the plugin."""
-        return [f"plugin {entry.owner!r} registers {getattr(self, attr).kind} {entry.name!r}, "
-                f"which is not used: {why}"
-                for attr, why in self.NOT_RUN_YET.items() for entry in getattr(self, attr)]
-
 
 class SglPluginManager(pluggy.PluginManager):
     """A pluggy manager that also remembers what was loaded, from where, and what failed."""
@@ -212,6 +200,9 @@ class SglPluginManager(pluggy.PluginManager):
             value = getattr(settings, f.name)
             if not registry_name or value in (None, ()):
                 continue
+            if f.name == "disaggregation_transfer_backend" and \
+                    settings.disaggregation_mode == "null":
+                continue  # no transfer without disaggregation
             registry = getattr(self.registries, registry_name)
             for name in value if isinstance(value, tuple) else (value,):
                 if name in registry or name in f.metadata.get("keywords", ()):
@@ -245,6 +236,21 @@ class SglPluginManager(pluggy.PluginManager):
             if problem:
                 raise ConfigError(f"--speculative-algorithm {settings.speculative_algorithm}: "
                                   f"{problem}")
+        if settings.disaggregation_mode != "null":
+            name = settings.disaggregation_transfer_backend
+            entry = self.registries.transfer.entry(name)
+            try:
+                backend = entry.load()
+            except Exception as exc:
+                raise ConfigError(
+                    f"--disaggregation-transfer-backend {name}: plugin {entry.owner!r} "
+                    f"registered it as {entry.target!r}, which failed to import: "
+                    f"{type(exc).__name__}: {exc}") from None
+            if not (isinstance(backend, type) and callable(getattr(backend, "write", None))):
+                raise ConfigError(
+                    f"--disaggregation-transfer-backend {name}: plugin {entry.owner!r} "
+                    f"registered {backend!r}, which is not a subclass of "
+                    "sgl.transfer.BaseKVTransfer")
 
     @cached_property
     def registries(self) -> Registries:
@@ -258,8 +264,6 @@ class SglPluginManager(pluggy.PluginManager):
 
             for _ in self.call_each(f.metadata["hook"], per_plugin={"register": register_for}):
                 pass
-        for line in registries.unused():
-            logger.warning("%s", line)
         return registries
 
     def notify_startup(self, **kwargs: Any) -> None:
@@ -309,7 +313,9 @@ def _missing_requirements(module: ModuleType) -> str | None:
     ]
     if missing:
         return f"missing dependency: {', '.join(missing)} (pip install {' '.join(missing)})"
-    return None
+    # a plugin whose dependency is installed but cannot run here (a system library missing)
+    # sets SGL_UNAVAILABLE to the reason when it is imported
+    return getattr(module, "SGL_UNAVAILABLE", None)
 
 
 def _register_checked(pm: SglPluginManager, module: ModuleType, name: str) -> str | None:

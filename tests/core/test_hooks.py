@@ -85,25 +85,7 @@ def test_hook_sgl_register_kv_transfer_backends(plugin_manager, register_plugin)
     assert plugin_manager.registries.transfer.entry("toy-xfer").owner == "p"
 
 
-@pytest.mark.parametrize("hook,what", [
-    ("sgl_register_kv_transfer_backends", "KV transfer backend 'unused'.* no "
-                                          "prefill/decode disaggregation yet"),
-])
-def test_a_registration_nothing_runs_yet_is_reported(plugin_manager, register_plugin, caplog,
-                                                     hook: str, what: str) -> None:
-    """Nothing in sgl consumes these two hooks yet: a plugin that registers into one is told
-    so (a warning when the registries are built, a line in `sgl plugins`), instead of a
-    setting that accepts the name and silently ignores it."""
-    import re
-
-    register_plugin(registering(hook, "unused", "a:B"), name="eager")
-    with caplog.at_level("WARNING", logger="sgl.plugins"):
-        lines = plugin_manager.registries.unused()
-    assert len(lines) == 1 and re.search(f"plugin 'eager' registers {what}", lines[0]), lines
-    assert lines[0] in caplog.text
-
-
-def test_sgl_plugins_lists_what_is_not_used(tmp_path) -> None:
+def test_plugin_registrations_are_selected_by_their_flags(tmp_path) -> None:
     from sgl_testing import run_cli
 
     path = tmp_path / "eager_tp.py"
@@ -118,11 +100,15 @@ def test_sgl_plugins_lists_what_is_not_used(tmp_path) -> None:
                     "    register('MEDUSA', 'eager_tp:Medusa')\n")
     result = run_cli(["plugins", "--plugin", str(path)])
     assert result.returncode == 0, result.stderr
-    assert ("Not used: plugin 'eager_tp' registers KV transfer backend 'nixl', which is not "
-            "used: sgl has no prefill/decode disaggregation yet") in result.stdout
-    # speculative algorithms and parallel strategies are used now: selected by their flags, and
-    # one whose class cannot be imported fails with a message naming the plugin, before any
-    # model loads
+    assert "Not used" not in result.stdout
+    # speculative algorithms, parallel strategies and transfer backends are selected by their
+    # flags, and one whose class cannot be imported fails with a message naming the plugin,
+    # before any model loads
+    xfer = run_cli(["serve", "--disaggregation-mode", "decode",
+                    "--disaggregation-transfer-backend", "nixl", "--plugin", str(path)])
+    assert xfer.returncode != 0 and "Traceback" not in xfer.stderr, xfer.stderr
+    assert "plugin 'eager_tp' registered it as 'eager_tp:Nixl', which failed to import" \
+        in xfer.stderr, xfer.stderr
     assert "speculative algorithm" not in result.stdout
     assert "parallel strategy" not in result.stdout
     flag = run_cli(["serve", "--speculative-algorithm", "MEDUSA", "--plugin", str(path)])

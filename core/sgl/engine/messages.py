@@ -14,6 +14,7 @@ from sgl.sampling import SamplingParams
 
 __all__ = [
     "AbortRequest",
+    "Bootstrap",
     "CloseSessionRequest",
     "FlushCacheRequest",
     "GenerateRequest",
@@ -40,6 +41,17 @@ class LogprobOptions:
     token_ids_logprob: list[int] | None = None
 
 
+@dataclass(frozen=True)
+class Bootstrap:
+    """Where a disaggregated request's other half runs (SGLang's bootstrap fields): the
+    prefill server's ``host`` and bootstrap ``port`` (None: the decode server's
+    ``--disaggregation-bootstrap-port``), and the ``room`` both servers know the request by."""
+
+    host: str
+    port: int | None
+    room: int
+
+
 @dataclass
 class GenerateRequest:
     """Server -> scheduler: generate for one tokenized prompt."""
@@ -51,6 +63,7 @@ class GenerateRequest:
     arrival_time: float = 0.0  # time.time() when the server received it
     session_id: str | None = None  # an open session whose conversation this request continues
     data_parallel_rank: int | None = None  # the replica to run on; None: the router picks
+    bootstrap: Bootstrap | None = None  # prefill/decode disaggregation (SGLang's router sets it)
 
 
 @dataclass

@@ -163,12 +163,17 @@ class Admission:
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
         self.max_running_requests = max_running_requests
+        #: the most output tokens a request runs here (1 on a prefill server, which hands
+        #: requests over after their first token); None: their max_new_tokens
+        self.max_output: int | None = None
 
     def expected_output(self, req: Req, new_token_ratio: float) -> int:
         """KV slots to keep for the rest of ``req``'s output: a share ``new_token_ratio`` of
         the new tokens it may still generate, and never more than can fit (a ``max_new_tokens``
         of 2**31 must not hold up every other request)."""
         room = max(self.max_seq_len - req.seq_len, 0)
+        if self.max_output is not None:
+            room = min(room, max(self.max_output - len(req.output_ids), 0))
         return math.ceil(min(req.remaining_new_tokens(), room) * new_token_ratio)
 
     def kv_available(self) -> int:

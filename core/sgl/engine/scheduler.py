@@ -35,6 +35,7 @@ import torch
 import zmq
 
 from sgl.engine.batch_builder import make_forward_batch
+from sgl.engine.disaggregation import disaggregation_side
 from sgl.engine.grammar_manager import IDLE_WAIT, make_grammar_manager
 from sgl.engine.logprobs import LogprobRows
 from sgl.engine.messages import (
@@ -130,6 +131,7 @@ class Scheduler:
         from sgl.model_loader import load_tokenizer, resolve_model_path
 
         self.settings = settings
+        self.plugins = pm
         self.threads = prepare_process(settings, pm)
         # the tokenizer (for stop strings) loads while the model does; transformers' lazy
         # module is not safe to import from two threads at once, so import it here first
@@ -188,6 +190,14 @@ class Scheduler:
         self.recv_sock.connect(endpoints["requests"])
         self.send_sock = self.zmq.socket(zmq.PUSH)
         self.send_sock.connect(endpoints["outputs"])
+        #: the prefill or decode side of a disaggregated server (--disaggregation-mode)
+        self.disagg = disaggregation_side(self)
+        self.poller = zmq.Poller()
+        self.poller.register(self.recv_sock, zmq.POLLIN)
+        if self.disagg is not None:
+            self.poller.register(self.disagg.wake, zmq.POLLIN)  # its events wake an idle loop
+            if self.disagg.mode == "prefill":
+                self.admission.max_output = 1
 
     @property
     def cache(self) -> BaseCachePolicy:
@@ -225,16 +235,20 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.running or self.grammar.queue)
+        return not (self.waiting or self.running or self.grammar.queue
+                    or (self.disagg is not None and self.disagg.busy))
 
     def step(self) -> None:
         """Schedule, run one forward, process its result, send what changed, free what
         finished."""
         self.admit_compiled()
+        arrived = self.disagg.admit() if self.disagg is not None else []
         batch = self.schedule()
         if batch:
             self.execute(batch)
-        self.send_outputs(batch.reqs)
+        if self.disagg is not None:
+            self.disagg.after_forward()
+        self.send_outputs([*batch.reqs, *arrived])
         self.release_finished()
 
     # 1. scheduling ---------------------------------------------------------------------------
@@ -278,7 +292,8 @@ class Scheduler:
         """Requests whose grammar finished compiling join the waiting queue; those whose grammar
         failed end with the error. With nothing else to run, wait a moment for one."""
         ready, failed = self.grammar.take_ready(0 if self.waiting or self.running else IDLE_WAIT)
-        self.waiting.extend(ready)
+        for req in ready:
+            self.enqueue(req)
         for req, message, status in failed:
             self.fail(req, message, status)
             self._replies.append(self.output_of(req))
@@ -589,8 +604,10 @@ class Scheduler:
         """Handle every message waiting on the socket (``block``: wait up to a second for
         one; then also notice a server process that is gone)."""
         timeout = 1000 if block else 0
-        while self.recv_sock.poll(timeout):
+        while self.poller.poll(timeout):
             timeout = 0
+            if not self.recv_sock.poll(0):  # only the disaggregation link's events: step
+                break
             msg = self.recv_sock.recv_pyobj()
             handler = self.handlers.get(type(msg))
             if handler is None:
@@ -608,7 +625,8 @@ class Scheduler:
         self.num_received_reqs += 1
         seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(62)
         req = Req(msg.rid, list(msg.input_ids), msg.sampling, msg.logprobs, seed=seed,
-                  arrival_time=msg.arrival_time or time.time(), session_id=msg.session_id)
+                  arrival_time=msg.arrival_time or time.time(), session_id=msg.session_id,
+                  bootstrap=msg.bootstrap)
         limit = self.runner.context_length
         error = None
         if not req.input_ids:
@@ -622,7 +640,13 @@ class Scheduler:
             error = f"session {req.session_id!r} is not open (open one with /open_session)"
         elif max(req.input_ids) >= self.runner.vocab_size or min(req.input_ids) < 0:
             error = f"input_ids must be token ids below the vocabulary size {self.runner.vocab_size}"
-        elif req.sampling.constraint is not None:
+        elif self.disagg is not None:
+            error = self.disagg.check(req)
+        elif req.bootstrap is not None:
+            error = ("bootstrap_room: this server is not disaggregated; start it with "
+                     "--disaggregation-mode prefill or decode to take requests of SGLang's "
+                     "router in PD mode")
+        if error is None and req.sampling.constraint is not None:
             error = self.grammar.submit(req)  # it waits in the grammar queue while compiling
             if error is None:
                 return
@@ -630,20 +654,38 @@ class Scheduler:
             self.fail(req, error, 400)
             self._replies.append(self.output_of(req))
             return
+        self.enqueue(req)
+
+    def enqueue(self, req: Req) -> None:
+        """A new request (its grammar compiled, if it has one) waits for admission; on a
+        decode server, for its KV from the prefill server."""
+        if self.disagg is not None and self.disagg.mode == "decode":
+            if req.sampling.max_new_tokens == 0:  # nothing to generate, nothing to transfer
+                req.finish_reason = {"type": "length", "length": 0}
+                self._replies.append(self.output_of(req))
+            else:
+                self.disagg.add(req)
+            return
         self.waiting.append(req)
 
     def fail(self, req: Req, message: str, status: int) -> None:
         req.error, req.error_status = message, status
         req.finish_reason = {"type": "abort", "message": message}
+        if self.disagg is not None:
+            self.disagg.ended(req, message)
 
     def abort(self, rid: str) -> None:
         self.grammar.abort(rid)
+        if self.disagg is not None:
+            self.disagg.abort(rid)
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
         for req in self.running:
             if req.rid == rid and not req.finished:
                 req.finish_reason = {"type": "abort", "message": "aborted"}
+                if self.disagg is not None:
+                    self.disagg.ended(req, "the request was aborted")
         self.release_finished()
 
     def flush_cache(self) -> dict[str, Any]:
@@ -698,7 +740,8 @@ class Scheduler:
                 "req_rows_free": self.runner.req_to_token_pool.num_free,
                 "schedule_policy": self.settings.schedule_policy,
                 "num_sessions": len(self.sessions), **self.cache.info(), **self.grammar.info(),
-                **(self.spec.info() if self.spec is not None else {})}
+                **(self.spec.info() if self.spec is not None else {}),
+                **(self.disagg.info() if self.disagg is not None else {})}
 
     def reply_info(self, rid: str, info: dict[str, Any]) -> None:
         self.send_sock.send_pyobj(TokenBatch(info=info, info_rid=rid))
@@ -762,6 +805,8 @@ class Scheduler:
         if self.runner.mirror is not None:  # the other ranks stop with the leader
             self.runner.mirror.close()
         self.grammar.close()
+        if self.disagg is not None:
+            self.disagg.close()
         self.recv_sock.close(linger=0)
         self.send_sock.close(linger=0)
         self.zmq.term()

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sgl.engine.messages import LogprobEntry, LogprobOptions
+from sgl.engine.messages import Bootstrap, LogprobEntry, LogprobOptions
 from sgl.kvcache import PrefixMatch
 from sgl.sampling import SamplingParams
 
@@ -32,6 +32,7 @@ class Req:
     prefix: PrefixMatch = field(default_factory=PrefixMatch)  # leading slots owned by the cache
     cached_tokens: int | None = None  # prompt tokens found in the cache at first admission
     session_id: str | None = None
+    bootstrap: Bootstrap | None = None  # the peer of a disaggregated request
     finish_reason: dict[str, Any] | None = None
     error: str | None = None
     error_status: int = 400

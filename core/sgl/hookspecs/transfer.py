@@ -15,9 +15,10 @@ def sgl_register_kv_transfer_backends(register: RegisterFn) -> None:
     """Register backends that move KV cache between a prefill and a decode server.
 
     Call ``register(name, "module:Class")``; the class subclasses
-    :class:`sgl.transfer.BaseKVTransfer`. Nothing runs it yet: sgl has no prefill/decode
-    disaggregation, so a registration is reported as not used (a warning, and a ``Not used:``
-    line in ``sgl plugins``).
+    :class:`sgl.transfer.BaseKVTransfer`. ``--disaggregation-transfer-backend NAME`` selects
+    it on a prefill and a decode server (``--disaggregation-mode``); each scheduler makes one
+    instance over its KV pool, and the core's coordination calls it from its transfer thread.
+    See docs/disaggregation.md.
 
     :param register: ``register(name: str, target: str | type) -> None``.
     :return: nothing.

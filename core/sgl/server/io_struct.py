@@ -16,10 +16,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sgl.engine.messages import LogprobOptions
+from sgl.engine.messages import Bootstrap, LogprobOptions
 from sgl.sampling import SamplingParams, SamplingParamsError
 
-__all__ = ["BadRequestError", "GenerateError", "GenerateReqInput", "OneRequest",
+__all__ = ["BadRequestError", "GenerateError", "GenerateReqInput", "OneRequest", "bootstraps",
            "drop_unsupported", "unpaired_surrogate"]
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class OneRequest:
     field_name: str  # "text" or "input_ids", for error messages (with the batch index)
     session_id: str | None = None
     data_parallel_rank: int | None = None  # the replica asked for (SGLang's router, dp-aware)
+    bootstrap: Bootstrap | None = None  # the other server of a disaggregated request
 
 
 def unpaired_surrogate(value: Any, path: str = "") -> str | None:
@@ -101,9 +102,9 @@ UNSUPPORTED_SGLANG_FIELDS = frozenset({
     "return_prompt_token_ids", "multi_item_delimiter_indices", "positional_embed_overrides",
     # adapters, custom sampling, reasoning budgets
     "lora_path", "lora_id", "custom_logit_processor", "require_reasoning", "max_thinking_tokens",
-    # disaggregation, and data-parallel routing other than data_parallel_rank
-    "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",
-    "routed_dp_rank", "disagg_prefill_dp_rank", "kv_router_hint",
+    # disaggregation beyond SGLang's three bootstrap fields, data-parallel routing other than
+    # data_parallel_rank
+    "bootstrap_pair_key", "decode_tp_size", "routed_dp_rank", "disagg_prefill_dp_rank", "kv_router_hint",
     # scheduling, caching and bookkeeping
     "priority", "extra_key", "cache_salt", "session_id", "background", "routing_key",
     "conversation_id", "label", "http_worker_ipc", "received_time", "external_trace_header",
@@ -150,6 +151,12 @@ class GenerateReqInput:
     #: the data-parallel replica to run on (SGLang's router sends it with --dp-aware); None:
     #: the server's --load-balance-method picks
     data_parallel_rank: int | None = None
+    #: prefill/decode disaggregation (SGLang's router in PD mode sets them): the prefill
+    #: server's host and bootstrap port, and the room both servers know the request by; a list
+    #: for a batch or n > 1 (one per generated sequence)
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
 
     @classmethod
     def from_dict(cls, body: Any) -> GenerateReqInput:
@@ -256,7 +263,42 @@ class GenerateReqInput:
                     return_text_in_logprobs=self.return_text_in_logprobs,
                     field_name=f"{field_name}{where}", session_id=session_id,
                     data_parallel_rank=self.data_parallel_rank))
+        for req, boot in zip(out, bootstraps(self.bootstrap_host, self.bootstrap_port,
+                                             self.bootstrap_room, len(out))):
+            req.bootstrap = boot
         return out, batch or len(out) > 1
+
+
+def bootstraps(host: Any, port: Any, room: Any, count: int) -> list[Bootstrap | None]:
+    """SGLang's bootstrap fields as one :class:`Bootstrap` per generated sequence (all None
+    when the request has none). Each field is a value for all, or a list of ``count``."""
+    if host is None and port is None and room is None:
+        return [None] * count
+
+    def per_sequence(name: str, value: Any, ok: Any, expected: str) -> list[Any]:
+        values = value if isinstance(value, list) else [value] * count
+        if len(values) != count:
+            raise BadRequestError(f"{name} has {len(values)} entries for {count} generated "
+                                  "sequences", param=name)
+        for v in values:
+            if not ok(v):
+                raise BadRequestError(f"{name} must be {expected}, got {v!r}", param=name)
+        return values
+
+    if host is None or room is None:
+        missing = "bootstrap_host" if host is None else "bootstrap_room"
+        raise BadRequestError(f"{missing} is required with the other bootstrap fields "
+                              "(prefill/decode disaggregation)", param=missing)
+    hosts = per_sequence("bootstrap_host", host, lambda v: isinstance(v, str) and v,
+                         "a host name")
+    ports = per_sequence("bootstrap_port", port,
+                         lambda v: v is None or (_is_int(v) and 0 < v < 65536), "a port")
+    rooms = per_sequence("bootstrap_room", room, lambda v: _is_int(v) and 0 <= v < 2**64,
+                         "an integer from 0 below 2**64")
+    if not isinstance(room, list) and count > 1:
+        raise BadRequestError(f"bootstrap_room must be a list of {count} rooms, one per "
+                              "generated sequence", param="bootstrap_room")
+    return [Bootstrap(h, p, r) for h, p, r in zip(hosts, ports, rooms)]
 
 
 def _session_id(params: Any) -> str | None:

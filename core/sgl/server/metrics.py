@@ -60,6 +60,18 @@ class ServerMetrics:
         self.cache_hit_rate = Gauge("sgl:cache_hit_rate",
                                     "Fraction of prompt tokens found in the prefix cache.",
                                     registry=r)
+        #: prefill/decode disaggregation (--disaggregation-mode), from the scheduler's report
+        self.bootstrap_queue = Gauge("sgl:num_bootstrap_reqs", "Decode server: requests "
+                                     "waiting for KV memory before their transfer.", registry=r)
+        self.transfer_queue = Gauge("sgl:num_transfer_reqs", "Requests whose KV is being "
+                                    "transferred (prefill: handed over; decode: awaited).",
+                                    registry=r)
+        self.kv_transfers = Gauge("sgl:kv_transfers", "KV transfers completed, ever.",
+                                  registry=r)
+        self.kv_transfer_failures = Gauge("sgl:kv_transfer_failures", "KV transfers failed or "
+                                          "timed out, ever.", registry=r)
+        self.kv_transfer_bytes = Gauge("sgl:kv_transfer_bytes", "Bytes of KV transferred, ever.",
+                                       registry=r)
         #: per data-parallel replica (--dp-size above 1); the gauges above add them up
         self.replica_running = Gauge("sgl:replica_num_running_reqs",
                                      "Requests running in one data-parallel replica.",
@@ -100,6 +112,12 @@ class ServerMetrics:
         self.kv_used.set(used)
         self.token_usage.set(used / total if total else 0.0)
         self.cache_hit_rate.set(load.get("cache_hit_rate") or 0.0)
+        if "disaggregation_mode" in load:
+            self.bootstrap_queue.set(load.get("num_bootstrap_reqs", 0))
+            self.transfer_queue.set(load.get("num_transfer_reqs", 0))
+            self.kv_transfers.set(load.get("kv_transfers", 0))
+            self.kv_transfer_failures.set(load.get("kv_transfer_failures", 0))
+            self.kv_transfer_bytes.set(load.get("kv_transfer_bytes", 0))
 
     def set_replica_loads(self, loads: list[dict[str, Any]]) -> None:
         """The per-replica gauges, from each replica's load report (several replicas only)."""

@@ -366,7 +366,8 @@ class TokenizerManager:
             for state, (req, ids) in zip(states, prepared):
                 msg = GenerateRequest(req.rid, ids, req.sampling, req.logprobs,
                                       arrival_time=state.arrival_time, session_id=req.session_id,
-                                      data_parallel_rank=req.data_parallel_rank)
+                                      data_parallel_rank=req.data_parallel_rank,
+                                      bootstrap=req.bootstrap)
                 await self._send_msg(msg, replica=self.replicas.assign(msg))
         except BaseException:
             await self._release(states)

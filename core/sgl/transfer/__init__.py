@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from sgl.transfer.base import BaseKVTransfer
+from sgl.transfer.base import BaseKVTransfer, KVBuffers, KVTransferError, Role, slot_runs
 
-__all__ = ["BaseKVTransfer"]
+__all__ = ["BaseKVTransfer", "KVBuffers", "KVTransferError", "Role", "slot_runs"]

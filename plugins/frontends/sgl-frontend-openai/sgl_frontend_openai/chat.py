@@ -121,7 +121,9 @@ def plan_chat(server: ServerContext, parser: BaseToolParser,
                            return_logprob=req.logprobs,
                            top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else None,
                            return_text_in_logprobs=True, stream=req.stream,
-                           data_parallel_rank=req.data_parallel_rank)
+                           data_parallel_rank=req.data_parallel_rank,
+                           bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port,
+                           bootstrap_room=req.bootstrap_room)
     return _Plan(obj, prefix=prefix, tools=tools_on, forced=bool(prefix))
 
 

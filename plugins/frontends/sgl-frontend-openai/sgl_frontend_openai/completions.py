@@ -77,7 +77,9 @@ def _request(server: ServerContext, req: CompletionRequest) -> tuple[GenerateReq
                            top_logprobs_num=req.logprobs or 0,
                            logprob_start_len=0 if want_logprobs and req.echo else None,
                            return_text_in_logprobs=True, stream=req.stream,
-                           data_parallel_rank=req.data_parallel_rank)
+                           data_parallel_rank=req.data_parallel_rank,
+                           bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port,
+                           bootstrap_room=req.bootstrap_room)
     if req.max_tokens is None:  # the default must not overflow a long prompt's context
         sampling.max_new_tokens = min(DEFAULT_MAX_TOKENS,
                                       room_for(server, _longest_prompt(server, fields)))

@@ -144,6 +144,11 @@ class _SamplingFields(_Strict):
     response_format: ResponseFormat | None = None
     #: the data-parallel replica to run on (SGLang's router sends it with --dp-aware)
     data_parallel_rank: int | None = Field(default=None, ge=0)
+    #: prefill/decode disaggregation: SGLang's router in PD mode adds these (checked by sgl's
+    #: GenerateReqInput: a list holds one per choice when n > 1)
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
 
     @model_validator(mode="before")
     @classmethod

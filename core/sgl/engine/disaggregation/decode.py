@@ -1,0 +1,346 @@
+"""The decode server's side: take over a request whose prompt a prefill server runs.
+
+A request reaches the decode scheduler with ``bootstrap_host``, ``bootstrap_port`` and
+``bootstrap_room``. :class:`DecodeSide` queues it until KV memory and a request row are free
+(the *bootstrap* queue), then takes its longest cached prefix here (locked: those positions are
+not transferred again), allocates slots for the rest of the prompt and asks the prefill server
+for them (*transfer*). When the KV and the first token arrive the request joins the running
+batch as if it had been prefilled here, and decodes.
+
+A request that fails on the way (the prefill server unreachable, gone, or failing; no KV within
+``--disaggregation-timeout``) ends with an error naming why, and its slots are freed. An
+aborted one asks the prefill server to stop and keeps its slots until the prefill server
+confirms (or the timeout passes): a one-sided backend could still be writing into them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import zmq
+
+from sgl.engine.disaggregation.bootstrap import is_alive, lookup_route
+from sgl.engine.disaggregation.link import Link
+from sgl.kvcache import PrefixMatch
+from sgl.transfer import BaseKVTransfer
+
+if TYPE_CHECKING:
+    from sgl.engine.scheduler import Scheduler
+    from sgl.engine.sequence import Req
+
+__all__ = ["DecodeLink", "DecodeSide"]
+
+logger = logging.getLogger("sgl.disaggregation")
+
+#: seconds between two /health checks of a prefill server the link waits on
+HEALTH_EVERY_S = 1.0
+#: failed checks in a row after which the prefill server counts as gone
+HEALTH_FAILURES = 2
+
+
+@dataclass
+class _Pending:
+    host: str
+    port: int
+    endpoint: str
+    since: float
+    cancelled: bool = False
+
+
+class DecodeLink(Link):
+    """Sends the wants to the prefill servers' schedulers and reports their answers, watching
+    the prefill servers it waits on."""
+
+    def __init__(self, ctx: zmq.Context[Any], backend: BaseKVTransfer, timeout: float) -> None:
+        super().__init__(ctx, backend, timeout, name="sgl-decode-link")
+        self.routes: dict[tuple[str, int], str] = {}
+        self.dealers: dict[str, zmq.Socket[Any]] = {}
+        self.pending: dict[int, _Pending] = {}
+        self.health: dict[tuple[str, int], tuple[float, int]] = {}
+
+    def handle_command(self, cmd: tuple[Any, ...]) -> None:
+        if cmd[0] == "want":
+            _, room, host, port, dst, skip = cmd
+            try:
+                endpoint = self._route(host, port)
+            except ConnectionError as exc:
+                self.emit("failed", room, str(exc), 502)
+                return
+            self.backend.expect(room, dst)
+            self._send(endpoint, {"type": "want", "room": room, "dst": dst, "skip": skip,
+                                  "agent": self.backend.local_info(),
+                                  "layout": self.backend.buffers.layout()})
+            self.pending[room] = _Pending(host, port, endpoint, time.monotonic())
+        elif cmd[0] == "cancel":
+            pending = self.pending.get(cmd[1])
+            if pending is not None and not pending.cancelled:
+                pending.cancelled, pending.since = True, time.monotonic()
+                self._send(pending.endpoint, {"type": "cancel", "room": cmd[1]})
+
+    def handle_message(self, sock: zmq.Socket[Any]) -> None:
+        try:
+            msg = sock.recv_json()
+            room = int(msg["room"])  # type: ignore[index, call-overload]
+        except (ValueError, KeyError, TypeError):
+            logger.warning("ignored a malformed message from a prefill server")
+            return
+        pending = self.pending.pop(room, None)
+        if pending is None:
+            return
+        self.backend.forget(room)
+        kind = msg["type"]  # type: ignore[index]
+        if pending.cancelled or kind == "cancelled":
+            self.emit("released", room)
+        elif kind == "done":
+            self.emit("done", room, msg)
+        else:
+            self.emit("failed", room, f"the prefill server at {pending.host}:{pending.port}: "
+                      f"{msg.get('error')}", 502)  # type: ignore[union-attr]
+
+    def tick(self, now: float) -> None:
+        for room, pending in list(self.pending.items()):
+            if now - pending.since > self.timeout:
+                self._drop(room)
+                if pending.cancelled:
+                    self.emit("released", room)
+                else:
+                    self.emit("failed", room, f"no KV from the prefill server at "
+                              f"{pending.host}:{pending.port} within --disaggregation-timeout "
+                              f"{self.timeout:g} s", 504)
+        waited_on = {(p.host, p.port) for p in self.pending.values() if not p.cancelled}
+        for peer in list(self.health):
+            if peer not in waited_on:
+                del self.health[peer]
+        for peer in waited_on:
+            last, failures = self.health.get(peer, (now, 0))
+            if now - last < HEALTH_EVERY_S:
+                self.health.setdefault(peer, (last, failures))
+                continue
+            failures = 0 if is_alive(*peer) else failures + 1
+            self.health[peer] = (time.monotonic(), failures)
+            if failures >= HEALTH_FAILURES:
+                self._peer_gone(peer)
+
+    def _peer_gone(self, peer: tuple[str, int]) -> None:
+        self.routes.pop(peer, None)
+        self.health.pop(peer, None)
+        for room, pending in list(self.pending.items()):
+            if (pending.host, pending.port) == peer:
+                self._drop(room)
+                self.emit("failed", room, f"the prefill server at {peer[0]}:{peer[1]} is gone "
+                          "(its bootstrap server stopped answering) before the KV arrived", 502)
+
+    def _drop(self, room: int) -> None:
+        del self.pending[room]
+        self.backend.forget(room)
+
+    def _route(self, host: str, port: int) -> str:
+        endpoint = self.routes.get((host, port))
+        if endpoint is None:
+            route = lookup_route(host, port, timeout=min(5.0, self.timeout))
+            endpoint = self.routes[(host, port)] = str(route["endpoint"])
+        return endpoint
+
+    def _send(self, endpoint: str, msg: dict[str, Any]) -> None:
+        sock = self.dealers.get(endpoint)
+        if sock is None:
+            sock = self.dealers[endpoint] = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            self.watch(sock)
+        sock.send_json(msg)
+
+    def shutdown(self) -> None:
+        for sock in self.dealers.values():
+            sock.close(linger=0)
+
+
+@dataclass
+class _Incoming:
+    req: Req
+    slots: torch.Tensor  # the slots allocated for the transferred positions
+    cancelled: bool = False
+
+
+class DecodeSide:
+    """The decode scheduler's part: the bootstrap queue, the requests in transfer, and their
+    arrival in the running batch."""
+
+    mode = "decode"
+
+    def __init__(self, scheduler: Scheduler, backend: BaseKVTransfer) -> None:
+        self.scheduler = scheduler
+        self.default_port = scheduler.settings.disaggregation_bootstrap_port
+        self.link = DecodeLink(scheduler.zmq, backend, scheduler.settings.disaggregation_timeout)
+        self.link.start()
+        self.queue: deque[Req] = deque()
+        self.transferring: dict[int, _Incoming] = {}
+        self.transfers = self.failures = self.bytes = 0
+        self.seconds = 0.0
+
+    @property
+    def wake(self) -> zmq.Socket[Any]:
+        return self.link.wake
+
+    def check(self, req: Req) -> str | None:
+        if req.bootstrap is None:
+            return ("this is a decode server (--disaggregation-mode decode): a request needs "
+                    "bootstrap_host, bootstrap_port and bootstrap_room; send it through SGLang's "
+                    "router in PD mode (sgl router --pd-disaggregation)")
+        if req.session_id is not None:
+            return "sessions are not supported with --disaggregation-mode"
+        room = req.bootstrap.room
+        if room in self.transferring or any(r.bootstrap and r.bootstrap.room == room
+                                            for r in self.queue):
+            return f"bootstrap_room {room} is already in use on this decode server"
+        return None
+
+    def add(self, req: Req) -> None:
+        req.next_input_logprob = len(req.input_ids)  # the prefill server reports those
+        self.queue.append(req)
+
+    @property
+    def busy(self) -> bool:
+        """Requests wait for memory that no transfer in flight will free: keep scheduling."""
+        return bool(self.queue) and not self.transferring
+
+    def admit(self) -> list[Req]:
+        """Handle the link's events (returning the requests whose KV arrived: they run from
+        now), then start transfers for the queued requests that fit."""
+        arrived = [req for event in self.link.events() if (req := self._on_event(event))]
+        self._start_transfers()
+        return arrived
+
+    def _on_event(self, event: tuple[Any, ...]) -> Req | None:
+        s = self.scheduler
+        if event[0] == "link_failed":
+            for room in list(self.transferring):
+                incoming = self.transferring.pop(room)
+                self._free(incoming)
+                if not incoming.cancelled:
+                    s.fail(incoming.req, "the KV transfer link stopped (see the server log)", 500)
+                    s._replies.append(s.output_of(incoming.req))
+            return None
+        incoming = self.transferring.pop(event[1], None)
+        if incoming is None:
+            return None
+        req = incoming.req
+        if event[0] == "done" and not incoming.cancelled:
+            self.transfers += 1
+            self.bytes += int(event[2].get("bytes") or 0)
+            self.seconds += float(event[2].get("seconds") or 0.0)
+            try:
+                self._arrive(req, event[2])
+            except Exception as exc:  # noqa: BLE001 (one request fails, the server goes on)
+                logger.exception("taking over request %s failed", req.rid)
+                self._free(incoming)
+                s.fail(req, f"internal error while taking over the prefilled request: {exc}",
+                       500)
+                s._replies.append(s.output_of(req))
+                return None
+            return req
+        self._free(incoming)
+        if event[0] == "failed" and not incoming.cancelled:
+            self.failures += 1
+            s.fail(req, event[2], event[3])
+            s._replies.append(s.output_of(req))
+        return None
+
+    def _arrive(self, req: Req, msg: dict[str, Any]) -> None:
+        s = self.scheduler
+        req.kv_len = len(req.input_ids)
+        token = int(msg["token"])
+        req.output_ids.append(token)
+        req.first_token_time = time.time()
+        logprobs = msg.get("logprobs") or {}
+        if req.logprobs.return_logprob:
+            req.output_token_logprobs.extend(_entry(e) for e in
+                                             logprobs.get("output_token_logprobs", []))
+            req.output_top_logprobs.extend(
+                None if top is None else [_entry(e) for e in top]
+                for top in logprobs.get("output_top_logprobs", []))
+            req.output_token_ids_logprobs.extend(
+                None if ids is None else [_entry(e) for e in ids]
+                for ids in logprobs.get("output_token_ids_logprobs", []))
+        s.cache_prefills([req])  # later requests with this prompt's prefix find it here
+        s.running.append(req)
+        s.take_token(req, token, None, None)  # the grammar, the finish check
+
+    def _start_transfers(self) -> None:
+        s = self.scheduler
+        rows, pool = s.runner.req_to_token_pool, s.runner.kv_pool
+        while self.queue:
+            req = self.queue[0]
+            if rows.num_free == 0 or (len(s.running) + len(self.transferring)
+                                      >= s.settings.max_running_requests):
+                return
+            match = s.cache.match_prefix(req.input_ids[:-1])
+            s.cache.lock(match)
+            need = len(req.input_ids) - len(match)
+            others = [*s.running, *(i.req for i in self.transferring.values())]
+            reserved = sum(s.admission.expected_output(r, s.new_token_ratio) for r in others)
+            available = s.admission.kv_available()
+            expected = s.admission.expected_output(req, s.new_token_ratio)
+            if need > available or (others and need + expected > available - reserved):
+                s.cache.unlock(match)
+                return
+            self.queue.popleft()
+            s.make_room(need)
+            slots = pool.alloc(need)
+            req.row = rows.alloc()
+            table = rows.req_to_token
+            table[req.row, :len(match)] = match.slots
+            table[req.row, len(match):len(req.input_ids)] = slots
+            req.prefix, req.kv_len = match, 0
+            req.cached_tokens = len(match)
+            s.cache.stats.queried_tokens += len(req.input_ids)
+            s.cache.stats.hit_tokens += len(match)
+            req.scheduled_time = time.time()
+            boot = req.bootstrap
+            assert boot is not None
+            self.transferring[boot.room] = _Incoming(req, slots)
+            self.link.command("want", boot.room, boot.host, boot.port or self.default_port,
+                              slots.tolist(), len(match))
+
+    def _free(self, incoming: _Incoming) -> None:
+        """Give back what a request that will not run holds: its transfer slots, its locked
+        prefix, its row."""
+        s, req = self.scheduler, incoming.req
+        s.runner.kv_pool.free(incoming.slots)
+        s.cache.unlock(req.prefix)
+        if req.row is not None:
+            s.runner.req_to_token_pool.free(req.row)
+        req.row, req.kv_len, req.prefix = None, 0, PrefixMatch()
+
+    def after_forward(self) -> None:
+        """Nothing: requests leave a decode server when they finish."""
+
+    def ended(self, req: Req, message: str) -> None:
+        """Nothing to tell: the prefill server learns of an abort through :meth:`abort`."""
+
+    def abort(self, rid: str) -> None:
+        for req in list(self.queue):
+            if req.rid == rid:
+                self.queue.remove(req)
+        for room, incoming in self.transferring.items():
+            if incoming.req.rid == rid and not incoming.cancelled:
+                incoming.cancelled = True
+                self.link.command("cancel", room)
+
+    def info(self) -> dict[str, Any]:
+        return {"disaggregation_mode": self.mode, "num_bootstrap_reqs": len(self.queue),
+                "num_transfer_reqs": len(self.transferring), "kv_transfers": self.transfers,
+                "kv_transfer_failures": self.failures, "kv_transfer_bytes": self.bytes,
+                "kv_transfer_seconds": round(self.seconds, 6)}
+
+    def close(self) -> None:
+        self.link.close()
+
+
+def _entry(e: Any) -> tuple[Any, ...]:
+    return tuple(e) if isinstance(e, list) else e

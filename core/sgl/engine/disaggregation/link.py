@@ -1,0 +1,120 @@
+"""The thread each disaggregated scheduler talks to its peers through.
+
+The scheduler never waits on a peer: it hands commands to its :class:`Link` thread and picks
+up the link's events between forwards. Events also wake a scheduler that waits idle for
+messages (:attr:`Link.wake` is a socket it polls beside its request socket).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from sgl.transfer import BaseKVTransfer
+
+__all__ = ["Link"]
+
+logger = logging.getLogger("sgl.disaggregation")
+
+#: how often the link thread looks at its deadlines when no message comes
+TICK_S = 0.25
+
+_ids = itertools.count()
+
+
+class Link:
+    """A daemon thread with a command socket in and an event socket out (ZMQ inproc, so
+    each end stays with one thread). Subclasses implement :meth:`handle_command`,
+    :meth:`handle_message` (a message on one of the sockets they :meth:`watch`) and
+    :meth:`tick` (deadlines)."""
+
+    def __init__(self, ctx: zmq.Context[Any], backend: BaseKVTransfer, timeout: float,
+                 name: str) -> None:
+        self.ctx = ctx
+        self.backend = backend
+        self.timeout = timeout
+        n = next(_ids)
+        # the scheduler's ends
+        self._commands = ctx.socket(zmq.PUSH)
+        self.wake = ctx.socket(zmq.PULL)
+        self.wake.bind(f"inproc://sgl-link-events-{n}")
+        # the thread's ends (created here, used only by the thread once it starts)
+        self._command_in = ctx.socket(zmq.PULL)
+        self._command_in.bind(f"inproc://sgl-link-commands-{n}")
+        self._commands.connect(f"inproc://sgl-link-commands-{n}")
+        self._events = ctx.socket(zmq.PUSH)
+        self._events.connect(f"inproc://sgl-link-events-{n}")
+        self.poller = zmq.Poller()
+        self.poller.register(self._command_in, zmq.POLLIN)
+        self._stopping = False
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    # the scheduler's side --------------------------------------------------------------------
+
+    def command(self, *cmd: Any) -> None:
+        self._commands.send_pyobj(cmd)
+
+    def events(self) -> list[tuple[Any, ...]]:
+        """Every event the thread has sent since the last call."""
+        out = []
+        while self.wake.poll(0):
+            out.append(self.wake.recv_pyobj())
+        return out
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.command("stop")
+            self.thread.join(timeout=5)
+        self.backend.close()
+        for sock in (self._commands, self.wake):
+            sock.close(linger=0)
+
+    # the thread's side -----------------------------------------------------------------------
+
+    def emit(self, *event: Any) -> None:
+        self._events.send_pyobj(event)
+
+    def watch(self, sock: zmq.Socket[Any]) -> None:
+        self.poller.register(sock, zmq.POLLIN)
+
+    def handle_command(self, cmd: tuple[Any, ...]) -> None:
+        raise NotImplementedError
+
+    def handle_message(self, sock: zmq.Socket[Any]) -> None:
+        raise NotImplementedError
+
+    def tick(self, now: float) -> None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Close the sockets the subclass opened (in the thread)."""
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                for sock, _ in self.poller.poll(TICK_S * 1000):
+                    if sock is self._command_in:
+                        cmd = self._command_in.recv_pyobj()
+                        if cmd[0] == "stop":
+                            self._stopping = True
+                            break
+                        self.handle_command(cmd)
+                    else:
+                        self.handle_message(sock)
+                self.tick(time.monotonic())
+        except Exception:  # the link is gone: say so, and let the scheduler fail what waits
+            logger.error("the disaggregation link stopped:\n%s", traceback.format_exc())
+            self.emit("link_failed", traceback.format_exc(limit=1))
+        finally:
+            self.shutdown()
+            self._command_in.close(linger=0)
+            self._events.close(linger=0)
