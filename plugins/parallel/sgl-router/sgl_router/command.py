@@ -5,6 +5,11 @@ this command starts the ``sgl serve`` workers it fronts (``--workers N``, each o
 the cores, every argument after ``--`` passed to each) or takes running ones
 (``--worker-urls``), waits until the router has registered them all, and stops everything it
 started when the router exits or the command is interrupted.
+
+With ``--pd-disaggregation`` the router runs in SGLang's PD mode in front of running prefill
+and decode servers (``sgl serve --disaggregation-mode prefill|decode``): ``--prefill URL
+[BOOTSTRAP_PORT]`` as SGLang's router takes it (the port, when left out, is read from the
+prefill server), ``--decode URL``.
 """
 
 from __future__ import annotations
@@ -31,7 +36,30 @@ logger = logging.getLogger("sgl.router")
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 
-@click.command(name="router", context_settings={"ignore_unknown_options": True})
+class _RouterCommand(click.Command):
+    """Takes SGLang's ``--prefill URL [BOOTSTRAP_PORT]``: an optional second value, which click
+    options cannot have, joined to the URL before click parses."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        joined: list[str] = []
+        rest = list(args)
+        while rest:
+            arg = rest.pop(0)
+            if arg == "--":
+                joined += [arg, *rest]
+                break
+            if arg == "--prefill" and rest:
+                value = rest.pop(0)
+                if rest and (rest[0].isdigit() or rest[0] == "none"):
+                    value = f"{value} {rest.pop(0)}"
+                joined += [arg, value]
+                continue
+            joined.append(arg)
+        return super().parse_args(ctx, joined)
+
+
+@click.command(name="router", cls=_RouterCommand,
+               context_settings={"ignore_unknown_options": True})
 @click.argument("worker_args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--worker-urls", multiple=True, metavar="URL",
               help="Running sgl (or SGLang) servers to route to (repeatable, or "
@@ -39,6 +67,15 @@ POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="sgl serve workers to start on this machine, each on an equal share of the "
                    "cores, with the arguments after -- (default 2 without --worker-urls).")
+@click.option("--pd-disaggregation", is_flag=True,
+              help="SGLang's PD mode: each request goes to a --prefill and a --decode server "
+                   "(sgl serve --disaggregation-mode prefill|decode), with the prefill "
+                   "server's bootstrap address and a room added.")
+@click.option("--prefill", "prefill", multiple=True, metavar="URL [BOOTSTRAP_PORT]",
+              help="PD mode: a running prefill server (repeatable); its bootstrap port is "
+                   "read from it when not given.")
+@click.option("--decode", "decode", multiple=True, metavar="URL",
+              help="PD mode: a running decode server (repeatable).")
 @click.option("--policy", type=click.Choice(POLICIES), default="cache_aware", show_default=True,
               help="The router's policy: cache_aware (the worker whose cache likely holds the "
                    "prompt's prefix, else the least loaded), round_robin, power_of_two (the "
@@ -63,6 +100,7 @@ POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warn", "error"]),
               default="info", show_default=True, help="The router's log level.")
 def router(worker_args: tuple[str, ...], worker_urls: tuple[str, ...], workers: int | None,
+           pd_disaggregation: bool, prefill: tuple[str, ...], decode: tuple[str, ...],
            policy: str, host: str, port: int, dp_aware: bool, cache_threshold: float | None,
            balance_abs_threshold: int | None, balance_rel_threshold: float | None,
            prometheus_port: int, worker_startup_timeout: float, log_level: str) -> None:
@@ -77,6 +115,8 @@ def router(worker_args: tuple[str, ...], worker_urls: tuple[str, ...], workers: 
             "sgl router runs SGLang's router, which is not installed: pip install "
             "'sgl-router[router]' (or sglang-router; make install installs it)")
     worker_urls = tuple(u for value in worker_urls for u in value.split(",") if u)
+    if pd_disaggregation or prefill or decode:
+        _check_pd(pd_disaggregation, prefill, decode, worker_urls, workers, worker_args, dp_aware)
     strays = [a for a in worker_args if a.startswith(("http://", "https://"))]
     if strays:
         raise click.UsageError(f"{strays[0]}: --worker-urls takes one URL per flag "
@@ -94,6 +134,19 @@ def router(worker_args: tuple[str, ...], worker_urls: tuple[str, ...], workers: 
     problem = check_port(host, port)
     if problem:
         raise click.UsageError(problem)
+
+    if pd_disaggregation:
+        _wait_healthy([p.split()[0] for p in prefill] + list(decode), [], worker_startup_timeout)
+        command = [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
+                   "--port", str(port), "--policy", policy, "--prometheus-port",
+                   str(prometheus_port), "--log-level", log_level, "--pd-disaggregation"]
+        for value in prefill:
+            url, _, bootstrap = value.partition(" ")
+            command += ["--prefill", url, bootstrap or str(_bootstrap_port(url))]
+        for url in decode:
+            command += ["--decode", url]
+        sys.exit(_run_router(command, f"http://{_client_host(host)}:{port}",
+                             len(prefill) + len(decode), policy))
 
     started: list[subprocess.Popen[bytes]] = []
     urls = list(worker_urls)
@@ -119,6 +172,40 @@ def router(worker_args: tuple[str, ...], worker_urls: tuple[str, ...], workers: 
         sys.exit(_run_router(command, f"http://{_client_host(host)}:{port}", expected, policy))
     finally:
         _stop(started)
+
+
+def _check_pd(pd_disaggregation: bool, prefill: tuple[str, ...], decode: tuple[str, ...],
+              worker_urls: tuple[str, ...], workers: int | None, worker_args: tuple[str, ...],
+              dp_aware: bool) -> None:
+    if not pd_disaggregation:
+        raise click.UsageError("--prefill and --decode are for PD mode: add --pd-disaggregation")
+    if not prefill or not decode:
+        raise click.UsageError("--pd-disaggregation needs at least one --prefill URL and one "
+                               "--decode URL (running sgl serve --disaggregation-mode servers)")
+    if worker_urls or workers is not None or worker_args or dp_aware:
+        raise click.UsageError("--pd-disaggregation routes to --prefill and --decode servers; "
+                               "--worker-urls, --workers, --dp-aware and worker arguments "
+                               "after -- are for the regular mode")
+    for value in prefill:
+        url, _, bootstrap = value.partition(" ")
+        if not url.startswith(("http://", "https://")):
+            raise click.UsageError(f"--prefill {url}: expected http://HOST:PORT")
+        if bootstrap not in ("", "none") and not 0 < int(bootstrap) < 65536:
+            raise click.UsageError(f"--prefill {url} {bootstrap}: the bootstrap port must be "
+                                   "1-65535")
+    for url in decode:
+        if not url.startswith(("http://", "https://")):
+            raise click.UsageError(f"--decode {url}: expected http://HOST:PORT")
+
+
+def _bootstrap_port(url: str) -> int:
+    """A prefill server's --disaggregation-bootstrap-port, from its /get_server_info."""
+    info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    if info.get("disaggregation_mode") != "prefill":
+        raise click.ClickException(f"--prefill {url} is not a prefill server (its "
+                                   f"disaggregation_mode is {info.get('disaggregation_mode')!r});"
+                                   " start it with sgl serve --disaggregation-mode prefill")
+    return int(info["disaggregation_bootstrap_port"])
 
 
 def _start_worker(index: int, count: int, args: Sequence[str]) -> tuple[str, subprocess.Popen[bytes]]:
