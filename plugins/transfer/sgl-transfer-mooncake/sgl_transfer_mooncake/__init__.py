@@ -1,0 +1,4 @@
+"""The ``mooncake`` KV transfer backend for prefill/decode disaggregation: see
+:mod:`sgl_transfer_mooncake.backend`."""
+
+__all__: list[str] = []
