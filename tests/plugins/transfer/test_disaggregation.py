@@ -298,8 +298,9 @@ def test_unreachable_bootstrap_server_is_named(failing: PD) -> None:
 def test_decode_side_abort_frees_its_slots(failing: PD) -> None:
     """A client that gives up while the decode server waits for KV: the decode server asks
     the prefill server to stop, and frees the slots once it confirms."""
+    room = random.getrandbits(63)
     body = {**PROMPT, "stream": True, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": failing.bootstrap_port, "bootstrap_room": random.getrandbits(63)}
+            "bootstrap_port": failing.bootstrap_port, "bootstrap_room": room}
     with pytest.raises(httpx.ReadTimeout):
         with httpx.stream("POST", f"{failing.decode.base_url}/generate", json=body,
                           timeout=httpx.Timeout(30, read=1.0)) as stream:
@@ -308,6 +309,12 @@ def test_decode_side_abort_frees_its_slots(failing: PD) -> None:
     start = time.monotonic()
     assert_idle(failing.decode, within=TIMEOUT_S / 2)  # the cancel is confirmed, not timed out
     assert time.monotonic() - start < TIMEOUT_S / 2
+    # the prefill server remembers: that room's request, arriving late, ends once prefilled
+    # instead of holding its KV for a decode server that will not ask
+    reply = httpx.post(f"{failing.prefill.base_url}/generate", timeout=30, json={
+        **PROMPT, **{k: body[k] for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")}})
+    assert reply.status_code == 499 and "gave the request up" in reply.text, reply.text
+    assert time.monotonic() - start < TIMEOUT_S
     assert_idle(failing.prefill)
 
 

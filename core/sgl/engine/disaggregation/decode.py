@@ -81,6 +81,12 @@ class DecodeLink(Link):
             if pending is not None and not pending.cancelled:
                 pending.cancelled, pending.since = True, time.monotonic()
                 self._send(pending.endpoint, {"type": "cancel", "room": cmd[1]})
+        elif cmd[0] == "abandon":  # a request that ended here before it asked for its KV
+            _, room, host, port = cmd
+            try:
+                self._send(self._route(host, port), {"type": "cancel", "room": room})
+            except ConnectionError:
+                pass  # that prefill server is not there to hold the KV either
 
     def handle_message(self, sock: zmq.Socket[Any]) -> None:
         try:
@@ -106,6 +112,8 @@ class DecodeLink(Link):
         for room, pending in list(self.pending.items()):
             if now - pending.since > self.timeout:
                 self._drop(room)
+                if not pending.cancelled:  # the prefill server may still hold its KV
+                    self._send(pending.endpoint, {"type": "cancel", "room": room})
                 if pending.cancelled:
                     self.emit("released", room)
                 else:
@@ -182,6 +190,7 @@ class DecodeSide:
         self.transferring: dict[int, _Incoming] = {}
         self.transfers = self.failures = self.bytes = 0
         self.seconds = 0.0
+        self._failing = False  # failing a request whose transfer failed: nothing to tell
 
     @property
     def wake(self) -> zmq.Socket[Any]:
@@ -247,7 +256,11 @@ class DecodeSide:
         self._free(incoming)
         if event[0] == "failed" and not incoming.cancelled:
             self.failures += 1
-            s.fail(req, event[2], event[3])
+            self._failing = True
+            try:
+                s.fail(req, event[2], event[3])
+            finally:
+                self._failing = False
             s._replies.append(s.output_of(req))
         return None
 
@@ -321,7 +334,13 @@ class DecodeSide:
         """Nothing: requests leave a decode server when they finish."""
 
     def ended(self, req: Req, message: str) -> None:
-        """Nothing to tell: the prefill server learns of an abort through :meth:`abort`."""
+        """``req`` failed here before it asked for its KV (refused, or its grammar failed):
+        tell its prefill server, which would otherwise hold the KV until the timeout."""
+        boot = req.bootstrap
+        if boot is None or req.output_ids or boot.room in self.transferring or self._failing \
+                or any(r.bootstrap == boot for r in self.queue if r is not req):
+            return  # (another request of that room: refused as a duplicate, not abandoned)
+        self.link.command("abandon", boot.room, boot.host, boot.port or self.default_port)
 
     def abort(self, rid: str) -> None:
         for req in list(self.queue):

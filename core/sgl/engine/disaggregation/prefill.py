@@ -81,10 +81,15 @@ class PrefillLink(Link):
         self.wants: dict[int, _Want] = {}
         #: rooms that ended here before their decode server asked, and why (with the time)
         self.gone: dict[int, tuple[str, float]] = {}
+        #: rooms the decode server gave up before their KV was ready here (with the time)
+        self.cancelled: dict[int, float] = {}
 
     def handle_command(self, cmd: tuple[Any, ...]) -> None:
         kind, room = cmd[0], cmd[1]
         if kind == "send":
+            if self.cancelled.pop(room, None) is not None:
+                self.emit("failed", room, "the decode server gave the request up", 499)
+                return
             self.sends[room] = _Send(cmd[2], cmd[3], time.monotonic())
             self._try(room)
         elif kind == "fail":  # the request ended before its KV was ready
@@ -117,6 +122,8 @@ class PrefillLink(Link):
             if room in self.sends:
                 del self.sends[room]
                 self.emit("failed", room, "the decode server gave the request up", 499)
+            else:  # still prefilling here: end it once its KV is ready
+                self.cancelled[room] = time.monotonic()
 
     def tick(self, now: float) -> None:
         for room, send in list(self.sends.items()):
@@ -134,6 +141,9 @@ class PrefillLink(Link):
         for room, (_, since) in list(self.gone.items()):
             if now - since > self.timeout:
                 del self.gone[room]
+        for room, since in list(self.cancelled.items()):
+            if now - since > self.timeout:
+                del self.cancelled[room]
 
     def _try(self, room: int) -> None:
         """Run the write for ``room`` once both its KV and the decode server's want are here."""
