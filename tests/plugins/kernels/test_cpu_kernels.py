@@ -342,8 +342,8 @@ def test_argmax_rows() -> None:
 
 @pytest.mark.usefixtures("one_torch_thread")
 def test_each_level_runs_its_own_kernels_or_torch(cpu_isa: str) -> None:
-    """At a kernel level the layers pack their weights for sgl's kernels; below (avx2, none)
-    nothing of sgl's runs and the layers give torch's results."""
+    """At a kernel level (avx2 included) the layers pack their weights for sgl's kernels; at
+    none nothing of sgl's runs and the layers give torch's results."""
     assert cpu.cpu_isa() == cpu_isa and cpu_isa in cpu.describe_isa()
     weight = torch.randn(64, 32).bfloat16()
     packed = pack_weight(weight)

@@ -11,10 +11,49 @@ import torch
 __all__ = ["cpu_vendor", "detect_isa"]
 
 
+#: the features the levels need: each one's key in torch's ``_get_cpu_capability()`` (those
+#: tried in turn: torch 2.x names FMA ``fma3``, beside AMD's ``fma4``) and its flag in
+#: /proc/cpuinfo
+_FEATURES = {"avx2": (("avx2",), "avx2"), "fma": (("fma3", "fma"), "fma"),
+             "avx512_f": (("avx512_f",), "avx512f"), "avx512_bw": (("avx512_bw",), "avx512bw"),
+             "avx512_vl": (("avx512_vl",), "avx512vl"), "avx512_dq": (("avx512_dq",), "avx512dq"),
+             "avx512_bf16": (("avx512_bf16",), "avx512_bf16"),
+             "amx_bf16": (("amx_bf16",), "amx_bf16"), "amx_tile": (("amx_tile",), "amx_tile")}
+
+
+def _torch_capability() -> dict:
+    """torch's view of the CPU (cpuinfo's, the OS's support included); empty where this torch
+    has no ``_get_cpu_capability``."""
+    return getattr(torch._C._cpu, "_get_cpu_capability", lambda: {})()
+
+
+def _proc_cpu_flags() -> set[str]:
+    """The flags of the first processor in /proc/cpuinfo (Linux's, the OS's support included);
+    empty where there is none."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def _cpu_flags() -> dict[str, bool]:
-    caps = getattr(torch._C._cpu, "_get_cpu_capability", lambda: {})()
-    return {k: bool(caps.get(k)) for k in ("avx2", "fma", "avx512_f", "avx512_bw", "avx512_vl",
-                                           "avx512_dq", "avx512_bf16", "amx_bf16", "amx_tile")}
+    """Each feature of :data:`_FEATURES`: torch's answer where torch has the key, else
+    /proc/cpuinfo's (read only when needed)."""
+    caps, proc = _torch_capability(), None
+    flags: dict[str, bool] = {}
+    for feature, (keys, proc_flag) in _FEATURES.items():
+        key = next((k for k in keys if k in caps), None)
+        if key is not None:
+            flags[feature] = bool(caps[key])
+        else:
+            if proc is None:
+                proc = _proc_cpu_flags()
+            flags[feature] = proc_flag in proc
+    return flags
 
 
 def _amx_permitted() -> bool:
