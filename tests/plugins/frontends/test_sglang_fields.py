@@ -54,7 +54,7 @@ def test_an_unsupported_field_that_is_set_is_refused_by_name(server: ServerProce
                                                              route: str) -> None:
     base, module = ROUTES[route]
     refused = sorted(module.UNSUPPORTED_SGLANG_FIELDS - module.IGNORED_SGLANG_FIELDS)
-    assert "lora_path" in refused and "bootstrap_room" in refused
+    assert "lora_path" in refused and "routed_dp_rank" in refused
     for name in refused:
         r = post(server, route, {**base, name: SET})
         assert r.status_code == 400, (name, r.text)
