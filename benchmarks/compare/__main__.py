@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="re-render the docs and charts from a results file; measure nothing")
     p.add_argument("--sgl-threads", type=int, default=None,
                    help="sgl serve --num-threads (default: sgl's own default)")
+    p.add_argument("--sgl-dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"],
+                   help="sgl serve --dtype (default bfloat16, the peers' dtype; auto: sgl's "
+                        "default on this CPU)")
     p.add_argument("--vllm-cpus", default="0-1",
                    help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default 0-1: both cores)")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
@@ -183,7 +186,8 @@ def prepare(args: argparse.Namespace, peers: Peers) -> dict[str, str]:
 def server_spec(name: str, args: argparse.Namespace, peers: Peers, port: int) -> ServerSpec:
     max_c = max(args.concurrencies)
     if name == "sgl":
-        return sgl_spec(peers.hf_folder, port, threads=args.sgl_threads, max_running=max(64, max_c))
+        return sgl_spec(peers.hf_folder, port, threads=args.sgl_threads, dtype=args.sgl_dtype,
+                        max_running=max(64, max_c))
     if name == "vllm":
         spec = vllm_spec(peers, peers.hf_folder, port, cpus=args.vllm_cpus,
                          kv_gib=args.vllm_kv_gib)

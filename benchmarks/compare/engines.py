@@ -114,14 +114,19 @@ class RunningServer:
         self.stop()
 
 
-def sgl_spec(model: Path, port: int, *, threads: int | None, max_running: int) -> ServerSpec:
+_DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32", "auto": "dtype auto"}
+
+
+def sgl_spec(model: Path, port: int, *, threads: int | None, max_running: int,
+             dtype: str = "bfloat16") -> ServerSpec:
     command = [sys.executable, "-m", "sgl", "serve", "--model-path", str(model),
-               "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
                "--max-running-requests", str(max_running), "--log-level", "warning"]
     if threads:
         command += ["--num-threads", str(threads)]
     return ServerSpec("sgl", "sgl", command,
-                      settings=f"bf16, {threads or 'default'} scheduler thread(s), "
+                      settings=f"{_DTYPE_NAMES.get(dtype, dtype)}, {threads or 'default'} "
+                               f"scheduler thread(s), "
                                f"max {max_running} running requests, radix cache on")
 
 

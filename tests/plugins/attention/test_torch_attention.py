@@ -57,7 +57,7 @@ class Harness:
         self.kv_pool = KVPool(size=512, num_layers=spec.layer_id + 1,
                               num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                               dtype=dtype, device=device)
-        self.req_pool = ReqToTokenPool(max_requests=8, max_context_len=128, device=device)
+        self.req_pool = ReqToTokenPool(max_requests=8, max_context_len=256, device=device)
         self.backend = TorchAttentionBackend(kv_pool=self.kv_pool,
                                              req_to_token_pool=self.req_pool, device=device)
         self.runner = SimpleNamespace(device=device, kv_pool=self.kv_pool,
@@ -122,14 +122,14 @@ def test_decode_head_dim_64(dtype: torch.dtype, heads: tuple[int, int], window: 
     torch.manual_seed(2)
     spec = AttentionLayerSpec(layer_id=0, num_heads=heads[0], num_kv_heads=heads[1], head_dim=64,
                               scaling=0.125, sliding_window=window, logit_softcap=softcap)
-    harness = Harness(spec, lengths=[40, 9, 23], dtype=dtype)
+    harness = Harness(spec, lengths=[40, 9, 23, 150], dtype=dtype)  # 150: V in several passes
     with cpu.recording() as tape:
-        harness.step(ForwardMode.EXTEND, [30, 1, 20])
+        harness.step(ForwardMode.EXTEND, [30, 1, 20, 140])
     kernels = cpu.load()  # the prefill kernel where it beats SDPA, else SDPA (see cpu.py)
     assert any(name.startswith("sgl_extend_attention") for name in tape.names) == (
         kernels is not None and kernels.extend_attention_faster(dtype))
     for _ in range(3):
-        harness.step(ForwardMode.DECODE, [1, 1, 1])
+        harness.step(ForwardMode.DECODE, [1, 1, 1, 1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -183,8 +183,8 @@ def test_batch_builder_validates() -> None:
     free = runner.kv_pool.num_free
     with pytest.raises(ValueError, match="exactly one new token"):
         make_forward_batch(runner, ForwardMode.DECODE, [BatchSeq(0, 3, [1, 2])])
-    with pytest.raises(ValueError, match="context length 128"):
-        make_forward_batch(runner, ForwardMode.EXTEND, [BatchSeq(0, 127, [1, 2])])
+    with pytest.raises(ValueError, match="context length 256"):
+        make_forward_batch(runner, ForwardMode.EXTEND, [BatchSeq(0, 255, [1, 2])])
     with pytest.raises(ValueError, match="share a req_to_token row"):
         make_forward_batch(runner, ForwardMode.EXTEND, [(0, 0, [1]), (0, 0, [2])])
     assert runner.kv_pool.num_free == free  # nothing was taken

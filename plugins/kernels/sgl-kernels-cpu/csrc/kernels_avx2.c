@@ -511,53 +511,76 @@ AVX2_TARGET int sgl_argmax_f32_avx2(const float *x, int64_t stride, int64_t B, i
  * The arguments of kernels_avx512.c's sgl_decode_attention (bf16_dot is ignored). Per sequence:
  * q scaled to fp32 once, the scores of 8 tokens at a time for each query head (8 dot products
  * summed across in one transpose), a softmax per head, then the weighted sum of V for two query
- * heads of a KV head at a time over up to 32 columns (8 sums, 4 V vectors in registers). The
- * sequences are shared out over the pool's threads. */
+ * heads of a KV head at a time over up to 32 columns (8 sums, 4 V vectors in registers), in
+ * passes of PV_TOKENS tokens whose fp32 partial sums wait in per-thread scratch. The sequences
+ * are shared out over the pool's threads. */
 
 /* scores[h * ld + t] for t < n: q_h . k[slots[t]] (q already scaled, fp32 [Hq][D]) */
 AVX2_TARGET INLINE void decode_qk(const float *qs, const char *kp, int64_t k_row,
                                   const int64_t *slots, int64_t n, float *scores, int64_t ld,
-                                  int64_t Hq, int64_t G, int64_t D, const char *vp,
-                                  int64_t v_row, const int dtype) {
+                                  int64_t Hq, int64_t G, int64_t D, const int dtype) {
     const int64_t es = dtype ? 2 : 4;
     for (int64_t t0 = 0; t0 < n; t0 += 8) {
         const int64_t cnt = n - t0 < 8 ? n - t0 : 8;
         const char *rows[8];
         #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) rows[j] = kp + slots[t0 + (j < cnt ? j : 0)] * k_row;
-        for (int64_t t = t0 + 8; t < t0 + 16 && t < n; t++) { /* the next block's rows */
-            _mm_prefetch(kp + slots[t] * k_row, _MM_HINT_T0);
-            _mm_prefetch(vp + slots[t] * v_row, _MM_HINT_T0);
-        }
+        for (int64_t t = t0 + 8; t < t0 + 16 && t < n; t++) /* the next block's rows, whole */
+            for (int64_t o = 0; o < k_row; o += 64)
+                _mm_prefetch(kp + slots[t] * k_row + o, _MM_HINT_T0);
         for (int64_t h = 0; h < Hq; h++) {
             const float *qh = qs + h * D;
             const int64_t off = (h / G) * D * es;
+            /* the 8 rows' sums side by side (8 independent chains), each in the order d = 0, 8,
+               ...; a short last block repeats its first row */
             __m256 acc[8];
+            const __m256 q0 = _mm256_loadu_ps(qh);
             #pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) { /* a short last block repeats its first row */
-                const char *kr = rows[j] + off;
-                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(kr, dtype));
-                for (int64_t d = 8; d < D; d += 8)
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(kr + d * es, dtype), a);
-                acc[j] = a;
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_mul_ps(q0, load8(rows[j] + off, dtype));
+            for (int64_t d = 8; d < D; d += 8) {
+                const __m256 qd = _mm256_loadu_ps(qh + d);
+                #pragma GCC unroll 8
+                for (int j = 0; j < 8; j++)
+                    acc[j] = _mm256_fmadd_ps(qd, load8(rows[j] + off + d * es, dtype), acc[j]);
             }
             store8n(scores + h * ld + t0, sum8x8(acc), cnt, 0);
         }
     }
 }
 
-/* out_h += sum_t p_h[t] v[slots[t]] over columns [col, col + 8 nv) for gn (<= 2) heads */
+/* The sums over tokens t < n of p_h[t] v[slots[t]] for columns [off, off + 8 nv) of gn (<= 2)
+   query heads, continued from sums[g * Dv ..] (fp32) unless `first`; kept there again, or, when
+   `out` is given, divided by the softmax sums inv_sum[g] and stored to out[g * out_head ..] */
 AVX2_TARGET INLINE void decode_pv(const float *p, int64_t ld, int64_t n, const char *vp,
-                                  int64_t v_row, int64_t off, const int64_t *slots, char *out,
-                                  int64_t out_head, const float *inv_sum, const int dtype,
-                                  const int gn, const int nv) {
+                                  int64_t v_row, int64_t off, const int64_t *slots, float *sums,
+                                  int64_t Dv, int first, char *out, int64_t out_head,
+                                  const float *inv_sum, const int dtype, const int gn,
+                                  const int nv) {
     const int64_t es = dtype ? 2 : 4;
     __m256 acc[2][4];
     #pragma GCC unroll 8
     for (int g = 0; g < gn; g++)
         #pragma GCC unroll 8
-        for (int i = 0; i < nv; i++) acc[g][i] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < n; t++) {
+        for (int i = 0; i < nv; i++)
+            acc[g][i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + g * Dv + i * 8);
+    int64_t t = 0;
+    if (gn == 1) { /* one head: the odd tokens in a second set of sums, so that 2 nv chains run */
+        __m256 odd[4];
+        #pragma GCC unroll 8
+        for (int i = 0; i < nv; i++) odd[i] = _mm256_setzero_ps();
+        for (; t + 1 < n; t += 2) {
+            const char *v0 = vp + slots[t] * v_row + off, *v1 = vp + slots[t + 1] * v_row + off;
+            const __m256 w0 = _mm256_broadcast_ss(p + t), w1 = _mm256_broadcast_ss(p + t + 1);
+            #pragma GCC unroll 8
+            for (int i = 0; i < nv; i++) {
+                acc[0][i] = _mm256_fmadd_ps(w0, load8(v0 + i * 8 * es, dtype), acc[0][i]);
+                odd[i] = _mm256_fmadd_ps(w1, load8(v1 + i * 8 * es, dtype), odd[i]);
+            }
+        }
+        #pragma GCC unroll 8
+        for (int i = 0; i < nv; i++) acc[0][i] = _mm256_add_ps(acc[0][i], odd[i]);
+    }
+    for (; t < n; t++) {
         const char *vr = vp + slots[t] * v_row + off;
         __m256 vv[4];
         #pragma GCC unroll 8
@@ -571,19 +594,26 @@ AVX2_TARGET INLINE void decode_pv(const float *p, int64_t ld, int64_t n, const c
     }
     #pragma GCC unroll 8
     for (int g = 0; g < gn; g++) {
-        const __m256 f = _mm256_set1_ps(inv_sum[g]);
+        const __m256 f = _mm256_set1_ps(out ? inv_sum[g] : 1.0f);
         #pragma GCC unroll 8
-        for (int i = 0; i < nv; i++)
-            store8(out + (g * out_head + i * 8) * es, _mm256_mul_ps(acc[g][i], f), dtype);
+        for (int i = 0; i < nv; i++) {
+            if (out) store8(out + (g * out_head + i * 8) * es, _mm256_mul_ps(acc[g][i], f), dtype);
+            else _mm256_storeu_ps(sums + g * Dv + i * 8, acc[g][i]);
+        }
     }
 }
 
-#define DECODE_PV(GN, NV)                                                                      \
-    decode_pv(scores + h * ld, ld, n, j->vp, j->v_row, (hk * Dv + col) * es, slots,            \
-              ob + (h * Dv + col) * es, Dv, inv_sum + h, dtype, GN, NV)
+/* Tokens per pass of the weighted sum of V: the passes over one KV head's columns and query
+   heads read this many rows again from L1 (PV_TOKENS * Dv * 4 bytes), not from memory */
+#define PV_TOKENS 64
 
-AVX2_TARGET INLINE void decode_seq(attention_job *j, int64_t b, float *qs, float *scores,
-                                   const int dtype) {
+#define DECODE_PV(GN, NV)                                                                      \
+    decode_pv(scores + h * ld + t0, ld, nt, j->vp, j->v_row, (hk * Dv + col) * es, slots + t0, \
+              sums + h * Dv + col, Dv, t0 == 0, last ? ob + (h * Dv + col) * es : NULL, Dv,     \
+              inv_sum + h, dtype, GN, NV)
+
+AVX2_TARGET INLINE void decode_seq(attention_job *j, int64_t b, float *qs, float *sums,
+                                   float *scores, const int dtype) {
     const int64_t Hq = j->Hq, Hk = j->Hk, G = Hq / Hk, D = j->D, Dv = j->Dv, es = dtype ? 2 : 4;
     int64_t n;
     const int64_t start = decode_window_start(j, b, &n);
@@ -597,7 +627,7 @@ AVX2_TARGET INLINE void decode_seq(attention_job *j, int64_t b, float *qs, float
         for (int64_t d = 0; d < D; d += 8)
             _mm256_storeu_ps(qs + h * D + d,
                              _mm256_mul_ps(load8(qb + (h * j->q_stride_h + d) * es, dtype), sv));
-    decode_qk(qs, j->kp, j->k_row, slots, n, scores, ld, Hq, G, D, j->vp, j->v_row, dtype);
+    decode_qk(qs, j->kp, j->k_row, slots, n, scores, ld, Hq, G, D, dtype);
     for (int64_t h = 0; h < Hq; h++) { /* softmax; the padding past n is -inf, so e = 0 there */
         float *s = scores + h * ld;
         if (j->softcap > 0)
@@ -614,16 +644,23 @@ AVX2_TARGET INLINE void decode_seq(attention_job *j, int64_t b, float *qs, float
         inv_sum[h] = 1.0f / hsum8(sum);
     }
     for (int64_t hk = 0; hk < Hk; hk++)
-        for (int64_t col = 0; col < Dv; col += 32) {
-            const int64_t nv = Dv - col >= 32 ? 4 : (Dv - col) / 8;
-            for (int64_t g0 = 0; g0 < G; g0 += 2) {
-                const int64_t h = hk * G + g0;
-                const int two = G - g0 >= 2;
-                switch (nv) { /* constant counts keep the sums in registers */
-                case 4: if (two) DECODE_PV(2, 4); else DECODE_PV(1, 4); break;
-                case 3: if (two) DECODE_PV(2, 3); else DECODE_PV(1, 3); break;
-                case 2: if (two) DECODE_PV(2, 2); else DECODE_PV(1, 2); break;
-                default: if (two) DECODE_PV(2, 1); else DECODE_PV(1, 1);
+        for (int64_t t0 = 0; t0 < n; t0 += PV_TOKENS) {
+            const int64_t nt = n - t0 < PV_TOKENS ? n - t0 : PV_TOKENS;
+            const int last = t0 + nt == n;
+            for (int64_t t = t0 + nt; t < t0 + 2 * PV_TOKENS && t < n; t++) /* the next pass's */
+                for (int64_t o = 0; o < Dv * es; o += 64)
+                    _mm_prefetch(j->vp + slots[t] * j->v_row + hk * Dv * es + o, _MM_HINT_T0);
+            for (int64_t col = 0; col < Dv; col += 32) {
+                const int64_t nv = Dv - col >= 32 ? 4 : (Dv - col) / 8;
+                for (int64_t g0 = 0; g0 < G; g0 += 2) {
+                    const int64_t h = hk * G + g0;
+                    const int two = G - g0 >= 2;
+                    switch (nv) { /* constant counts keep the sums in registers */
+                    case 4: if (two) DECODE_PV(2, 4); else DECODE_PV(1, 4); break;
+                    case 3: if (two) DECODE_PV(2, 3); else DECODE_PV(1, 3); break;
+                    case 2: if (two) DECODE_PV(2, 2); else DECODE_PV(1, 2); break;
+                    default: if (two) DECODE_PV(2, 1); else DECODE_PV(1, 1);
+                    }
                 }
             }
         }
@@ -633,16 +670,16 @@ AVX2_TARGET INLINE void decode_seq(attention_job *j, int64_t b, float *qs, float
 
 AVX2_TARGET static void decode_attention_range(void *ctx, int64_t b0, int64_t b1) {
     attention_job *j = ctx;
-    /* per thread: q scaled [Hq][D], scores [Hq][max_len rounded up to 8] */
-    float *qs = scratch_f32(j->Hq * j->D + j->Hq * (j->max_len + 8));
+    /* per thread: q scaled [Hq][D], V sums [Hq][Dv], scores [Hq][max_len rounded up to 8] */
+    float *qs = scratch_f32(j->Hq * (j->D + j->Dv) + j->Hq * (j->max_len + 8));
     if (!qs) {
         atomic_store(&j->failed, 1);
         return;
     }
-    float *scores = qs + j->Hq * j->D;
+    float *sums = qs + j->Hq * j->D, *scores = sums + j->Hq * j->Dv;
     for (int64_t b = b0; b < b1; b++) {
-        if (j->dtype) decode_seq(j, b, qs, scores, 1); /* constant dtypes: no branch per load */
-        else decode_seq(j, b, qs, scores, 0);
+        if (j->dtype) decode_seq(j, b, qs, sums, scores, 1); /* constant dtypes: no branch per load */
+        else decode_seq(j, b, qs, sums, scores, 0);
     }
 }
 

@@ -1,0 +1,97 @@
+"""One layer of decode attention: ``sgl::decode_attention``'s kernel against its torch reference.
+
+The shape of SmolLM2-135M (9 query heads, 3 KV heads, 64 wide): ``--batch`` sequences of
+``--context`` cached tokens each take one new token, at the instruction-set level this process
+runs (``SGL_CPU_ISA`` caps it). The sequences' slots are scattered over a pool four times their
+size, as a server's pool is after a while (``--contiguous`` lays them out in order). The kernel
+runs on 1 and 2 of its own threads; median of ``--reps``, ms, and the bytes of K and V read per
+second at that time.
+
+    .venv/bin/python benchmarks/decode_attention.py --batch 1,32 --context 200,1000
+    SGL_CPU_ISA=avx2 .venv/bin/python benchmarks/decode_attention.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from sgl.kernels import cpu
+from sgl.kernels import ops
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",")]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=_ints, default=[1, 32], help="comma-separated batch sizes")
+    parser.add_argument("--context", type=_ints, default=[200, 1000],
+                        help="comma-separated cached tokens per sequence")
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--contiguous", action="store_true",
+                        help="each sequence's slots in order, not scattered over the pool")
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    kernels = cpu.load()
+    if kernels is None:
+        print(f"no kernel library at this level: {cpu.describe_isa()}", file=sys.stderr)
+        return 1
+    torch.set_num_threads(1)
+    hq, hk, d = args.heads, args.kv_heads, args.head_dim
+    print(f"level {cpu.describe_isa()}; {hq} heads, {hk} KV heads of {d}; "
+          f"{'contiguous' if args.contiguous else 'scattered'} slots")
+    print("dtype     batch  context  kernel 1 thr (GB/s)   kernel 2 thr (GB/s)   (ms)")
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        for batch in args.batch:
+            for context in args.context:
+                torch.manual_seed(0)
+                size = batch * (context + 1)
+                pool = 4 * size
+                k_pool = torch.randn(pool, hk, d).to(dtype)
+                v_pool = torch.randn(pool, hk, d).to(dtype)
+                slots = torch.arange(size) if args.contiguous else torch.randperm(pool)[:size]
+                table = slots.view(batch, context + 1)
+                rows = torch.arange(batch)
+                lens = torch.full((batch,), context + 1)
+                loc = table[:, context].contiguous()
+                q = torch.randn(batch, hq * d).to(dtype)
+                k, v = torch.randn(batch, hk * d).to(dtype), torch.randn(batch, hk * d).to(dtype)
+                call = (q, k, v, k_pool, v_pool, table, rows, lens, loc, hq, hk, d, d ** -0.5,
+                        0.0, 0)
+                expected = ops.decode_attention(q, k, v, k_pool.clone(), v_pool.clone(),
+                                                *call[5:]).float()
+                nbytes = 2 * size * hk * d * k_pool.element_size()
+                cells = []
+                for threads in (1, 2):
+                    cpu.set_threads(threads)
+                    out = torch.ops.sgl.decode_attention(*call)
+                    torch.testing.assert_close(out.float(), expected, rtol=0.02, atol=0.02)
+                    ms = _median_ms(lambda: torch.ops.sgl.decode_attention(*call), args.reps)
+                    cells.append(f"{ms:9.3f} ({nbytes / ms / 1e6:5.1f})")
+                cpu.set_threads(1)
+                print(f"{dtype_name:9} {batch:5} {context:8}  " + "   ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
