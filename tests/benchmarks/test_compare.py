@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from compare import report  # noqa: E402
-from compare.__main__ import parse_args  # noqa: E402
+from compare.__main__ import parse_args, server_spec  # noqa: E402
 from compare.workloads import default_workloads  # noqa: E402
 
 from sgl_bench.metrics import RequestResult, compute_metrics  # noqa: E402
@@ -119,12 +120,21 @@ def test_charts_are_written(tmp_path: Path) -> None:
     (["--concurrencies", "0,8"], "positive integers"),
     (["--concurrencies", "one"], "comma-separated list of int"),
     (["--from-results", "/nonexistent/compare.json"], "--from-results: no such file"),
+    (["--sgl-dtype", "float16"], "invalid choice: 'float16'"),
 ])
 def test_bad_arguments_name_the_flag(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype, shown", [("bfloat16", "bf16"), ("auto", "dtype auto")])
+def test_sgl_is_served_in_the_dtype_asked_for(dtype: str, shown: str) -> None:
+    args = parse_args(["--engines", "sgl", "--sgl-dtype", dtype])
+    spec = server_spec("sgl", args, SimpleNamespace(hf_folder=Path("/models/smollm2")), 30000)
+    assert spec.command[spec.command.index("--dtype") + 1] == dtype
+    assert spec.settings.startswith(shown + ",")
 
 
 @pytest.mark.slow
