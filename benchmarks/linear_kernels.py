@@ -1,7 +1,9 @@
 """The matmuls of one SmolLM2-135M forward: sgl's kernels against torch's ``F.linear``.
 
 Every linear layer's shape (30 layers: q, k, v, o, gate, up, down; then the LM head) for a
-range of row counts, in float32 and bfloat16, at the instruction-set level this process runs
+range of row counts, in float32 and bfloat16, and with the weights quantized (``q4``, ``q8``:
+``sgl::linear_q4`` / ``linear_q8`` on float32 rows, torch on the dequantized float32 weight),
+at the instruction-set level this process runs
 (``SGL_CPU_ISA``; cap torch alike with ``MKL_ENABLE_INSTRUCTIONS`` and ``ONEDNN_MAX_CPU_ISA``).
 Each side on 1 and on 2 threads (the kernels' own threads with torch on one; torch's threads);
 best of ``--reps``, ms for the whole set. This is the measurement behind the row ranges of
@@ -9,6 +11,7 @@ best of ``--reps``, ms for the whole set. This is the measurement behind the row
 
     SGL_CPU_ISA=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \\
         .venv/bin/python benchmarks/linear_kernels.py
+    .venv/bin/python benchmarks/linear_kernels.py --dtypes bfloat16,q4,q8 --rows 1,8,32
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from sgl.kernels import cpu
+from sgl.kernels import cpu, quant
 
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 SHAPES = LAYER * 30 + [(49152, 576)]
@@ -38,7 +41,8 @@ def _best_ms(fn, reps: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,4,8,32,64,128,256,1024")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="comma-separated: float32, bfloat16, q4, q8")
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     kernels = cpu.load()
@@ -47,13 +51,23 @@ def main() -> int:
         return 1
     print(f"level {cpu.describe_isa()}; ms for {len(SHAPES)} matmuls")
     for name in args.dtypes.split(","):
-        dtype = getattr(torch, name)
-        pack = cpu.pack_bf16_weight if dtype == torch.bfloat16 else cpu.pack_f32_weight
-        op = torch.ops.sgl.linear_bf16 if dtype == torch.bfloat16 else torch.ops.sgl.linear_f32
-        weights = {}
-        for n, k in set(SHAPES):
-            w = torch.randn(n, k).to(dtype)
-            weights[(n, k)] = (w, pack(w))
+        weights, op = {}, None
+        if name in quant.FORMATS:
+            dtype = torch.float32
+            quantized = {"q4": torch.ops.sgl.linear_q4, "q8": torch.ops.sgl.linear_q8}[name]
+            for n, k in set(SHAPES):
+                packed = quant.quantize(name, torch.randn(n, k))
+                weights[(n, k)] = (quant.dequantize(name, *packed), packed)
+
+            def op(x, packed, n, bias, quantized=quantized):
+                return quantized(x, *packed, bias)
+        else:
+            dtype = getattr(torch, name)
+            pack = cpu.pack_bf16_weight if dtype == torch.bfloat16 else cpu.pack_f32_weight
+            op = torch.ops.sgl.linear_bf16 if dtype == torch.bfloat16 else torch.ops.sgl.linear_f32
+            for n, k in set(SHAPES):
+                w = torch.randn(n, k).to(dtype)
+                weights[(n, k)] = (w, pack(w))
         for rows in (int(r) for r in args.rows.split(",")):
             xs = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
             cells = []

@@ -9,7 +9,8 @@ device, and the calls show in torch's profiler under their ``sgl::`` names.
 
 The reference functions are plain Python functions too (:data:`REFERENCES`): the tests hold
 every plugin's kernels to them. The packed weight layouts are part of the contract
-(:func:`pack_bf16_weight`, :func:`pack_f32_weight`).
+(:func:`pack_bf16_weight`, :func:`pack_f32_weight`, and the quantized ones of
+:mod:`sgl.kernels.quant`).
 
 Shapes: ``x`` arguments are 2-D ``[T, width]`` with unit stride in the last dimension (a
 row-strided view is fine); bfloat16 or float32 unless the schema says otherwise. See
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sgl.kernels import quant
+
 __all__ = ["NAMESPACE", "REFERENCES", "SCHEMAS", "pack_bf16_weight", "pack_f32_weight",
            "unpack_bf16_weight", "unpack_f32_weight"]
 
@@ -33,6 +36,8 @@ NAMESPACE = "sgl"
 SCHEMAS = {
     "linear_bf16": "linear_bf16(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor",
     "linear_f32": "linear_f32(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor",
+    "linear_q4": "linear_q4(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor",
+    "linear_q8": "linear_q8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor",
     "rmsnorm": "rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor",
     "add_rmsnorm": "add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) "
                    "-> (Tensor, Tensor)",
@@ -106,6 +111,27 @@ def linear_f32(x: torch.Tensor, packed: torch.Tensor, n: int,
     """``x @ W^T + bias`` for float32 ``x [M, K]`` and the :func:`pack_f32_weight` copy of
     ``W``."""
     return F.linear(x, unpack_f32_weight(packed, n), bias)
+
+
+def _linear_quantized(fmt: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.float() @ quant.dequantize(fmt, qweight, scales).t()
+    return (y if bias is None else y + bias).to(x.dtype)
+
+
+def linear_q4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T + bias`` for float32 or bfloat16 ``x [M, K]`` and the 4-bit weight ``W [N, K]``
+    of :mod:`sgl.kernels.quant` (``qweight`` uint8 ``[N, K/32, 16]``, ``scales`` float16 ``[N,
+    K/32, 2]``): the products summed in float32, the result in ``x``'s dtype (rounded once).
+    ``bias``: float32 ``[N]``."""
+    return _linear_quantized("q4", x, qweight, scales, bias)
+
+
+def linear_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`linear_q4` for the 8-bit layout (``qweight`` int8 ``[N, K/32, 32]``)."""
+    return _linear_quantized("q8", x, qweight, scales, bias)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -251,7 +277,8 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 
 #: operator name -> its reference implementation
 REFERENCES: dict[str, Callable[..., Any]] = {
-    "linear_bf16": linear_bf16, "linear_f32": linear_f32, "rmsnorm": rmsnorm,
+    "linear_bf16": linear_bf16, "linear_f32": linear_f32, "linear_q4": linear_q4,
+    "linear_q8": linear_q8, "rmsnorm": rmsnorm,
     "add_rmsnorm": add_rmsnorm, "rmsnorm_heads": rmsnorm_heads, "silu_mul": silu_mul,
     "rotary": rotary, "embedding": embedding, "argmax": argmax,
     "decode_attention": decode_attention, "extend_attention": extend_attention,

@@ -19,7 +19,8 @@ import torch
 from sgl.model_loader.errors import ModelLoadError
 from sgl.model_loader.source import WeightSource
 
-__all__ = ["GGUFWeights", "gguf_to_hf_name", "unpermute_rotary_rows"]
+__all__ = ["GGUF_QUANTIZED", "GGUFWeights", "gguf_to_hf_name", "repack_gguf_blocks",
+           "unpermute_rotary_rows"]
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -70,6 +71,39 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     half = rows // num_heads // 2
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(
         weight.shape)
+
+
+#: GGUF block types whose blocks map onto a quantized layout of :mod:`sgl.kernels.quant`
+GGUF_QUANTIZED = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8"}
+
+
+def repack_gguf_blocks(type_name: str, data: np.ndarray, rows: int,
+                       cols: int) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """``(layout, qweight, scales)`` of a GGUF tensor of block type ``type_name`` (a key of
+    :data:`GGUF_QUANTIZED`) with ``rows`` x ``cols`` values, from its raw bytes ``data``.
+
+    The blocks are those of llama.cpp: ``Q4_0`` is float16 ``d`` and 16 bytes of nibbles (``W =
+    d (q - 8)``), ``Q4_1`` float16 ``d``, ``m`` and the nibbles (``W = d q + m``), ``Q8_0``
+    float16 ``d`` and 32 int8 (``W = d q``). The nibbles and int8 keep their byte order; only
+    the scales move into their own tensor (``Q4_0``'s offset becomes ``m = -8 d``, exactly)."""
+    layout = GGUF_QUANTIZED.get(type_name)
+    if layout is None:
+        raise ValueError(f"GGUF block type {type_name} has no quantized layout here "
+                         f"(those that do: {', '.join(GGUF_QUANTIZED)})")
+    if cols % 32:
+        raise ValueError(f"a {type_name} tensor's rows must hold whole 32-value blocks, "
+                         f"got {cols} values")
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(rows, cols // 32, -1)
+    d = blocks[..., 0:2].copy().view(np.float16)
+    if type_name == "Q4_0":
+        m, qs = d * np.float16(-8), blocks[..., 2:18]
+    elif type_name == "Q4_1":
+        m, qs = blocks[..., 2:4].copy().view(np.float16), blocks[..., 4:20]
+    else:
+        m, qs = np.zeros_like(d), blocks[..., 2:34].view(np.int8)
+    qweight = torch.from_numpy(np.ascontiguousarray(qs))
+    scales = torch.from_numpy(np.concatenate([d, m], axis=-1))
+    return layout, qweight, scales
 
 
 def _field(reader: Any, key: str) -> Any:

@@ -15,8 +15,9 @@ import sys
 
 from setuptools import setup
 
-SOURCES_C = ["csrc/pool.c", "csrc/run_op.c", "csrc/kernels_avx512.c", "csrc/kernels_avx2.c"]
-HEADERS = ["csrc/cpu_kernels.h", "csrc/kernels.h", "csrc/jobs.h"]
+SOURCES_C = ["csrc/pool.c", "csrc/run_op.c", "csrc/kernels_avx512.c", "csrc/kernels_avx2.c",
+             "csrc/kernels_quant_avx2.c"]
+HEADERS = ["csrc/cpu_kernels.h", "csrc/kernels.h", "csrc/jobs.h", "csrc/vec_avx2.h"]
 # -ffp-contract=off: a * b + c stays two roundings, as in torch; -fno-wrapv undoes the -fwrapv of
 # Python's own CFLAGS (defined signed overflow slows the loops down)
 C_FLAGS = ["-O2", "-fPIC", "-std=gnu11", "-fno-math-errno", "-ffp-contract=off", "-fno-wrapv"]

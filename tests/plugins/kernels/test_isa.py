@@ -68,9 +68,10 @@ def test_an_older_torchs_fma_key(cpu_as) -> None:
     assert cpu_as({**caps, "fma": False}) == "none"
 
 
-def test_without_fma_or_avx2_no_kernel_level(cpu_as) -> None:
+def test_without_fma_avx2_or_f16c_no_kernel_level(cpu_as) -> None:
     assert cpu_as({**AVX2_ONLY, "fma3": False}) == "none"
     assert cpu_as({**AVX2_ONLY, "avx2": False}) == "none"
+    assert cpu_as({**AVX2_ONLY, "f16c": False}) == "none"  # the quantized matmuls' scales
     # an AVX-512 CPU always has both; without them it is not run at avx2 either
     assert cpu_as({**AVX512, "fma3": False}) == "avx512"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgl.kernels import cpu, ops
+from sgl.kernels import cpu, ops, quant
 from sgl.plugins import PluginSelection, create_plugin_manager
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -96,6 +96,8 @@ def _op_inputs(dtype: torch.dtype) -> dict[str, tuple]:
                              torch.tensor([2, 0, 1]), lens, loc, hq, hk, d, d ** -0.5, 0.0, 0),
     }
     args["extend_attention"] = _extend_args(dtype, hq, hk, d, softcap=0.0, window=0)
+    for fmt in quant.FORMATS:  # x of either dtype
+        args[f"linear_{fmt}"] = (x, *quant.quantize(fmt, torch.randn(70, h)), torch.randn(70))
     if dtype == torch.float32:
         args["argmax"] = (torch.randn(4, 1000),)
         args["linear_f32"] = (x, ops.pack_f32_weight(torch.randn(70, h)), 70, torch.randn(70))

@@ -33,6 +33,8 @@ enum {
     SGL_OP_DECODE_ATTENTION_AVX2 = 16,
     SGL_OP_ARGMAX_F32_AVX2 = 17,
     SGL_OP_EXTEND_ATTENTION_AVX2 = 18,
+    /* the quantized matmuls (kernels_quant_avx2.c), at every level */
+    SGL_OP_LINEAR_QUANT_AVX2 = 19,
 };
 
 #define SGL_OP_ARGS 26
@@ -42,7 +44,8 @@ typedef struct {
     int64_t a[SGL_OP_ARGS];
 } sgl_op;
 
-/* 4 where the kernels were compiled for x86-64, 0 elsewhere (every call then fails). */
+/* The version of the kernels (sgl_kernels_cpu.library.VERSION) where they were compiled for
+   x86-64, 0 elsewhere (every call then fails). */
 int sgl_kernels_version(void);
 /* Use `threads` threads (the caller included) from now on; returns the number in use. */
 int sgl_set_threads(int threads);

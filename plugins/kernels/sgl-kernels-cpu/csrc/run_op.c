@@ -11,7 +11,7 @@
 
 #if defined(__x86_64__)
 
-int sgl_kernels_version(void) { return 5; }
+int sgl_kernels_version(void) { return 6; }
 
 /* Embedding lookup: row t of out (row stride o_stride elements) = row ids[t] of w [vocab, H]
    (row stride w_stride), `es`-byte elements. -1 (nothing written) when an id is outside
@@ -81,6 +81,9 @@ int sgl_run_op(const sgl_op *op) {
             P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), P(8), P(9), a[10], P(11), a[12],
             a[13], a[14], a[15], a[16], f32_bits(a[17]), f32_bits(a[18]), a[19], (int)a[20],
             P(21));
+    case SGL_OP_LINEAR_QUANT_AVX2:
+        return sgl_linear_quant_avx2(P(0), a[1], P(2), P(3), P(4), a[5], a[6], a[7], a[8], P(9),
+                                     (int)a[10], (int)a[11]);
     default:
         return -100;
     }

@@ -213,6 +213,46 @@ Tensor linear_f32(const Tensor& x, const Tensor& packed, int64_t n, const OptTen
   return linear("sgl::linear_f32", x, packed, n, bias, at::kFloat);
 }
 
+// The quantized matmuls (layouts in sgl/kernels/quant.py): the same AVX2 kernel at every level.
+Tensor linear_quant(const char* op, const Tensor& x, const Tensor& qweight, const Tensor& scales,
+                    const OptTensor& bias, int bits) {
+  check_rows(op, "x", x);
+  const at::ScalarType qtype = bits == 4 ? at::kByte : at::kChar;
+  check_contiguous(op, "qweight", qweight, qtype);
+  check_contiguous(op, "scales", scales, at::kHalf);
+  const int64_t block_bytes = bits == 4 ? 16 : 32;
+  TORCH_CHECK_VALUE(qweight.dim() == 3 && qweight.size(2) == block_bytes, op,
+                    ": qweight must be [N, K/32, ", block_bytes, "], got ", qweight.sizes());
+  const int64_t m = x.size(0), n = qweight.size(0), k = qweight.size(1) * 32;
+  TORCH_CHECK_VALUE(scales.dim() == 3 && scales.size(0) == n && scales.size(1) == k / 32 &&
+                        scales.size(2) == 2,
+                    op, ": scales must be [N, K/32, 2] = [", n, ", ", k / 32, ", 2], got ",
+                    scales.sizes());
+  TORCH_CHECK_VALUE(x.size(1) == k, op, ": x has ", x.size(1), " columns, the weight ", k);
+  if (bias.has_value()) {
+    check_contiguous(op, "bias", *bias, at::kFloat);
+    TORCH_CHECK_VALUE(bias->numel() == n, op, ": bias has ", bias->numel(), " values, not ", n);
+  }
+  Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  Call call(SGL_OP_LINEAR_QUANT_AVX2);
+  call << ptr(x) << x.stride(0) << ptr(qweight) << ptr(scales) << ptr(y) << n << m << n << k
+       << ptr(bias) << dtype_code(x) << bits;
+  TORCH_CHECK(run(call, {x, qweight, scales, bias}, {y}) == 0, op,
+              ": no memory for the input's copy");
+  return y;
+}
+
+Tensor linear_q4(const Tensor& x, const Tensor& qweight, const Tensor& scales,
+                 const OptTensor& bias) {
+  return linear_quant("sgl::linear_q4", x, qweight, scales, bias, 4);
+}
+
+Tensor linear_q8(const Tensor& x, const Tensor& qweight, const Tensor& scales,
+                 const OptTensor& bias) {
+  return linear_quant("sgl::linear_q8", x, qweight, scales, bias, 8);
+}
+
 void check_rmsnorm(const char* op, int rc) {
   TORCH_CHECK(rc != -2, op, ": no memory for its row buffer");
   TORCH_CHECK_VALUE(rc == 0, op, " refused its arguments (", rc, ")");
@@ -449,6 +489,8 @@ TORCH_LIBRARY(sgl_cpu, m) {
 TORCH_LIBRARY_IMPL(sgl, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_f32", &linear_f32);
+  m.impl("linear_q4", &linear_q4);
+  m.impl("linear_q8", &linear_q8);
   m.impl("rmsnorm", &rmsnorm);
   m.impl("add_rmsnorm", &add_rmsnorm);
   m.impl("rmsnorm_heads", &rmsnorm_heads);

@@ -15,6 +15,7 @@ __all__ = ["cpu_vendor", "detect_isa"]
 #: tried in turn: torch 2.x names FMA ``fma3``, beside AMD's ``fma4``) and its flag in
 #: /proc/cpuinfo
 _FEATURES = {"avx2": (("avx2",), "avx2"), "fma": (("fma3", "fma"), "fma"),
+             "f16c": (("f16c",), "f16c"),
              "avx512_f": (("avx512_f",), "avx512f"), "avx512_bw": (("avx512_bw",), "avx512bw"),
              "avx512_vl": (("avx512_vl",), "avx512vl"), "avx512_dq": (("avx512_dq",), "avx512dq"),
              "avx512_bf16": (("avx512_bf16",), "avx512_bf16"),
@@ -85,7 +86,7 @@ def detect_isa() -> str:
     if platform.machine() not in ("x86_64", "AMD64"):
         return "none"
     if not all(flags[k] for k in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq")):
-        return "avx2" if flags["avx2"] and flags["fma"] else "none"
+        return "avx2" if flags["avx2"] and flags["fma"] and flags["f16c"] else "none"
     if flags["avx512_bf16"] and flags["amx_bf16"] and flags["amx_tile"] and _amx_permitted():
         return "amx"
     return "avx512_bf16" if flags["avx512_bf16"] else "avx512"

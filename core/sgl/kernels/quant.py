@@ -1,0 +1,84 @@
+"""The quantized weight layouts of the kernel contract (``sgl::linear_q4``, ``sgl::linear_q8``).
+
+A quantized weight ``W [N, K]`` (K a multiple of 32) is cut along K into blocks of 32 values,
+and each block stores small integers ``q`` and two float16 numbers, a scale ``d`` and an
+offset ``m``, with ``W = d * q + m``:
+
+* **q4**: ``qweight`` uint8 ``[N, K/32, 16]``; byte ``j`` of block ``b`` holds value ``32b + j``
+  in its low nibble and ``32b + j + 16`` in its high nibble (``q`` in 0..15). This is the byte
+  order of GGUF's ``Q4_0`` and ``Q4_1`` blocks, which map onto it as they are (``Q4_0``: ``m =
+  -8 d``).
+* **q8**: ``qweight`` int8 ``[N, K/32, 32]``, value ``32b + j`` at byte ``j`` (``q`` in
+  -128..127). GGUF's ``Q8_0`` maps onto it with ``m = 0``.
+
+``scales`` is float16 ``[N, K/32, 2]``: ``(d, m)`` of each block. Both layouts keep a row's
+blocks together, so rows can be sliced (tensor parallelism), permuted and concatenated (fused
+projections) without touching the blocks.
+
+:func:`quantize` makes these from a float weight (round to nearest per block, ``d`` and ``m``
+from the block's range); :func:`dequantize` gives the float32 weight back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["BLOCK", "FORMATS", "dequantize", "quantize"]
+
+#: values per block along K
+BLOCK = 32
+#: layout -> bytes of ``qweight`` per block
+FORMATS = {"q4": 16, "q8": 32}
+
+
+def _check(fmt: str, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantized layout {fmt!r} (expected one of {sorted(FORMATS)})")
+    dtype = torch.uint8 if fmt == "q4" else torch.int8
+    if qweight.dim() != 3 or qweight.shape[2] != FORMATS[fmt] or qweight.dtype != dtype:
+        raise ValueError(f"{fmt} qweight must be {dtype} [N, K/32, {FORMATS[fmt]}], got "
+                         f"{qweight.dtype} {list(qweight.shape)}")
+    if (scales.dtype != torch.float16 or scales.dim() != 3 or scales.shape[2] != 2
+            or scales.shape[:2] != qweight.shape[:2]):
+        raise ValueError(f"scales must be float16 [N, K/32, 2] matching qweight "
+                         f"{list(qweight.shape)}, got {scales.dtype} {list(scales.shape)}")
+
+
+def _values(fmt: str, qweight: torch.Tensor) -> torch.Tensor:
+    """The integers ``q`` of every block as float32 ``[N, K/32, 32]``."""
+    if fmt == "q8":
+        return qweight.float()
+    low, high = qweight & 0x0F, qweight >> 4
+    return torch.cat([low, high], dim=-1).float()
+
+
+def dequantize(fmt: str, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 ``W [N, K]`` of a quantized weight (``fmt``: ``"q4"`` or ``"q8"``)."""
+    _check(fmt, qweight, scales)
+    s = scales.float()
+    w = _values(fmt, qweight) * s[..., :1] + s[..., 1:]
+    return w.reshape(qweight.shape[0], -1)
+
+
+def quantize(fmt: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(qweight, scales)`` of a float ``weight [N, K]`` (K a multiple of 32), each block
+    rounded to nearest over its own range: q4 spans ``[min, max]`` with 16 levels (``m`` the
+    minimum), q8 spans ``[-amax, amax]`` symmetrically (``m = 0``), as GGUF's ``Q4_1`` and
+    ``Q8_0`` do."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantized layout {fmt!r} (expected one of {sorted(FORMATS)})")
+    if weight.dim() != 2 or weight.shape[1] % BLOCK:
+        raise ValueError(f"can only quantize a 2-D weight whose width is a multiple of {BLOCK}, "
+                         f"got {list(weight.shape)}")
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    if fmt == "q8":
+        d = (w.abs().amax(-1, keepdim=True) / 127).half().float()
+        q = torch.where(d > 0, w / d.clamp_min(1e-30), 0).round().clamp(-128, 127)
+        scales = torch.cat([d, torch.zeros_like(d)], -1).half()
+        return q.to(torch.int8).contiguous(), scales.contiguous()
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    d, m = ((hi - lo) / 15).half().float(), lo.half().float()
+    q = torch.where(d > 0, (w - m) / d.clamp_min(1e-30), 0).round().clamp(0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    return packed.contiguous(), torch.cat([d, m], -1).half().contiguous()

@@ -1,0 +1,243 @@
+/* The quantized matmuls (sgl::linear_q4, sgl::linear_q8) on AVX2 + FMA + F16C, for every level:
+ * an AVX-512 CPU runs them too, as it runs any AVX2 code.
+ *
+ * y[M, N] = x[M, K] . W^T (+ bias), W in the q4 or q8 layout of sgl.kernels.quant: per block of
+ * 32 values along K, small integers q and float16 (d, m), W = d q + m. x is read as fp32 (a
+ * bfloat16 x is widened once, into scratch); the sums are float32, the result rounded once to
+ * x's dtype. Two paths, by the number of rows:
+ *
+ *   below Q_PANEL_ROWS: tiles of up to 8 rows x 1 column, each block widened to d q + m once
+ *                       (bytes to int32 to fp32, then one FMA per 8 values) for all the tile's
+ *                       rows; up to 4 rows keep 2 or 4 chains of sums per row, so that a
+ *                       block's FMAs do not wait on each other's latency.
+ *   Q_PANEL_ROWS up:    32 columns at a time widened into one panel of sgl_linear_f32's layout
+ *                       in the thread's scratch (8 x 8 transposes), then multiplied by the
+ *                       float32 matmul's 6 x 16 tiles.
+ *
+ * Columns (pairs, or panels of 32) are shared out over the pool's threads.
+ */
+#include "jobs.h"
+#include "kernels.h"
+
+#include <stdint.h>
+
+#if defined(__x86_64__)
+#include "vec_avx2.h"
+
+#define Q_PANEL_ROWS 12 /* from this many rows: widened panels and the float32 tiles */
+
+typedef struct {
+    const float *xf; /* x in fp32 */
+    const uint8_t *qw;
+    const uint16_t *sc;
+    void *y;
+    const float *bias;
+    int64_t ldx, ldy, M, N, KB;
+    int dtype, bits;
+} linear_quant_job;
+
+/* the 32 values of one block as 4 vectors of fp32, d q + m */
+AVX2_TARGET INLINE void dequant_block(const uint8_t *q, const uint16_t *s, const int bits,
+                                      __m256 w[4]) {
+    const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16((short)s[0]));
+    const __m256 m = _mm256_cvtph_ps(_mm_set1_epi16((short)s[1]));
+    __m256i v[4]; /* the integers of values 8i .. 8i + 7 */
+    if (bits == 4) { /* byte j: value j (low nibble) and value j + 16 (high nibble) */
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
+        const __m256i mask = _mm256_set1_epi32(0x0F);
+        v[0] = _mm256_and_si256(b0, mask);
+        v[1] = _mm256_and_si256(b1, mask);
+        v[2] = _mm256_srli_epi32(b0, 4);
+        v[3] = _mm256_srli_epi32(b1, 4);
+    } else {
+        #pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i)));
+    }
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[i]), d, m);
+}
+
+/* the nearest bfloat16 of v (ties to even; a NaN stays a NaN) */
+static inline uint16_t bf16_of(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits | 0x400000u) >> 16);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* y[r0 .. r0 + ROWS, n], the column's blocks widened once for all the rows; few rows keep
+   several chains of sums each (value group i in chain i % SPLIT), so that a block's FMAs do not
+   wait on each other's latency */
+AVX2_TARGET INLINE void quant_tile(const linear_quant_job *j, int64_t r0, int64_t n,
+                                   const int BITS, const int ROWS) {
+    const int split = ROWS <= 2 ? 4 : ROWS <= 4 ? 2 : 1;
+    __m256 acc[8][4];
+    const int64_t KB = j->KB, qb = BITS == 4 ? 16 : 32, ldx = j->ldx;
+    #pragma GCC unroll 8
+    for (int r = 0; r < ROWS; r++)
+        #pragma GCC unroll 4
+        for (int s = 0; s < split; s++) acc[r][s] = _mm256_setzero_ps();
+    const float *x = j->xf + r0 * ldx;
+    const uint8_t *q = j->qw + n * KB * qb;
+    const uint16_t *sc = j->sc + n * KB * 2;
+    for (int64_t kb = 0; kb < KB; kb++) {
+        __m256 w[4];
+        dequant_block(q + kb * qb, sc + kb * 2, BITS, w);
+        #pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++)
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++)
+                acc[r][i % split] = _mm256_fmadd_ps(
+                    w[i], _mm256_loadu_ps(x + r * ldx + kb * 32 + 8 * i), acc[r][i % split]);
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < ROWS; r++) {
+        __m256 total = acc[r][0];
+        #pragma GCC unroll 4
+        for (int s = 1; s < split; s++) total = _mm256_add_ps(total, acc[r][s]);
+        const float v = hsum8(total) + (j->bias ? j->bias[n] : 0.0f);
+        const int64_t at = (r0 + r) * j->ldy + n;
+        if (j->dtype) ((uint16_t *)j->y)[at] = bf16_of(v);
+        else ((float *)j->y)[at] = v;
+    }
+}
+
+/* Up to Q_PANEL_ROWS rows: each column in turn, in tiles of up to 8 rows (constant tile shapes
+   keep the sums in registers) */
+AVX2_TARGET static void linear_quant_pairs(void *ctx, int64_t p_begin, int64_t p_end) {
+    const linear_quant_job *j = ctx;
+    const int64_t n1 = 2 * p_end < j->N ? 2 * p_end : j->N;
+    for (int64_t n = 2 * p_begin; n < n1; n++) {
+        int64_t r = 0;
+        if (j->bits == 4) { /* a constant width: no branch per block */
+            for (; j->M - r >= 8; r += 8) quant_tile(j, r, n, 4, 8);
+        } else {
+            for (; j->M - r >= 8; r += 8) quant_tile(j, r, n, 8, 8);
+        }
+        const int64_t left = j->M - r;
+        if (j->bits == 4) {
+            switch (left) {
+            case 7: quant_tile(j, r, n, 4, 7); break;
+            case 6: quant_tile(j, r, n, 4, 6); break;
+            case 5: quant_tile(j, r, n, 4, 5); break;
+            case 4: quant_tile(j, r, n, 4, 4); break;
+            case 3: quant_tile(j, r, n, 4, 3); break;
+            case 2: quant_tile(j, r, n, 4, 2); break;
+            case 1: quant_tile(j, r, n, 4, 1); break;
+            default: break;
+            }
+        } else {
+            switch (left) {
+            case 7: quant_tile(j, r, n, 8, 7); break;
+            case 6: quant_tile(j, r, n, 8, 6); break;
+            case 5: quant_tile(j, r, n, 8, 5); break;
+            case 4: quant_tile(j, r, n, 8, 4); break;
+            case 3: quant_tile(j, r, n, 8, 3); break;
+            case 2: quant_tile(j, r, n, 8, 2); break;
+            case 1: quant_tile(j, r, n, 8, 1); break;
+            default: break;
+            }
+        }
+    }
+}
+
+/* dst[r * ld + c] = rows[c][off + r] for r, c < 8: an 8 x 8 transpose */
+AVX2_TARGET INLINE void transpose8_store(float rows[8][32], int64_t off, float *dst, int64_t ld) {
+    __m256 a[8], t[8];
+    #pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(rows[c] + off);
+    #pragma GCC unroll 4
+    for (int c = 0; c < 8; c += 2) {
+        t[c] = _mm256_unpacklo_ps(a[c], a[c + 1]);
+        t[c + 1] = _mm256_unpackhi_ps(a[c], a[c + 1]);
+    }
+    #pragma GCC unroll 2
+    for (int c = 0; c < 8; c += 4) {
+        a[c] = _mm256_shuffle_ps(t[c], t[c + 2], 0x44);
+        a[c + 1] = _mm256_shuffle_ps(t[c], t[c + 2], 0xEE);
+        a[c + 2] = _mm256_shuffle_ps(t[c + 1], t[c + 3], 0x44);
+        a[c + 3] = _mm256_shuffle_ps(t[c + 1], t[c + 3], 0xEE);
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) {
+        _mm256_storeu_ps(dst + r * ld, _mm256_permute2f128_ps(a[r], a[r + 4], 0x20));
+        _mm256_storeu_ps(dst + (r + 4) * ld, _mm256_permute2f128_ps(a[r], a[r + 4], 0x31));
+    }
+}
+
+/* Many rows: 32 columns at a time widened into one panel of sgl_linear_f32's layout ([K][32]) in
+   this thread's scratch, then multiplied by the float32 matmul's 6 x 16 tiles, which broadcast x
+   from L1 instead of reading a vector of x per product */
+AVX2_TARGET static void linear_quant_panels(void *ctx, int64_t np_begin, int64_t np_end) {
+    const linear_quant_job *j = ctx;
+    const int64_t K = j->KB * 32, qb = j->bits == 4 ? 16 : 32, M = j->M;
+    float *panel = sgl_scratch(0, (size_t)(K * 32 + (j->dtype ? M * 32 : 0)) * 4);
+    if (!panel) {
+        linear_quant_pairs(ctx, 16 * np_begin, 16 * np_end); /* no memory: the tiles */
+        return;
+    }
+    float *yt = panel + K * 32; /* the panel's fp32 results when y is bfloat16 */
+    for (int64_t np = np_begin; np < np_end; np++) {
+        const int64_t n0 = 32 * np, cols = j->N - n0 < 32 ? j->N - n0 : 32;
+        for (int64_t c0 = 0; c0 < 32; c0 += 8) /* 8 columns: each block widened, transposed */
+            for (int64_t kb = 0; kb < j->KB; kb++) {
+                float vals[8][32];
+                for (int64_t c = 0; c < 8; c++) {
+                    __m256 w[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                                   _mm256_setzero_ps()}; /* past the last column: zeros */
+                    const int64_t at = (n0 + c0 + c) * j->KB + kb;
+                    if (c0 + c < cols) {
+                        if (j->bits == 4) dequant_block(j->qw + at * qb, j->sc + at * 2, 4, w);
+                        else dequant_block(j->qw + at * qb, j->sc + at * 2, 8, w);
+                    }
+                    #pragma GCC unroll 4
+                    for (int i = 0; i < 4; i++) _mm256_storeu_ps(vals[c] + 8 * i, w[i]);
+                }
+                for (int i = 0; i < 4; i++)
+                    transpose8_store(vals, 8 * i, panel + (kb * 32 + 8 * i) * 32 + c0, 32);
+            }
+        const float *b = j->bias ? j->bias + n0 : NULL;
+        if (!j->dtype) {
+            sgl_f32_panel_avx2(j->xf, j->ldx, panel, (float *)j->y + n0, j->ldy, M, cols, K, b);
+            continue;
+        }
+        sgl_f32_panel_avx2(j->xf, j->ldx, panel, yt, 32, M, cols, K, b);
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t c = 0; c < cols; c++)
+                ((uint16_t *)j->y)[r * j->ldy + n0 + c] = bf16_of(yt[r * 32 + c]);
+    }
+}
+
+/* x [M, K] (row stride ldx; dtype 1: bfloat16, 0: float32), qw and sc the q4 (bits 4) or q8
+   (bits 8) weight [N, K/32, 16 or 32] and its float16 (d, m) [N, K/32, 2], y [M, N] (row stride
+   ldy, x's dtype), bias float32 [N] or NULL; K a multiple of 32. -1: no memory for x's fp32
+   copy; -2: bits is neither 4 nor 8. */
+AVX2_TARGET int sgl_linear_quant_avx2(const void *x, int64_t ldx, const uint8_t *qw,
+                                      const uint16_t *sc, void *y, int64_t ldy, int64_t M,
+                                      int64_t N, int64_t K, const float *bias, int dtype,
+                                      int bits) {
+    if (bits != 4 && bits != 8) return -2;
+    const float *xf = x;
+    if (dtype) { /* the fp32 copy of a bfloat16 x */
+        float *copy = scratch_f32(M * K);
+        if (!copy) return -1;
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t k = 0; k < K; k += 8)
+                _mm256_storeu_ps(copy + r * K + k, load8((const uint16_t *)x + r * ldx + k, 1));
+        xf = copy;
+        ldx = K;
+    }
+    linear_quant_job job = {xf, qw, sc, y, bias, ldx, ldy, M, N, K / 32, dtype, bits};
+    if (M >= Q_PANEL_ROWS) {
+        const int64_t panels = (N + 31) / 32;
+        sgl_parallel_for(linear_quant_panels, &job, panels, chunk_of(panels));
+    } else {
+        const int64_t pairs = (N + 1) / 2;
+        sgl_parallel_for(linear_quant_pairs, &job, pairs, chunk_of(pairs));
+    }
+    return 0;
+}
+
+#endif

