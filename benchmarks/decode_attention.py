@@ -14,24 +14,13 @@ second at that time.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
+from extend_attention import median_ms
 from sgl.kernels import cpu
 from sgl.kernels import ops
-
-
-def _median_ms(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def _ints(text: str) -> list[int]:
@@ -86,7 +75,7 @@ def main() -> int:
                     cpu.set_threads(threads)
                     out = torch.ops.sgl.decode_attention(*call)
                     torch.testing.assert_close(out.float(), expected, rtol=0.02, atol=0.02)
-                    ms = _median_ms(lambda: torch.ops.sgl.decode_attention(*call), args.reps)
+                    ms = median_ms(lambda: torch.ops.sgl.decode_attention(*call), args.reps)
                     cells.append(f"{ms:9.3f} ({nbytes / ms / 1e6:5.1f})")
                 cpu.set_threads(1)
                 print(f"{dtype_name:9} {batch:5} {context:8}  " + "   ".join(cells))

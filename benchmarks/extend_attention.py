@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from sgl.kernels import cpu
 
 
-def _median_ms(fn, reps: int) -> float:
+def median_ms(fn, reps: int) -> float:
+    """The median time of ``reps`` calls of ``fn`` after one warm-up call, ms."""
     fn()  # warm-up
     times = []
     for _ in range(reps):
@@ -75,9 +76,9 @@ def main() -> int:
         for threads in (1, 2):
             cpu.set_threads(threads)
             torch.testing.assert_close(kernel().float(), expected, rtol=0.02, atol=0.02)
-            times.append(_median_ms(kernel, args.reps))
+            times.append(median_ms(kernel, args.reps))
         cpu.set_threads(1)
-        times.append(_median_ms(sdpa, args.reps))
+        times.append(median_ms(sdpa, args.reps))
         print(f"{str(dtype).split('.')[1]:9} " + "  ".join(f"{t:12.1f}" for t in times))
     return 0
 
