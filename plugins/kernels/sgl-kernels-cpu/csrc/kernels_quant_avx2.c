@@ -68,7 +68,7 @@ static inline uint16_t bf16_of(float v) {
 }
 
 /* y[r0 .. r0 + ROWS, n], the column's blocks widened once for all the rows; few rows keep
-   several chains of sums each (value group i in chain i % SPLIT), so that a block's FMAs do not
+   several chains of sums each (value group i in chain i % split), so that a block's FMAs do not
    wait on each other's latency */
 AVX2_TARGET INLINE void quant_tile(const linear_quant_job *j, int64_t r0, int64_t n,
                                    const int BITS, const int ROWS) {
@@ -104,42 +104,29 @@ AVX2_TARGET INLINE void quant_tile(const linear_quant_job *j, int64_t r0, int64_
     }
 }
 
-/* Up to Q_PANEL_ROWS rows: each column in turn, in tiles of up to 8 rows (constant tile shapes
-   keep the sums in registers) */
+/* y[:, n] in tiles of up to 8 rows (constant tile shapes keep the sums in registers) */
+AVX2_TARGET INLINE void quant_column(const linear_quant_job *j, int64_t n, const int BITS) {
+    int64_t r = 0;
+    for (; j->M - r >= 8; r += 8) quant_tile(j, r, n, BITS, 8);
+    switch (j->M - r) {
+    case 7: quant_tile(j, r, n, BITS, 7); break;
+    case 6: quant_tile(j, r, n, BITS, 6); break;
+    case 5: quant_tile(j, r, n, BITS, 5); break;
+    case 4: quant_tile(j, r, n, BITS, 4); break;
+    case 3: quant_tile(j, r, n, BITS, 3); break;
+    case 2: quant_tile(j, r, n, BITS, 2); break;
+    case 1: quant_tile(j, r, n, BITS, 1); break;
+    default: break;
+    }
+}
+
+/* Below Q_PANEL_ROWS rows: the columns of pairs p_begin .. p_end, each in turn */
 AVX2_TARGET static void linear_quant_pairs(void *ctx, int64_t p_begin, int64_t p_end) {
     const linear_quant_job *j = ctx;
     const int64_t n1 = 2 * p_end < j->N ? 2 * p_end : j->N;
     for (int64_t n = 2 * p_begin; n < n1; n++) {
-        int64_t r = 0;
-        if (j->bits == 4) { /* a constant width: no branch per block */
-            for (; j->M - r >= 8; r += 8) quant_tile(j, r, n, 4, 8);
-        } else {
-            for (; j->M - r >= 8; r += 8) quant_tile(j, r, n, 8, 8);
-        }
-        const int64_t left = j->M - r;
-        if (j->bits == 4) {
-            switch (left) {
-            case 7: quant_tile(j, r, n, 4, 7); break;
-            case 6: quant_tile(j, r, n, 4, 6); break;
-            case 5: quant_tile(j, r, n, 4, 5); break;
-            case 4: quant_tile(j, r, n, 4, 4); break;
-            case 3: quant_tile(j, r, n, 4, 3); break;
-            case 2: quant_tile(j, r, n, 4, 2); break;
-            case 1: quant_tile(j, r, n, 4, 1); break;
-            default: break;
-            }
-        } else {
-            switch (left) {
-            case 7: quant_tile(j, r, n, 8, 7); break;
-            case 6: quant_tile(j, r, n, 8, 6); break;
-            case 5: quant_tile(j, r, n, 8, 5); break;
-            case 4: quant_tile(j, r, n, 8, 4); break;
-            case 3: quant_tile(j, r, n, 8, 3); break;
-            case 2: quant_tile(j, r, n, 8, 2); break;
-            case 1: quant_tile(j, r, n, 8, 1); break;
-            default: break;
-            }
-        }
+        if (j->bits == 4) quant_column(j, n, 4); /* a constant width: no branch per block */
+        else quant_column(j, n, 8);
     }
 }
 
