@@ -45,13 +45,17 @@ def main() -> int:
                         help="comma-separated: float32, bfloat16, q4, q8")
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
+    unknown = set(args.dtypes.split(",")) - {"float32", "bfloat16", *quant.FORMATS}
+    if unknown:
+        parser.error(f"--dtypes: unknown {', '.join(sorted(unknown))} (float32, bfloat16, "
+                     f"{', '.join(quant.FORMATS)})")
     kernels = cpu.load()
     if kernels is None:
         print(f"no kernel library at this level: {cpu.describe_isa()}", file=sys.stderr)
         return 1
     print(f"level {cpu.describe_isa()}; ms for {len(SHAPES)} matmuls")
     for name in args.dtypes.split(","):
-        weights, op = {}, None
+        weights = {}
         if name in quant.FORMATS:
             dtype = torch.float32
             quantized = {"q4": torch.ops.sgl.linear_q4, "q8": torch.ops.sgl.linear_q8}[name]
