@@ -69,6 +69,13 @@ class ServerSettings:
         "auto", "Data type of weights and activations; auto: on CPU bfloat16 where sgl's "
         "kernels run with AMX or AVX512-BF16 (faster decode), else float32; on accelerators "
         "the checkpoint's half type.")
+    quantization: Literal["auto", "none", "gguf", "int8", "int4"] = _opt(
+        "auto", "How the weights are held. auto: a GGUF file's Q4_0, Q4_1 and Q8_0 blocks as "
+        "they are (multiplied by sgl's quantized kernels; other GGUF types dequantized, with a "
+        "log line), a Hugging Face checkpoint dense. none: everything dequantized to --dtype. "
+        "int8 / int4: a Hugging Face checkpoint's linear weights rounded to 8-/4-bit blocks "
+        "of 32 at load (weight-only; the embedding and LM head to 8 bits). gguf: as auto, but "
+        "only for a GGUF file.")
     num_threads: int | None = _opt(
         None, "torch intra-op threads of the scheduler; default: 1 where sgl's CPU kernels run "
         "(they need it), else one less than the usable cores (the process's CPU affinity).",

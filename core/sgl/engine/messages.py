@@ -153,6 +153,8 @@ class SchedulerInfo:
     model_path: str = ""
     architecture: str = ""
     dtype: str = ""
+    quantization: str = "none"  # the mode in use (ModelRunner.quantization)
+    weights_bytes: int = 0  # the model's weights in memory (sgl.engine.model_runner.weights_bytes)
     num_threads: int = 0
     kernel_threads: int = 1
     cpu_isa: str = ""  # the CPU kernels' level and why (sgl.kernels.cpu.describe_isa)

@@ -8,7 +8,10 @@ from the registries that plugins filled), sizes the KV pool, and runs forward pa
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,8 +22,15 @@ from sgl.engine.memory import available_memory_bytes, kv_pool_tokens
 from sgl.kernels import cpu
 from sgl.kvcache.pool import KVPool, ReqToTokenPool
 from sgl.layers.attention import Attention
+from sgl.layers.quantized import deferred_weights
 from sgl.layers.tp import get_tp_group, tp_min
-from sgl.model_loader import ModelLoadError, load_hf_config, open_weights, resolve_model_path
+from sgl.model_loader import (
+    ModelLoadError,
+    is_gguf,
+    load_hf_config,
+    open_weights,
+    resolve_model_path,
+)
 from sgl.parallel.base import GroupFailure
 
 if TYPE_CHECKING:
@@ -32,8 +42,9 @@ if TYPE_CHECKING:
     from sgl.parallel.base import RunnerMirror
     from sgl.plugins import Registries
 
-__all__ = ["SUPPORTED_DTYPES", "ModelRunner", "auto_cpu_dtype", "resolve_architecture",
-           "resolve_dtype", "resolve_model_class"]
+__all__ = ["QUANTIZATION_CHOICES", "SUPPORTED_DTYPES", "ModelRunner", "auto_cpu_dtype",
+           "resolve_architecture", "resolve_dtype", "resolve_model_class",
+           "resolve_quantization", "weights_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +80,58 @@ def auto_cpu_dtype() -> tuple[torch.dtype, str]:
         return torch.bfloat16, f"bfloat16: the CPU kernels run at {level}, where it decodes faster"
     return torch.float32, (f"float32: the CPU kernels run at {level}, without bfloat16 "
                            "instructions")
+
+
+#: ``--quantization`` values: ``auto`` (a GGUF file's blocks as they are, a Hugging Face
+#: checkpoint dense), ``none`` (dense), ``gguf`` (GGUF only), ``int8``/``int4`` (a Hugging Face
+#: checkpoint's linear weights rounded to 8-/4-bit blocks at load)
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
+
+
+def resolve_quantization(name: str, path: Path, config: PretrainedConfig) -> str:
+    """The quantization mode (``none`` or one of
+    :data:`~sgl.layers.quantized.QUANTIZATION_MODES`) of ``--quantization name`` for the model
+    at ``path``; ValueError naming what fits when it does not apply."""
+    if name not in QUANTIZATION_CHOICES:
+        raise ValueError(f"unknown quantization {name!r}; supported: "
+                         f"{', '.join(QUANTIZATION_CHOICES)}")
+    gguf = is_gguf(path)
+    if gguf:
+        if name in ("int8", "int4"):
+            raise ValueError(f"--quantization {name} rounds a Hugging Face checkpoint's weights; "
+                             f"{path.name} is a GGUF file, served with its own blocks (auto) or "
+                             "dequantized (none)")
+        return "none" if name == "none" else "gguf"
+    if name == "gguf":
+        raise ValueError(f"--quantization gguf needs a .gguf file, not {path}")
+    method = (getattr(config, "quantization_config", None) or {})
+    method = method.get("quant_method") if isinstance(method, dict) else getattr(
+        method, "quant_method", None)
+    if method and name != "none":
+        raise ValueError(f"{path.name} is a {method} checkpoint; sgl cannot load {method} "
+                         "weights yet (GGUF files and --quantization int8/int4 on a dense "
+                         "checkpoint are what it runs quantized)")
+    return "none" if name == "auto" else name
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    """Memory of ``model``'s weights: its parameters and buffers (a tied weight once), plus the
+    copies the linear layers keep packed for the CPU kernels."""
+    storages: dict[int, int] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_meta:
+            continue
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    packed: dict[int, int] = {}
+    for module in model.modules():
+        copy = getattr(module, "packed", None)
+        tensor = getattr(copy, "tensor", None)
+        if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+            packed[id(tensor)] = tensor.untyped_storage().nbytes()
+        elif isinstance(tensor, torch.Tensor):  # an opaque oneDNN tensor
+            packed[id(tensor)] = tensor.numel() * tensor.element_size()
+    return sum(storages.values()) + sum(packed.values())
 
 
 def resolve_architecture(config: PretrainedConfig, registries: Registries,
@@ -132,6 +195,7 @@ class ModelRunner:
     :param model_path: Hugging Face folder or ``.gguf`` file; None for the bundled SmolLM2.
     :param dtype: ``"auto"`` (:func:`auto_cpu_dtype` on CPU), ``"float32"``, ``"bfloat16"`` or
         ``"float16"``.
+    :param quantization: one of :data:`QUANTIZATION_CHOICES` (:func:`resolve_quantization`).
     :param attention_backend: a name registered by an attention plugin (``"torch"``).
     :param registries: the plugin manager's registries (models, attention backends).
     :param plugin_manager: asked through ``sgl_resolve_model_arch`` when no registered class
@@ -146,7 +210,8 @@ class ModelRunner:
     """
 
     def __init__(self, *, model_path: str | None = None, dtype: str = "auto",
-                 attention_backend: str = "torch", registries: Registries,
+                 quantization: str = "auto", attention_backend: str = "torch",
+                 registries: Registries,
                  plugin_manager: Any = None, max_total_tokens: int | None = None,
                  mem_fraction: float = 0.5, max_running_requests: int = 64,
                  context_length: int | None = None, page_size: int = 1,
@@ -163,12 +228,20 @@ class ModelRunner:
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be at least 1, got {max_running_requests}")
 
+        self.quantization = resolve_quantization(quantization, self.model_path, self.hf_config)
         self.architecture = resolve_architecture(self.hf_config, registries, plugin_manager)
         model_cls = _import_model_class(self.architecture, registries)
         backend_cls = registries.attention.load(attention_backend)  # fail before loading weights
-        self.model: BaseCausalLM = model_cls(self.hf_config, dtype=self.dtype, device=self.device)
+        with contextlib.ExitStack() as stack:
+            if self.quantization != "none":
+                stack.enter_context(deferred_weights(self.quantization))
+            self.model: BaseCausalLM = model_cls(self.hf_config, dtype=self.dtype,
+                                                 device=self.device)
         self.model.eval()
         self._load_weights(show_progress)
+        self.weights_bytes = weights_bytes(self.model)
+        logger.info("weights: %.1f MiB (%s)", self.weights_bytes / 2**20,
+                    self._describe_weights())
 
         num_layers, kv_heads, head_dim = _kv_layout(self.model, self.hf_config)
         per_token = KVPool.bytes_per_token(num_layers=num_layers, num_kv_heads=kv_heads,
@@ -217,7 +290,8 @@ class ModelRunner:
     def _load_weights(self, show_progress: bool) -> None:
         from tqdm.auto import tqdm
 
-        source = open_weights(self.model_path, self.dtype)
+        source = open_weights(self.model_path, self.dtype,
+                              quantized=self.quantization == "gguf")
         stream = tqdm(source, total=len(source), desc="Loading weights", unit="tensor",
                       disable=not show_progress)
         self.model.load_weights((name, t.to(self.device)) for name, t in stream)
@@ -227,6 +301,13 @@ class ModelRunner:
             process = getattr(module, "process_weights_after_loading", None)
             if callable(process):
                 process()
+
+    def _describe_weights(self) -> str:
+        layouts = Counter(getattr(m, "weight_layout", None) or "dense"
+                          for m in self.model.modules() if hasattr(m, "weight_layout"))
+        held = ", ".join(f"{n} {kind}" for kind, n in sorted(layouts.items()))
+        return f"quantization {self.quantization}; layers: {held}" if held else \
+            f"quantization {self.quantization}"
 
     def _pool_size(self, max_total_tokens: int | None, mem_fraction: float, per_token: int,
                    cap: int) -> int:

@@ -116,7 +116,7 @@ def build_runner(settings: ServerSettings, pm: SglPluginManager) -> ModelRunner:
 
     return ModelRunner(
         model_path=settings.model_path, dtype=settings.dtype,
-        attention_backend=settings.attention_backend, registries=pm.registries,
+        quantization=settings.quantization, attention_backend=settings.attention_backend, registries=pm.registries,
         plugin_manager=pm, max_total_tokens=settings.max_total_tokens,
         mem_fraction=settings.mem_fraction_static,
         max_running_requests=settings.max_running_requests,
@@ -216,7 +216,8 @@ class Scheduler:
         r = self.runner
         return SchedulerInfo(
             ok=True, model_path=str(r.model_path), architecture=r.architecture,
-            dtype=str(r.dtype).removeprefix("torch."), num_threads=self.threads.torch_threads,
+            dtype=str(r.dtype).removeprefix("torch."), quantization=r.quantization,
+            weights_bytes=r.weights_bytes, num_threads=self.threads.torch_threads,
             kernel_threads=self.threads.kernel_threads, cpu_isa=cpu.describe_isa(),
             context_length=r.context_length, vocab_size=r.vocab_size,
             max_total_tokens=r.kv_pool.size, kv_pool_bytes=r.kv_pool_bytes,

@@ -1,4 +1,5 @@
-"""The quantized weight layouts of the kernel contract (``sgl::linear_q4``, ``sgl::linear_q8``).
+"""The quantized weight layouts of the kernel contract (``sgl::linear_q4``, ``sgl::linear_q8``,
+``sgl::embedding_q``).
 
 A quantized weight ``W [N, K]`` (K a multiple of 32) is cut along K into blocks of 32 values,
 and each block stores small integers ``q`` and two float16 numbers, a scale ``d`` and an
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK", "FORMATS", "dequantize", "quantize"]
+__all__ = ["BLOCK", "FORMATS", "check", "dequantize", "quantize"]
 
 #: values per block along K
 BLOCK = 32
@@ -31,7 +32,8 @@ BLOCK = 32
 FORMATS = {"q4": 16, "q8": 32}
 
 
-def _check(fmt: str, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+def check(fmt: str, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+    """ValueError unless ``qweight`` and ``scales`` are a weight in layout ``fmt``."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantized layout {fmt!r} (expected one of {sorted(FORMATS)})")
     dtype = torch.uint8 if fmt == "q4" else torch.int8
@@ -54,7 +56,7 @@ def _values(fmt: str, qweight: torch.Tensor) -> torch.Tensor:
 
 def dequantize(fmt: str, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The float32 ``W [N, K]`` of a quantized weight (``fmt``: ``"q4"`` or ``"q8"``)."""
-    _check(fmt, qweight, scales)
+    check(fmt, qweight, scales)
     s = scales.float()
     w = _values(fmt, qweight) * s[..., :1] + s[..., 1:]
     return w.reshape(qweight.shape[0], -1)

@@ -1,4 +1,8 @@
-"""Token embedding and LM head, split over tensor-parallel ranks along the vocabulary."""
+"""Token embedding and LM head, split over tensor-parallel ranks along the vocabulary.
+
+Built inside :func:`sgl.layers.quantized.deferred_weights`, both hold their table as it arrives
+(a GGUF file's ``Q8_0`` embedding stays ``Q8_0``): rows are then looked up with
+``sgl::embedding_q`` and the LM head multiplies with the quantized matmul."""
 
 from __future__ import annotations
 
@@ -6,9 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sgl.kernels import cpu
+from sgl.kernels import cpu, ops
 from sgl.kernels.library import PackedWeight
 from sgl.layers.packed_linear import linear, pack_weight
+from sgl.layers.quantized import (
+    EMBEDDING_LAYOUT,
+    QUANTIZE_MODES,
+    init_weight,
+    quantized_linear,
+    store_weight_rows,
+    zero_weight_rows,
+)
 from sgl.layers.tp import get_tp_group, tp_all_gather, tp_all_reduce
 
 __all__ = ["ParallelLMHead", "VocabParallelEmbedding"]
@@ -33,11 +45,9 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = -(-num_embeddings // self.tp.size)
         self.vocab_start = self.tp.rank * self.per_rank
         self.vocab_end = min(self.vocab_start + self.per_rank, num_embeddings)
-        self.weight = nn.Parameter(
-            torch.empty((self.per_rank, embedding_dim), dtype=dtype, device=device),
-            requires_grad=False,
-        )
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        init_weight(self, self.per_rank, embedding_dim, dtype, device, self.weight_loader)
+        #: LM heads tied to this table (they follow it when it is allocated on loading)
+        self.tied_heads: list[ParallelLMHead] = []
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
@@ -47,18 +57,29 @@ class VocabParallelEmbedding(nn.Module):
                 f"{tuple(loaded.shape)}"
             )
         rows = self.vocab_end - self.vocab_start
-        param.data[:rows].copy_(loaded[self.vocab_start:self.vocab_end])
-        param.data[rows:].zero_()
+        quantize_as = EMBEDDING_LAYOUT if self.weight_mode in QUANTIZE_MODES else None
+        store_weight_rows(self, 0, loaded.narrow(0, self.vocab_start, rows), "embedding",
+                          quantize_as=quantize_as)
+        zero_weight_rows(self, rows)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight_layout is None:
+            out = _cpu_embedding(ids, self.weight)
+            return F.embedding(ids, self.weight) if out is None else out
+        dtype = self.weight_dtype
+        if ids.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+            return torch.ops.sgl.embedding_q(self.weight, self.weight_scales, ids.reshape(-1),
+                                             dtype).view(*ids.shape, -1)
+        return ops.embedding_q(self.weight, self.weight_scales, ids.reshape(-1),
+                               dtype).view(*ids.shape, -1)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            out = _cpu_embedding(input_ids, self.weight)
-            if out is None:
-                out = F.embedding(input_ids, self.weight)
+            out = self._lookup(input_ids)
         else:
             outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
             local = torch.where(outside, 0, input_ids - self.vocab_start)
-            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0)
+            out = self._lookup(local).masked_fill(outside.unsqueeze(-1), 0)
             out = tp_all_reduce(out)
         return out if self.scale is None else out * self.scale
 
@@ -86,16 +107,23 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed: PackedWeight | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Pack the (possibly tied) weight for the CPU matmul (:mod:`sgl.layers.packed_linear`)."""
-        self.packed = pack_weight(self.weight)
+        """Pack the (possibly tied) weight for the CPU matmul (:mod:`sgl.layers.packed_linear`);
+        a quantized one is multiplied as it is."""
+        self.packed = None if self.weight_layout is not None else pack_weight(self.weight)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Use ``embedding``'s weight (tied input and output embeddings)."""
         self.weight = embedding.weight
+        self.weight_scales, self.weight_layout = embedding.weight_scales, embedding.weight_layout
+        embedding.tied_heads.append(self)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``[n, hidden] -> [n, vocab]`` float32 logits over the full vocabulary."""
-        logits = linear(hidden, self.weight, None, self.packed)
+        if self.weight_layout is not None:
+            logits = quantized_linear(hidden, self.weight_layout, self.weight,
+                                      self.weight_scales, None)
+        else:
+            logits = linear(hidden, self.weight, None, self.packed)
         logits = tp_all_gather(logits, dim=-1)[..., :self.num_embeddings].float()
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap

@@ -7,7 +7,8 @@ which of the original tensors arrives.
 
 After loading, the runner calls ``process_weights_after_loading()``, which prepares CPU weights
 for the kernels' matmuls (:mod:`sgl.layers.packed_linear`); a weight reloaded later needs that
-call again.
+call again. Built inside :func:`sgl.layers.quantized.deferred_weights`, a layer holds its weight
+as it arrives: quantized blocks stay quantized and are multiplied by the quantized kernels.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ import torch
 from torch import nn
 
 from sgl.kernels.library import PackedWeight
+from sgl.kernels.quant import BLOCK
 from sgl.layers.packed_linear import linear, pack_weight
+from sgl.layers.quantized import (
+    QUANTIZE_MODES,
+    QuantizedTensor,
+    init_weight,
+    quantized_linear,
+    store_weight_rows,
+)
 from sgl.layers.tp import divide, get_tp_group, tp_all_gather, tp_all_reduce
 
 __all__ = [
@@ -41,36 +50,64 @@ def _check_full(loaded: torch.Tensor, rows: int, cols: int | None, what: str) ->
         raise ValueError(f"{what}: expected shape {expected}, got {tuple(loaded.shape)}")
 
 
-def _in_features(param: torch.Tensor) -> int | None:
-    return None if param.dim() == 1 else param.shape[1]
-
-
 def _copy(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"{what}: expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
     param.copy_(loaded)
 
 
+Loaded = torch.Tensor | QuantizedTensor
+
+
 class _ParallelLinear(nn.Module):
     """A weight ``[out, in]`` and optional bias ``[out]`` (this rank's slices), each loaded
-    through the layer's ``weight_loader`` and packed for the CPU matmuls after loading."""
+    through the layer's ``weight_loader`` and packed for the CPU matmuls after loading. The
+    weight may be held quantized (:mod:`sgl.layers.quantized`): then ``weight_layout`` names
+    its layout and ``weight_scales`` holds its scales."""
 
     weight_loader: Callable[..., None]
+    weight_layout: str | None
+    weight_scales: torch.Tensor | None
 
     def _make_params(self, out_features: int, in_features: int, *, bias: bool,
                      dtype: torch.dtype | None, device: torch.device | str | None) -> None:
-        self.weight = _param((out_features, in_features), dtype, device)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        init_weight(self, out_features, in_features, dtype, device, self.weight_loader)
         if bias:
             self.bias: nn.Parameter | None = _param((out_features,), dtype, device)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
         self.packed: PackedWeight | None = None
+        self.bias32: torch.Tensor | None = None
+
+    def _in_features(self, param: torch.Tensor) -> int | None:
+        return None if param is self.bias else self.weight_shape[1]
+
+    def _store(self, param: torch.Tensor, offset: int, loaded: Loaded, what: str) -> None:
+        """Copy ``loaded`` into rows ``offset:`` of the weight, or of the bias if ``param``
+        is the bias."""
+        if param is self.bias:
+            _copy(param.data.narrow(0, offset, loaded.shape[0]), loaded, what)
+            return
+        store_weight_rows(self, offset, loaded, what,
+                          quantize_as=QUANTIZE_MODES.get(self.weight_mode or ""))
 
     def process_weights_after_loading(self) -> None:
-        """Pack the loaded weight for the CPU matmul (see :mod:`sgl.layers.packed_linear`)."""
-        self.packed = pack_weight(self.weight, self.bias)
+        """Pack the loaded weight for the CPU matmul (see :mod:`sgl.layers.packed_linear`);
+        a quantized weight needs no copy, only its bias in float32."""
+        if self.weight_layout is not None:
+            self.packed = None
+            self.bias32 = None if self.bias is None else self.bias.detach().float()
+        else:
+            self.packed = pack_weight(self.weight, self.bias)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_layout is not None:
+            bias32 = None if bias is None else (
+                self.bias32 if self.bias32 is not None else bias.float())
+            return quantized_linear(x, self.weight_layout, self.weight, self.weight_scales,
+                                    bias32)
+        return linear(x, self.weight, bias, self.packed)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -91,12 +128,12 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
-        _check_full(loaded, self.output_size, _in_features(param), "column-parallel linear")
-        size = param.shape[0]
-        _copy(param.data, loaded.narrow(0, self.tp.rank * size, size), "column-parallel linear")
+        _check_full(loaded, self.output_size, self._in_features(param), "column-parallel linear")
+        size = self.output_size_per_partition
+        self._store(param, 0, loaded.narrow(0, self.tp.rank * size, size), "column-parallel linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.bias, self.packed)
+        out = self._matmul(x, self.bias)
         return tp_all_gather(out, dim=-1) if self.gather_output else out
 
 
@@ -118,12 +155,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError(
                 f"shard_id must be one of {list(range(len(self.output_sizes)))}, got {shard_id!r}"
             )
-        _check_full(loaded, self.output_sizes[shard_id], _in_features(param),
+        _check_full(loaded, self.output_sizes[shard_id], self._in_features(param),
                     f"fused shard {shard_id}")
         size = self.output_sizes[shard_id] // self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size),
-              f"fused shard {shard_id}")
+        self._store(param, offset, loaded.narrow(0, self.tp.rank * size, size),
+                    f"fused shard {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -159,9 +196,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"shard_id must be one of 'q', 'k', 'v', got {shard_id!r}")
         heads = self.num_heads * self.tp.size if shard_id == "q" else (
             self.num_kv_heads * self.tp.size // self.kv_replicas)
-        _check_full(loaded, heads * self.head_dim, _in_features(param), f"{shard_id}_proj")
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size),
-              f"{shard_id}_proj")
+        _check_full(loaded, heads * self.head_dim, self._in_features(param), f"{shard_id}_proj")
+        self._store(param, offset, loaded.narrow(0, rank * size, size), f"{shard_id}_proj")
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[T, q + 2 kv] -> q [T, q], k [T, kv], v [T, kv]`` (views)."""
@@ -186,15 +222,19 @@ class RowParallelLinear(_ParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
-        if param.dim() == 1:  # bias: not split
+        if param is self.bias:  # not split
             _copy(param.data, loaded, "row-parallel bias")
             return
         _check_full(loaded, self.output_size, self.input_size, "row-parallel linear")
-        size = param.shape[1]
-        _copy(param.data, loaded.narrow(1, self.tp.rank * size, size), "row-parallel weight")
+        size = self.input_size_per_partition
+        start = self.tp.rank * size
+        if isinstance(loaded, QuantizedTensor) and (start % BLOCK or size % BLOCK):
+            loaded = loaded.dequantize(self.weight_dtype)  # this split cuts through blocks
+        part = loaded.narrow(1, start, size) if self.tp.size > 1 else loaded
+        self._store(param, 0, part, "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias, self.packed)
-        out = tp_all_reduce(linear(x, self.weight, None, self.packed))
+            return self._matmul(x, self.bias)
+        out = tp_all_reduce(self._matmul(x, None))
         return out + self.bias if self.bias is not None else out

@@ -1,14 +1,18 @@
-"""Weights of a GGUF file, dequantized tensor by tensor and renamed to Hugging Face names.
+"""Weights of a GGUF file, renamed to Hugging Face names: dequantized tensor by tensor, or,
+with ``quantized=True``, the blocks of the types in :data:`GGUF_QUANTIZED` repacked into a
+:class:`~sgl.layers.quantized.QuantizedTensor` (the others dequantized, and logged).
 
 llama.cpp stores tensor shapes innermost-first (reversed against torch) and, for the
 ``llama`` architecture, permutes the rows of ``attn_q``/``attn_k`` so that rotary pairs are
 interleaved; that permutation is undone here so the weights work with the usual rotate-half
-rotary embedding.
+rotary embedding (it moves whole rows, so quantized blocks move with them).
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,11 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from sgl.layers.quantized import QuantizedTensor
 from sgl.model_loader.errors import ModelLoadError
 from sgl.model_loader.source import WeightSource
 
 __all__ = ["GGUF_QUANTIZED", "GGUFWeights", "gguf_to_hf_name", "repack_gguf_blocks",
            "unpermute_rotary_rows"]
+
+logger = logging.getLogger(__name__)
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -112,10 +119,13 @@ def _field(reader: Any, key: str) -> Any:
 
 
 class GGUFWeights(WeightSource):
-    """Streams the tensors of a ``.gguf`` file via a memory-mapped ``gguf.GGUFReader``."""
+    """Streams the tensors of a ``.gguf`` file via a memory-mapped ``gguf.GGUFReader``;
+    ``quantized``: 2-D tensors of the types in :data:`GGUF_QUANTIZED` come as
+    :class:`~sgl.layers.quantized.QuantizedTensor`."""
 
-    def __init__(self, path: Path, dtype: torch.dtype) -> None:
+    def __init__(self, path: Path, dtype: torch.dtype, *, quantized: bool = False) -> None:
         super().__init__(path, dtype)
+        self.quantized = quantized
         import gguf
 
         try:
@@ -138,8 +148,33 @@ class GGUFWeights(WeightSource):
                 f"{', '.join(sorted(_GLOBAL_NAMES) + sorted('blk.N.' + k for k in _LAYER_NAMES))}"
             )
 
+        if quantized:
+            self._log_dequantized()
+
     def __len__(self) -> int:
         return len(self.tensors)
+
+    def _keeps_blocks(self, tensor: Any) -> bool:
+        return (self.quantized and tensor.tensor_type.name in GGUF_QUANTIZED
+                and len(tensor.shape) == 2)
+
+    def _log_dequantized(self) -> None:
+        """Say which block types will be dequantized although quantized serving was asked for."""
+        dense = Counter(t.tensor_type.name for t in self.tensors
+                        if not self._keeps_blocks(t) and len(t.shape) == 2
+                        and t.tensor_type.name not in ("F32", "F16", "BF16"))
+        if dense:
+            logger.warning(
+                "%s: %s dequantized to %s at load (sgl runs %s blocks quantized, not these)",
+                self.path.name, ", ".join(f"{n} {kind} tensor(s)" for kind, n in sorted(
+                    dense.items())), str(self.dtype).removeprefix("torch."),
+                "/".join(GGUF_QUANTIZED))
+
+    @property
+    def layouts(self) -> Counter[str]:
+        """How many tensors come in each form: ``q4``, ``q8`` or ``dense``."""
+        return Counter(GGUF_QUANTIZED[t.tensor_type.name] if self._keeps_blocks(t) else "dense"
+                       for t in self.tensors)
 
     def _rotary_heads(self, hf_name: str) -> int | None:
         if self.arch not in _PERMUTED_ARCHS:
@@ -150,13 +185,22 @@ class GGUFWeights(WeightSource):
             return int(self.num_kv_heads)
         return None
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         from gguf.quants import dequantize
 
         for tensor in self.tensors:
             hf_name = gguf_to_hf_name(tensor.name)
             if hf_name is None:  # checked in __init__
                 raise ModelLoadError(f"unmapped GGUF tensor {tensor.name!r}")
+            heads = self._rotary_heads(hf_name)
+            if self._keeps_blocks(tensor):
+                cols, rows = (int(d) for d in tensor.shape.tolist())
+                blocks = QuantizedTensor(*repack_gguf_blocks(tensor.tensor_type.name,
+                                                             tensor.data, rows, cols))
+                if heads is not None:
+                    blocks = blocks.map_rows(lambda t, h=heads: unpermute_rotary_rows(t, h))
+                yield hf_name, blocks
+                continue
             try:
                 array = dequantize(tensor.data, tensor.tensor_type)
             except NotImplementedError as exc:
@@ -166,7 +210,6 @@ class GGUFWeights(WeightSource):
                 ) from exc
             shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
             weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)
-            heads = self._rotary_heads(hf_name)
             if heads is not None:
                 weight = unpermute_rotary_rows(weight, heads)
             yield hf_name, self._cast(weight)

@@ -16,16 +16,19 @@ from sgl.model_loader.torch_bin_weights import TorchBinWeights, torch_bin_files
 __all__ = ["iter_weights", "open_weights"]
 
 
-def open_weights(path: str | Path | None, dtype: torch.dtype = torch.float32) -> WeightSource:
+def open_weights(path: str | Path | None, dtype: torch.dtype = torch.float32, *,
+                 quantized: bool = False) -> WeightSource:
     """A sized stream of ``(hf_name, tensor)`` for a model folder or ``.gguf`` file.
 
     :param path: as for :func:`~sgl.model_loader.resolve_model_path` (None: the bundled model).
     :param dtype: floating-point tensors are cast to this dtype.
+    :param quantized: a GGUF file's quantized blocks come as they are
+        (:class:`~sgl.layers.quantized.QuantizedTensor`) where sgl runs them.
     :raises ModelLoadError: missing path, no weights, corrupt file.
     """
     resolved = resolve_model_path(path)
     if is_gguf(resolved):
-        return GGUFWeights(resolved, dtype)
+        return GGUFWeights(resolved, dtype, quantized=quantized)
     if not any(resolved.glob("*.safetensors")) and torch_bin_files(resolved):
         return TorchBinWeights(resolved, dtype)
     return SafetensorsWeights(resolved, dtype)

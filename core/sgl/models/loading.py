@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from sgl.layers import FusedMoE, MergedColumnParallelLinear, QKVParallelLinear
+from sgl.layers.quantized import QuantizedTensor
 from sgl.model_loader.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ class MappedWeight(NamedTuple):
     source: str  # the checkpoint's name, for error messages
     target: str  # the parameter's name in the model
     shard: int | str | None
-    tensor: torch.Tensor
+    tensor: torch.Tensor | QuantizedTensor
     expert: int | None = None
 
 
@@ -96,6 +97,8 @@ def load_mapped_weights(model: nn.Module, mapped: Iterable[MappedWeight]) -> Non
             raise ModelLoadError(f"checkpoint tensor {source!r} has no matching parameter "
                                  f"({target!r}) in {type(model).__name__}")
         loader = getattr(param, "weight_loader", None)
+        if isinstance(tensor, QuantizedTensor) and not getattr(param, "takes_quantized", False):
+            tensor = tensor.dequantize(param.dtype)  # a parameter held only dense
         with torch.no_grad():
             try:
                 if expert is not None:

@@ -110,8 +110,9 @@ def run_server(settings: ServerSettings, pm: SglPluginManager) -> int:
                 "kernels %s, attention %s", info.architecture, info.model_path, info.dtype,
                 info.num_threads, info.kernel_threads, info.cpu_isa or "not used",
                 info.attention_backend)
-    logger.info("KV pool: %d tokens (%.0f MiB), context length %d", info.max_total_tokens, mib,
-                info.context_length)
+    logger.info("weights: %.1f MiB (quantization %s); KV pool: %d tokens (%.0f MiB), context "
+                "length %d", info.weights_bytes / 2**20, info.quantization,
+                info.max_total_tokens, mib, info.context_length)
 
     tm = TokenizerManager(tokenizer, handle.endpoints, info, settings,
                           grammar=GrammarChecker.for_server(pm, info.grammar_backend),

@@ -40,6 +40,7 @@ from sgl.forward_batch import ForwardMode
 from sgl.kernels.cpu import argmax_rows
 from sgl.kvcache.pool import KVPool, ReqToTokenPool
 from sgl.layers import ParallelLMHead
+from sgl.layers.quantized import dense_rows
 from sgl.model_loader import ModelLoadError, load_hf_config, open_weights
 from sgl.speculative import (
     BaseSpeculativeAlgorithm,
@@ -251,10 +252,10 @@ class EagleDrafter(BaseSpeculativeAlgorithm):
                                  f"in [0, {vocab}) as a 1-D tensor, got {tuple(ids.shape)} "
                                  f"{ids.dtype}")
         full = runner.model.get_output_embeddings()
-        head = ParallelLMHead(ids.numel(), full.weight.shape[1], dtype=full.weight.dtype,
+        head = ParallelLMHead(ids.numel(), full.embedding_dim, dtype=full.weight_dtype,
                               device=full.weight.device, logit_softcap=full.logit_softcap)
-        with torch.no_grad():
-            head.weight.copy_(full.weight[ids.to(full.weight.device)])
+        with torch.no_grad():  # a quantized LM head's rows are dequantized
+            head.weight.copy_(dense_rows(full, ids.to(full.weight.device)))
         head.process_weights_after_loading()
         logger.info("EAGLE drafts from a hot vocabulary of %d tokens (%s)", ids.numel(), path)
         return ids.to(torch.int64).to(runner.device), head

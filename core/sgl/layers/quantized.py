@@ -1,0 +1,251 @@
+"""Block-quantized weights in the layers: held in the layouts of :mod:`sgl.kernels.quant` and
+multiplied by ``sgl::linear_q4`` / ``sgl::linear_q8`` without a dense copy.
+
+A model built inside :func:`deferred_weights` gives its linear layers, token embedding and LM
+head a weight on the ``meta`` device: nothing is allocated until the first tensor for it
+arrives. That tensor decides how the weight is held:
+
+* a :class:`QuantizedTensor` (a GGUF file's ``Q4_0``/``Q4_1``/``Q8_0`` blocks, repacked by the
+  loader) is kept in its layout, ``q4`` or ``q8``;
+* a dense tensor is kept dense, except under ``int8``/``int4`` (:data:`QUANTIZE_MODES`), where a
+  linear layer rounds it to ``q8``/``q4`` blocks as it arrives and an embedding to ``q8``.
+
+Fused layers take their shards one by one and the shards may differ: a ``q4`` weight that
+receives a ``q8`` shard becomes ``q8`` (every 4-bit value is an 8-bit value: nothing changes),
+and a quantized weight that receives a dense shard in the ``gguf`` mode becomes dense (the
+blocks dequantized). A weight's module keeps ``weight`` (the dense tensor, or the blocks'
+integers), ``weight_scales`` (a float16 buffer, None when dense) and ``weight_layout``
+(``"q4"``, ``"q8"`` or None).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from sgl.kernels import ops, quant
+
+__all__ = ["QUANTIZATION_MODES", "QUANTIZE_MODES", "QuantizedTensor", "deferred_weights",
+           "deferred_mode", "dense_rows", "quantized_linear", "store_weight_rows"]
+
+#: ``gguf``: weights kept as they arrive (quantized blocks stay quantized); ``int8``/``int4``:
+#: dense linear weights are rounded to 8-/4-bit blocks at load
+QUANTIZATION_MODES = ("gguf", "int8", "int4")
+#: the modes that quantize dense weights, and the layout of linear layers under each
+QUANTIZE_MODES = {"int8": "q8", "int4": "q4"}
+#: the layout of a quantized token embedding (and a tied LM head) under any quantizing mode
+EMBEDDING_LAYOUT = "q8"
+
+
+class QuantizedTensor:
+    """A weight ``[N, K]`` as blocks of 32 values along K: ``qweight`` and ``scales`` in the
+    layout ``layout`` (``"q4"`` or ``"q8"``) of :mod:`sgl.kernels.quant`."""
+
+    __slots__ = ("layout", "qweight", "scales")
+
+    def __init__(self, layout: str, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+        quant.check(layout, qweight, scales)
+        self.layout = layout
+        self.qweight = qweight
+        self.scales = scales
+
+    @classmethod
+    def quantize(cls, layout: str, weight: torch.Tensor) -> QuantizedTensor:
+        """Round a dense ``weight [N, K]`` to blocks (see :func:`sgl.kernels.quant.quantize`)."""
+        return cls(layout, *quant.quantize(layout, weight))
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.qweight.shape[0], self.qweight.shape[1] * quant.BLOCK))
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.scales.nbytes
+
+    def dim(self) -> int:
+        return 2
+
+    def __repr__(self) -> str:
+        return f"QuantizedTensor({self.layout}, {list(self.shape)})"
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedTensor:
+        """The same blocks with ``fn`` applied along the rows of both tensors (a slice, a
+        permutation: anything that moves rows as a whole)."""
+        return QuantizedTensor(self.layout, fn(self.qweight), fn(self.scales))
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
+        """Rows (``dim`` 0), or whole blocks of columns (``dim`` 1: ``start`` and ``length``
+        multiples of 32), as views."""
+        if dim == 0:
+            return self.map_rows(lambda t: t.narrow(0, start, length))
+        if dim != 1:
+            raise ValueError(f"a quantized weight has 2 dimensions, not {dim + 1}")
+        if start % quant.BLOCK or length % quant.BLOCK:
+            raise ValueError(f"columns {start}..{start + length} cut through blocks of "
+                             f"{quant.BLOCK} values")
+        b0, nb = start // quant.BLOCK, length // quant.BLOCK
+        return QuantizedTensor(self.layout, self.qweight.narrow(1, b0, nb),
+                               self.scales.narrow(1, b0, nb))
+
+    def to(self, device: torch.device | str) -> QuantizedTensor:
+        return self.map_rows(lambda t: t.to(device))
+
+    def with_layout(self, layout: str) -> QuantizedTensor:
+        """The same values in ``layout``: ``q4`` -> ``q8`` is exact (the nibbles become int8);
+        anything else is only the identity."""
+        if layout == self.layout:
+            return self
+        if (self.layout, layout) != ("q4", "q8"):
+            raise ValueError(f"cannot hold {self.layout} blocks as {layout} without rounding")
+        q = self.qweight
+        values = torch.cat([q & 0x0F, q >> 4], dim=-1).to(torch.int8)
+        return QuantizedTensor("q8", values, self.scales)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return quant.dequantize(self.layout, self.qweight.contiguous(),
+                                self.scales.contiguous()).to(dtype)
+
+
+# -- building a model whose weights are decided by what arrives --------------------------------
+
+_deferred: str | None = None
+
+
+@contextlib.contextmanager
+def deferred_weights(mode: str) -> Iterator[None]:
+    """Build models inside this to let their weights be held as they arrive (see the module
+    docstring); ``mode`` is one of :data:`QUANTIZATION_MODES`."""
+    global _deferred
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"unknown quantization mode {mode!r} "
+                         f"(expected one of {', '.join(QUANTIZATION_MODES)})")
+    previous, _deferred = _deferred, mode
+    try:
+        yield
+    finally:
+        _deferred = previous
+
+
+def deferred_mode() -> str | None:
+    """The mode of the enclosing :func:`deferred_weights`, or None outside one."""
+    return _deferred
+
+
+def _blocks(layout: str, rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor,
+                                                                              torch.Tensor]:
+    dtype = torch.uint8 if layout == "q4" else torch.int8
+    nb = cols // quant.BLOCK
+    return (torch.empty((rows, nb, quant.FORMATS[layout]), dtype=dtype, device=device),
+            torch.empty((rows, nb, 2), dtype=torch.float16, device=device))
+
+
+def _hold(module: nn.Module, layout: str | None, weight: torch.Tensor,
+          scales: torch.Tensor | None) -> None:
+    module.weight = nn.Parameter(weight, requires_grad=False)
+    module.weight.weight_loader = module.weight_loader  # type: ignore[attr-defined]
+    module.weight.takes_quantized = True  # type: ignore[attr-defined]
+    module.weight_scales = scales  # a registered buffer (None when dense)
+    module.weight_layout = layout
+    for head in getattr(module, "tied_heads", ()):  # an LM head sharing this embedding
+        head.weight, head.weight_scales, head.weight_layout = (
+            module.weight, module.weight_scales, layout)
+
+
+def _current(module: nn.Module) -> QuantizedTensor | torch.Tensor:
+    if module.weight_layout is None:
+        return module.weight.data
+    return QuantizedTensor(module.weight_layout, module.weight.data, module.weight_scales)
+
+
+def store_weight_rows(module: nn.Module, offset: int, loaded: torch.Tensor | QuantizedTensor,
+                      what: str, *, quantize_as: str | None) -> None:
+    """Copy ``loaded`` (``[rows, K]``, dense or quantized) into rows ``offset:offset + rows``
+    of ``module.weight`` (``[N, K]``), allocating or converting the weight first as the module
+    docstring says. ``quantize_as``: the layout a dense ``loaded`` is rounded to (None: kept
+    dense)."""
+    weight = module.weight
+    rows, cols = module.weight_shape
+    if tuple(loaded.shape) != (loaded.shape[0], cols) or offset + loaded.shape[0] > rows:
+        raise ValueError(f"{what}: expected {cols} columns and at most {rows - offset} rows, "
+                         f"got shape {tuple(loaded.shape)}")
+    if not isinstance(loaded, QuantizedTensor) and quantize_as is not None \
+            and cols % quant.BLOCK == 0:
+        loaded = QuantizedTensor.quantize(quantize_as, loaded)
+    layout = loaded.layout if isinstance(loaded, QuantizedTensor) else None
+    if weight.is_meta:  # the first tensor for this weight decides how it is held
+        if layout is None:
+            _hold(module, None, torch.empty((rows, cols), dtype=module.weight_dtype,
+                                            device=module.weight_device), None)
+        else:
+            _hold(module, layout, *_blocks(layout, rows, cols, module.weight_device))
+    elif module.weight_layout != layout:
+        held = _current(module)
+        if module.weight_layout is None:  # dense stays dense
+            loaded = loaded.dequantize(module.weight_dtype)
+        elif layout is None:  # a dense shard: the whole weight becomes dense
+            _hold(module, None, held.dequantize(module.weight_dtype), None)
+        elif layout == "q8":  # q4 held, q8 arrives
+            widened = held.with_layout("q8")
+            _hold(module, "q8", widened.qweight.contiguous(), widened.scales)
+        else:  # q8 held, q4 arrives
+            loaded = loaded.with_layout("q8")
+    with torch.no_grad():
+        if module.weight_layout is None:
+            module.weight.data.narrow(0, offset, loaded.shape[0]).copy_(loaded)
+        else:
+            module.weight.data.narrow(0, offset, loaded.shape[0]).copy_(loaded.qweight)
+            module.weight_scales.narrow(0, offset, loaded.shape[0]).copy_(loaded.scales)
+
+
+def zero_weight_rows(module: nn.Module, start: int) -> None:
+    """Zero rows ``start:`` of a held weight (padding rows: zero scales dequantize to 0)."""
+    with torch.no_grad():
+        module.weight.data[start:].zero_()
+        if module.weight_scales is not None:
+            module.weight_scales[start:].zero_()
+
+
+def init_weight(module: nn.Module, rows: int, cols: int, dtype: torch.dtype | None,
+                device: torch.device | str | None, loader: Callable[..., None]) -> None:
+    """Give ``module`` its ``weight [rows, cols]``: allocated now, or on the ``meta`` device
+    inside :func:`deferred_weights` (held as the first loaded tensor says)."""
+    module.weight_shape = (rows, cols)
+    module.weight_dtype = dtype or torch.get_default_dtype()
+    module.weight_device = torch.device(device) if device is not None else torch.device("cpu")
+    module.weight_mode = deferred_mode()
+    place = "meta" if module.weight_mode is not None else device
+    module.weight = nn.Parameter(torch.empty((rows, cols), dtype=dtype, device=place),
+                                 requires_grad=False)
+    module.weight.weight_loader = loader  # type: ignore[attr-defined]
+    module.weight.takes_quantized = True  # type: ignore[attr-defined]
+    module.register_buffer("weight_scales", None)
+    module.weight_layout = None
+
+
+def dense_rows(module: nn.Module, index: torch.Tensor | None = None) -> torch.Tensor:
+    """``module.weight`` (rows ``index`` of it) as a dense tensor of the module's dtype."""
+    weight = module.weight if index is None else module.weight[index]
+    if module.weight_layout is None:
+        return weight
+    scales = module.weight_scales if index is None else module.weight_scales[index]
+    return QuantizedTensor(module.weight_layout, weight, scales).dequantize(module.weight_dtype)
+
+
+def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
+                     scales: torch.Tensor, bias32: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T + bias`` for ``x [..., K]`` and a quantized ``W``: the kernel operator for
+    float32 and bfloat16 ``x`` on CPU, the reference (dequantize, then multiply) otherwise."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    x2 = x.reshape(rows, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        op: Any = torch.ops.sgl.linear_q4 if layout == "q4" else torch.ops.sgl.linear_q8
+    else:
+        op = ops.linear_q4 if layout == "q4" else ops.linear_q8
+    out = op(x2, qweight, scales, bias32)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
