@@ -46,6 +46,8 @@ SCHEMAS = {
     "rotary": "rotary(Tensor x, int heads, int head_dim, int rotary_dim, Tensor cos_sin, "
               "Tensor? positions) -> Tensor",
     "embedding": "embedding(Tensor weight, Tensor ids) -> Tensor",
+    "embedding_q": "embedding_q(Tensor qweight, Tensor scales, Tensor ids, ScalarType dtype) "
+                   "-> Tensor",
     "argmax": "argmax(Tensor logits) -> Tensor",
     "decode_attention": "decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, "
                         "Tensor(b!) v_pool, Tensor table, Tensor rows, Tensor lens, Tensor loc, "
@@ -187,6 +189,36 @@ def embedding(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids, weight)
 
 
+def embedding_q(qweight: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` (int64 ``[T]``) of a quantized table ``W [N, K]`` (:mod:`sgl.kernels.quant`,
+    the layout told by ``qweight``: uint8 ``[N, K/32, 16]`` is q4, int8 ``[N, K/32, 32]`` q8) as
+    ``[T, K]`` in ``dtype``: each value ``d q + m`` in float32, rounded to ``dtype`` once. Only
+    the selected rows are dequantized. ValueError naming the argument that is not of this form;
+    IndexError for an id outside ``[0, N)``. (Kernels may take float32 and bfloat16 alone, as the
+    CPU plugin's does; this takes any floating-point ``dtype``.)"""
+    if qweight.dim() == 3 and (qweight.dtype, qweight.shape[2]) == (torch.uint8, 16):
+        fmt = "q4"
+    elif qweight.dim() == 3 and (qweight.dtype, qweight.shape[2]) == (torch.int8, 32):
+        fmt = "q8"
+    else:
+        raise ValueError(f"embedding_q: qweight must be uint8 [N, K/32, 16] (q4) or int8 "
+                         f"[N, K/32, 32] (q8), got {qweight.dtype} {list(qweight.shape)}")
+    n, blocks = qweight.shape[:2]
+    if scales.dtype != torch.float16 or list(scales.shape) != [n, blocks, 2]:
+        raise ValueError(f"embedding_q: scales must be float16 [N, K/32, 2] = [{n}, {blocks}, 2], "
+                         f"got {scales.dtype} {list(scales.shape)}")
+    if ids.dtype != torch.int64 or ids.dim() != 1:
+        raise ValueError(f"embedding_q: ids must be a 1-D int64 tensor, got {ids.dtype} "
+                         f"{list(ids.shape)}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"embedding_q: dtype must be a floating-point dtype, got {dtype}")
+    if ids.numel() and ids.device.type != "meta" and bool((ids < 0).any() | (ids >= n).any()):
+        raise IndexError(f"embedding_q: token id outside the embedding table of {n} rows")
+    rows = quant.dequantize(fmt, qweight.index_select(0, ids), scales.index_select(0, ids))
+    return rows.to(dtype)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """The first index of each row's maximum of float32 ``logits [B, V]`` (int64 ``[B]``)."""
     return logits.argmax(-1)
@@ -280,7 +312,8 @@ REFERENCES: dict[str, Callable[..., Any]] = {
     "linear_bf16": linear_bf16, "linear_f32": linear_f32, "linear_q4": linear_q4,
     "linear_q8": linear_q8, "rmsnorm": rmsnorm,
     "add_rmsnorm": add_rmsnorm, "rmsnorm_heads": rmsnorm_heads, "silu_mul": silu_mul,
-    "rotary": rotary, "embedding": embedding, "argmax": argmax,
+    "rotary": rotary, "embedding": embedding, "embedding_q": embedding_q,
+    "argmax": argmax,
     "decode_attention": decode_attention, "extend_attention": extend_attention,
 }
 

@@ -98,6 +98,9 @@ def _op_inputs(dtype: torch.dtype) -> dict[str, tuple]:
     args["extend_attention"] = _extend_args(dtype, hq, hk, d, softcap=0.0, window=0)
     for fmt in quant.FORMATS:  # x of either dtype
         args[f"linear_{fmt}"] = (x, *quant.quantize(fmt, torch.randn(70, h)), torch.randn(70))
+    table_fmt = "q4" if dtype == torch.float32 else "q8"  # one layout per output dtype
+    args["embedding_q"] = (*quant.quantize(table_fmt, torch.randn(50, h)),
+                           torch.tensor([0, 49, 3, 3]), dtype)
     if dtype == torch.float32:
         args["argmax"] = (torch.randn(4, 1000),)
         args["linear_f32"] = (x, ops.pack_f32_weight(torch.randn(70, h)), 70, torch.randn(70))
@@ -313,11 +316,11 @@ AVX512_ONLY = re.compile(r"%zmm|%k[0-7]\b|%[xy]mm(1[6-9]|2[0-9]|3[01])\b|\{1to|v
 
 
 def test_the_avx2_level_holds_no_avx512_instruction(tmp_path) -> None:
-    """The kernels of the avx2 level (kernels_avx2.c) and the code every level runs (the pool,
-    the dispatch of calls) must run on a CPU without AVX-512: compiled as setup.py compiles
-    them, their object code holds no AVX-512 register or instruction. (The suite runs them on
-    this CPU, which has AVX-512 and so would not fault; this checks what an AVX2-only CPU would
-    be given.)"""
+    """The kernels of the avx2 level (kernels_avx2.c) and the code every level runs (the
+    quantized kernels, the pool, the dispatch of calls) must run on a CPU without AVX-512:
+    compiled as setup.py compiles them, their object code holds no AVX-512 register or
+    instruction. (The suite runs them on this CPU, which has AVX-512 and so would not fault;
+    this checks what an AVX2-only CPU would be given.)"""
     import ast
     import shutil
 
@@ -330,12 +333,13 @@ def test_the_avx2_level_holds_no_avx512_instruction(tmp_path) -> None:
     flags = next(ast.literal_eval(node.value) for node in ast.walk(setup_py)
                  if isinstance(node, ast.Assign)
                  and any(getattr(t, "id", "") == "C_FLAGS" for t in node.targets))
-    for source in ("kernels_avx2.c", "pool.c", "run_op.c"):
+    for source in ("kernels_avx2.c", "kernels_quant_avx2.c", "pool.c", "run_op.c"):
         obj = tmp_path / f"{source}.o"
         subprocess.run([tools["gcc"], *flags, "-I", str(plugin / "csrc"), "-c",
                         str(plugin / "csrc" / source), "-o", str(obj)], check=True)
         code = subprocess.run([tools["objdump"], "-d", str(obj)], check=True,
                               capture_output=True, text=True).stdout
-        assert "vfmadd" in code or source != "kernels_avx2.c"  # the disassembly is real code
+        if source.startswith("kernels"):  # the disassembly is real code
+            assert "vfmadd" in code
         found = sorted({m.group(0) for m in AVX512_ONLY.finditer(code)})
         assert not found, f"{source} holds AVX-512 code: {found}"

@@ -33,8 +33,9 @@ enum {
     SGL_OP_DECODE_ATTENTION_AVX2 = 16,
     SGL_OP_ARGMAX_F32_AVX2 = 17,
     SGL_OP_EXTEND_ATTENTION_AVX2 = 18,
-    /* the quantized matmuls (kernels_quant_avx2.c), at every level */
+    /* the quantized matmuls and embedding lookup (kernels_quant_avx2.c), at every level */
     SGL_OP_LINEAR_QUANT_AVX2 = 19,
+    SGL_OP_EMBEDDING_QUANT = 20,
 };
 
 #define SGL_OP_ARGS 26

@@ -1,5 +1,5 @@
-/* The quantized matmuls (sgl::linear_q4, sgl::linear_q8) on AVX2 + FMA + F16C, for every level:
- * an AVX-512 CPU runs them too, as it runs any AVX2 code.
+/* The quantized matmuls (sgl::linear_q4, sgl::linear_q8) and embedding lookup (sgl::embedding_q)
+ * on AVX2 + FMA + F16C, for every level: an AVX-512 CPU runs them too, as it runs any AVX2 code.
  *
  * y[M, N] = x[M, K] . W^T (+ bias), W in the q4 or q8 layout of sgl.kernels.quant: per block of
  * 32 values along K, small integers q and float16 (d, m), W = d q + m. x is read as fp32 (a
@@ -15,6 +15,11 @@
  *                       float32 matmul's 6 x 16 tiles.
  *
  * Columns (pairs, or panels of 32) are shared out over the pool's threads.
+ *
+ * The lookup of token embeddings in a quantized table (sgl::embedding_q) is here too: each row
+ * widened block by block as the matmuls widen them, d q + m in float32 (exact: fp16 d times a
+ * small integer needs at most 19 bits, so the FMA rounds once, as the reference's add does), and
+ * stored as float32 or rounded to bfloat16.
  */
 #include "jobs.h"
 #include "kernels.h"
@@ -224,6 +229,59 @@ AVX2_TARGET int sgl_linear_quant_avx2(const void *x, int64_t ldx, const uint8_t 
         const int64_t pairs = (N + 1) / 2;
         sgl_parallel_for(linear_quant_pairs, &job, pairs, chunk_of(pairs));
     }
+    return 0;
+}
+
+/* -- the embedding lookup ------------------------------------------------------------------ */
+
+#define EMBED_PARALLEL_VALUES (1 << 16) /* from this many values out: the rows over the threads */
+
+typedef struct {
+    const uint8_t *qw;
+    const uint16_t *sc;
+    const int64_t *ids;
+    void *out;
+    int64_t o_stride, KB;
+    int dtype, bits;
+} embedding_quant_job;
+
+/* out row t = row ids[t] of the table, block by block */
+AVX2_TARGET INLINE void embed_row(const embedding_quant_job *j, int64_t t, const int BITS) {
+    const int64_t qb = BITS == 4 ? 16 : 32, KB = j->KB, es = j->dtype ? 2 : 4;
+    const uint8_t *q = j->qw + j->ids[t] * KB * qb;
+    const uint16_t *s = j->sc + j->ids[t] * KB * 2;
+    char *row = (char *)j->out + t * j->o_stride * es;
+    for (int64_t kb = 0; kb < KB; kb++) {
+        __m256 w[4];
+        dequant_block(q + kb * qb, s + kb * 2, BITS, w);
+        #pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) store8(row + (kb * 32 + 8 * i) * es, w[i], j->dtype);
+    }
+}
+
+AVX2_TARGET static void embedding_quant_rows(void *ctx, int64_t t_begin, int64_t t_end) {
+    const embedding_quant_job *j = ctx;
+    for (int64_t t = t_begin; t < t_end; t++) {
+        if (j->bits == 4) embed_row(j, t, 4); /* a constant width: no branch per block */
+        else embed_row(j, t, 8);
+    }
+}
+
+/* Row t of out [T, K] (row stride o_stride; dtype 1: bfloat16, 0: float32) = row ids[t] of the
+   q4 (bits 4) or q8 (bits 8) table qw [vocab, K/32, 16 or 32] with its float16 (d, m) sc [vocab,
+   K/32, 2], each value d q + m; K a multiple of 32. Large lookups share the rows out over the
+   pool's threads. -1 (nothing written) when an id is outside [0, vocab); -2: bits is neither 4
+   nor 8. */
+AVX2_TARGET int sgl_embedding_quant(const uint8_t *qw, const uint16_t *sc, int64_t vocab,
+                                    int64_t K, const int64_t *ids, int64_t T, void *out,
+                                    int64_t o_stride, int dtype, int bits) {
+    if (bits != 4 && bits != 8) return -2;
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= vocab) return -1;
+    embedding_quant_job job = {qw, sc, ids, out, o_stride, K / 32, dtype, bits};
+    if (T * K >= EMBED_PARALLEL_VALUES) sgl_parallel_for(embedding_quant_rows, &job, T,
+                                                         sgl_row_chunk(T));
+    else embedding_quant_rows(&job, 0, T);
     return 0;
 }
 

@@ -367,6 +367,40 @@ Tensor embedding(const Tensor& weight, const Tensor& ids) {
   return out;
 }
 
+// The rows `ids` of a quantized table (layouts in sgl/kernels/quant.py, told by qweight's dtype),
+// dequantized into `dtype`: the AVX2 kernel of the quantized matmuls' file, at every level.
+Tensor embedding_q(const Tensor& qweight, const Tensor& scales, const Tensor& ids,
+                   at::ScalarType dtype) {
+  const char* op = "sgl::embedding_q";
+  const bool three_d = qweight.dim() == 3;
+  const bool q4 = three_d && qweight.scalar_type() == at::kByte && qweight.size(2) == 16;
+  const bool q8 = three_d && qweight.scalar_type() == at::kChar && qweight.size(2) == 32;
+  TORCH_CHECK_VALUE(qweight.device().is_cpu() && qweight.is_contiguous() && (q4 || q8), op,
+                    ": qweight must be a contiguous CPU uint8 [N, K/32, 16] (q4) or int8 "
+                    "[N, K/32, 32] (q8) tensor, got ", qweight.scalar_type(), " ",
+                    qweight.sizes());
+  const int64_t n = qweight.size(0), blocks = qweight.size(1), k = blocks * 32;
+  check_contiguous(op, "scales", scales, at::kHalf);
+  TORCH_CHECK_VALUE(scales.dim() == 3 && scales.size(0) == n && scales.size(1) == blocks &&
+                        scales.size(2) == 2,
+                    op, ": scales must be float16 [N, K/32, 2] = [", n, ", ", blocks,
+                    ", 2], got ", scales.sizes());
+  TORCH_CHECK_VALUE(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1 &&
+                        ids.is_contiguous(),
+                    op, ": ids must be a 1-D int64 tensor (contiguous, on the CPU), got ",
+                    ids.scalar_type(), " ", ids.sizes());
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16, op,
+                    ": dtype must be float32 or bfloat16, got ", dtype);
+  const int64_t t = ids.numel();
+  Tensor out = at::empty({t, k}, qweight.options().dtype(dtype));
+  Call call(SGL_OP_EMBEDDING_QUANT);
+  call << ptr(qweight) << ptr(scales) << n << k << ptr(ids) << t << ptr(out) << k
+       << (dtype == at::kBFloat16 ? 1 : 0) << (q4 ? 4 : 8);
+  TORCH_CHECK_INDEX(run(call, {qweight, scales, ids}, {out}) == 0, op,
+                    ": token id outside the embedding table of ", n, " rows");
+  return out;
+}
+
 Tensor argmax(const Tensor& logits) {
   const char* op = "sgl::argmax";
   check_rows(op, "logits", logits, at::kFloat);
@@ -497,6 +531,7 @@ TORCH_LIBRARY_IMPL(sgl, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary", &rotary);
   m.impl("embedding", &embedding);
+  m.impl("embedding_q", &embedding_q);
   m.impl("argmax", &argmax);
   m.impl("decode_attention", &decode_attention);
   m.impl("extend_attention", &extend_attention);

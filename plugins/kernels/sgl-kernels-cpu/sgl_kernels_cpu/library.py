@@ -30,9 +30,10 @@ KERNEL_NAMES = {1: "sgl_linear_bf16_amx", 2: "sgl_linear_f32", 3: "sgl_rmsnorm",
                 10: "sgl_extend_attention", 11: "sgl_linear_bf16_avx2", 12: "sgl_linear_f32_avx2",
                 13: "sgl_rmsnorm_avx2", 14: "sgl_silu_mul_avx2", 15: "sgl_rotary_avx2",
                 16: "sgl_decode_attention_avx2", 17: "sgl_argmax_f32_avx2",
-                18: "sgl_extend_attention_avx2", 19: "sgl_linear_quant_avx2"}
+                18: "sgl_extend_attention_avx2", 19: "sgl_linear_quant_avx2",
+                20: "sgl_embedding_quant"}
 #: what ``sgl_kernels_version`` of a build of this source returns
-VERSION = 6
+VERSION = 7
 
 _lock = threading.Lock()
 _loaded_path: Path | None = None
