@@ -52,7 +52,11 @@ from compare.workloads import (  # noqa: E402
 
 logger = logging.getLogger("compare")
 ROOT = Path(__file__).resolve().parents[2]
-ENGINES = ("sgl", "vllm", "llama-server-bf16", "llama-server-q8_0", "transformers")
+#: ``sgl`` serves the bfloat16 Hugging Face folder the peers read (its dtype: --sgl-dtype);
+#: ``sgl-gguf`` the bundled Q4_1 GGUF itself, quantized (sgl's default); ``llama-server-q4_1``
+#: the same file
+ENGINES = ("sgl", "sgl-gguf", "vllm", "llama-server-bf16", "llama-server-q8_0",
+           "llama-server-q4_1", "transformers")
 
 
 def _csv(kind: type) -> Any:
@@ -185,9 +189,12 @@ def prepare(args: argparse.Namespace, peers: Peers) -> dict[str, str]:
 
 def server_spec(name: str, args: argparse.Namespace, peers: Peers, port: int) -> ServerSpec:
     max_c = max(args.concurrencies)
-    if name == "sgl":
-        return sgl_spec(peers.hf_folder, port, threads=args.sgl_threads, dtype=args.sgl_dtype,
-                        max_running=max(64, max_c))
+    if name in ("sgl", "sgl-gguf"):
+        from sgl.model_loader import bundled_model_path
+
+        model = peers.hf_folder if name == "sgl" else bundled_model_path()
+        return sgl_spec(model, port, threads=args.sgl_threads, dtype=args.sgl_dtype,
+                        max_running=max(64, max_c), name=name)
     if name == "vllm":
         spec = vllm_spec(peers, peers.hf_folder, port, cpus=args.vllm_cpus,
                          kv_gib=args.vllm_kv_gib)

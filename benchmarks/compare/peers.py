@@ -111,10 +111,17 @@ class Peers:
         return folder
 
     def ensure_gguf(self, kind: str) -> Path:
-        """``bf16`` converted from the Hugging Face folder by llama.cpp's converter, or ``q8_0``
-        quantized from that by llama-quantize."""
+        """``bf16`` converted from the Hugging Face folder by llama.cpp's converter, ``q8_0``
+        quantized from that by llama-quantize, or ``q4_1``: a link to the bundled GGUF (Q4_1
+        projections, Q8_0 embedding), the file sgl serves by default."""
         target = self.gguf(kind)
         if target.exists():
+            return target
+        if kind == "q4_1":
+            from sgl.model_loader import bundled_model_path
+
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(bundled_model_path())
             return target
         src = self.llama_cpp_source()
         log = self.root / "gguf.log"

@@ -137,6 +137,19 @@ def test_sgl_is_served_in_the_dtype_asked_for(dtype: str, shown: str) -> None:
     assert spec.settings.startswith(shown + ",")
 
 
+def test_sgl_gguf_serves_the_bundled_file_quantized() -> None:
+    from sgl.model_loader import bundled_model_path
+
+    args = parse_args(["--engines", "sgl,sgl-gguf,llama-server-q4_1", "--sgl-dtype", "auto"])
+    peers = SimpleNamespace(hf_folder=Path("/models/smollm2"))
+    dense, gguf = (server_spec(name, args, peers, 30000) for name in ("sgl", "sgl-gguf"))
+    path = gguf.command[gguf.command.index("--model-path") + 1]
+    assert path == str(bundled_model_path()) and gguf.name == "sgl-gguf"
+    assert "--quantization" not in gguf.command  # sgl's default: the file's blocks
+    assert gguf.settings.startswith("Q4_1/Q8_0 weights, dtype auto,")
+    assert dense.command[dense.command.index("--model-path") + 1] == "/models/smollm2"
+
+
 @pytest.mark.slow
 def test_model_folder_loads_in_transformers(tmp_path: Path) -> None:
     """The folder vLLM and transformers read: the bundled GGUF's tensors in bfloat16 under
