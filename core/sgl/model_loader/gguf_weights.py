@@ -22,6 +22,7 @@ import torch
 
 from sgl.layers.quantized import QuantizedTensor
 from sgl.model_loader.errors import ModelLoadError
+from sgl.model_loader.gguf_kquants import KQUANT_LAYOUTS, repack_kquant_blocks
 from sgl.model_loader.source import WeightSource
 
 __all__ = ["GGUF_QUANTIZED", "GGUFWeights", "gguf_to_hf_name", "repack_gguf_blocks",
@@ -81,7 +82,7 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 #: GGUF block types whose blocks map onto a quantized layout of :mod:`sgl.kernels.quant`
-GGUF_QUANTIZED = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8"}
+GGUF_QUANTIZED = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", **KQUANT_LAYOUTS}
 
 
 def repack_gguf_blocks(type_name: str, data: np.ndarray, rows: int,
@@ -92,11 +93,15 @@ def repack_gguf_blocks(type_name: str, data: np.ndarray, rows: int,
     The blocks are those of llama.cpp: ``Q4_0`` is float16 ``d`` and 16 bytes of nibbles (``W =
     d (q - 8)``), ``Q4_1`` float16 ``d``, ``m`` and the nibbles (``W = d q + m``), ``Q8_0``
     float16 ``d`` and 32 int8 (``W = d q``). The nibbles and int8 keep their byte order; only
-    the scales move into their own tensor (``Q4_0``'s offset becomes ``m = -8 d``, exactly)."""
+    the scales move into their own tensor (``Q4_0``'s offset becomes ``m = -8 d``, exactly).
+    The K-quants (``Q4_K``, ``Q5_K``, ``Q6_K``) are repacked by
+    :func:`~sgl.model_loader.gguf_kquants.repack_kquant_blocks`, with the rounding it states."""
     layout = GGUF_QUANTIZED.get(type_name)
     if layout is None:
         raise ValueError(f"GGUF block type {type_name} has no quantized layout here "
                          f"(those that do: {', '.join(GGUF_QUANTIZED)})")
+    if type_name in KQUANT_LAYOUTS:
+        return repack_kquant_blocks(type_name, data, rows, cols)
     if cols % 32:
         raise ValueError(f"a {type_name} tensor's rows must hold whole 32-value blocks, "
                          f"got {cols} values")

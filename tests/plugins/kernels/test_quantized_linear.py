@@ -71,7 +71,7 @@ def test_dequantize_checks_the_layout() -> None:
         quant.dequantize("q4", qweight, scales.float())
 
 
-@pytest.mark.parametrize("type_name", sorted(GGUF_QUANTIZED))
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])  # K-quants: test_gguf_kquants
 def test_gguf_blocks_repack_to_the_same_values(type_name: str) -> None:
     gguf = pytest.importorskip("gguf")
     qtype = gguf.GGMLQuantizationType[type_name]
@@ -116,8 +116,8 @@ def test_the_bundled_models_blocks_repack_to_the_same_values() -> None:
 
 
 def test_gguf_block_types_without_a_layout_are_named() -> None:
-    with pytest.raises(ValueError, match="Q6_K has no quantized layout"):
-        repack_gguf_blocks("Q6_K", np.zeros(210, np.uint8), 1, 256)
+    with pytest.raises(ValueError, match="Q3_K has no quantized layout"):
+        repack_gguf_blocks("Q3_K", np.zeros(110, np.uint8), 1, 256)
 
 
 # -- the kernels ---------------------------------------------------------------------------------
