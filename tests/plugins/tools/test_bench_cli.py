@@ -188,6 +188,19 @@ def test_one_batch_bad_setting_is_a_clear_error() -> None:
     assert out.returncode == 1
     assert "cannot load the model runner" in out.stderr and "does not exist" in out.stderr
     assert "Traceback" not in out.stderr
+    out = sgl("bench", "one-batch", "--quantization", "int8", "--input-len", "4")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "--quantization int8 rounds a Hugging Face checkpoint's weights" in out.stderr
+
+
+def test_one_batch_says_how_the_weights_are_held() -> None:
+    out = sgl("bench", "one-batch", "--input-len", "8", "--output-len", "2",
+              "--quantization", "none", "--dtype", "float32")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "float32, quantization none, weights" in out.stdout
+    out = sgl("bench", "one-batch", "--input-len", "8", "--output-len", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "quantization gguf, weights" in out.stdout
 
 
 def test_offline(tmp_path: Path) -> None:

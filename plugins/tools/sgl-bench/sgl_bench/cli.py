@@ -238,8 +238,8 @@ def _fail(exc: BenchError) -> click.ClickException:
 _SERVER_ONLY = {"host", "port", "served_model_name", "frontends", "api_key",
                 "max_request_body_size", "graceful_shutdown_timeout"}
 #: the fields ``one-batch`` uses (it has no scheduler, cache or sampler settings)
-_ONE_BATCH_FIELDS = ("model_path", "dtype", "num_threads", "attention_backend", "page_size",
-                     "context_length", "load_plugins", "disable_plugins")
+_ONE_BATCH_FIELDS = ("model_path", "dtype", "quantization", "num_threads", "attention_backend",
+                     "page_size", "context_length", "load_plugins", "disable_plugins")
 
 
 def engine_options(names: typing.Iterable[str] | None = None) -> Callable[..., Any]:
@@ -556,6 +556,7 @@ def _one_batch(p: dict[str, Any], settings: dict[str, Any]) -> None:
     try:
         runner = load_runner(
             model_path=settings.get("model_path"), dtype=settings.get("dtype", "auto"),
+            quantization=settings.get("quantization", "auto"),
             attention_backend=settings.get("attention_backend", "torch"),
             num_threads=settings.get("num_threads"), page_size=settings.get("page_size", 1),
             context_length=settings.get("context_length"), max_batch=max(sizes),
@@ -576,7 +577,8 @@ def _one_batch(p: dict[str, Any], settings: dict[str, Any]) -> None:
             results.append(run_one_batch(runner, batch_size=b, input_len=i, output_len=o,
                                          seed=p["seed"], on_step=lambda: bar.update(1)))
     dtype = str(runner.dtype).replace("torch.", "")
-    click.echo(f"model {runner.model_path.name}, {dtype}, backend "
+    click.echo(f"model {runner.model_path.name}, {dtype}, quantization {runner.quantization}, "
+               f"weights {runner.weights_bytes / 2**20:.1f} MiB, backend "
                f"{settings.get('attention_backend', 'torch')}")
     click.echo("| batch | input | output | prefill (s) | prefill tok/s | median decode (ms) "
                "| decode tok/s | total (s) | overall tok/s |")
