@@ -36,8 +36,10 @@ NAMESPACE = "sgl"
 SCHEMAS = {
     "linear_bf16": "linear_bf16(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor",
     "linear_f32": "linear_f32(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor",
-    "linear_q4": "linear_q4(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor",
-    "linear_q8": "linear_q8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor",
+    "linear_q4": "linear_q4(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, "
+                 "bool round_x=False) -> Tensor",
+    "linear_q8": "linear_q8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, "
+                 "bool round_x=False) -> Tensor",
     "rmsnorm": "rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor",
     "add_rmsnorm": "add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) "
                    "-> (Tensor, Tensor)",
@@ -115,25 +117,49 @@ def linear_f32(x: torch.Tensor, packed: torch.Tensor, n: int,
     return F.linear(x, unpack_f32_weight(packed, n), bias)
 
 
+def round_x_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each block of 32 values of the rows of float ``x [M, K]`` rounded to int8 as
+    ``round_x`` does: ``(q int32 [M, K/32, 32], dx [M, K/32], dx * sum(q) [M, K/32])`` with
+    ``dx = max|x| / 127`` and ``q = nearest-even(x * (127 / max|x|))`` in float32 (zeros for an
+    all-zero block)."""
+    xb = x.float().reshape(x.shape[0], -1, quant.BLOCK)
+    amax = xb.abs().amax(-1)
+    scale = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int32)
+    dx = amax / 127.0
+    return q, dx, dx * q.sum(-1).float()
+
+
 def _linear_quantized(fmt: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                      bias: torch.Tensor | None) -> torch.Tensor:
-    y = x.float() @ quant.dequantize(fmt, qweight, scales).t()
+                      bias: torch.Tensor | None, round_x: bool) -> torch.Tensor:
+    if not round_x:
+        y = x.float() @ quant.dequantize(fmt, qweight, scales).t()
+        return (y if bias is None else y + bias).to(x.dtype)
+    q, dx, xs = round_x_blocks(x)  # [M, KB, 32], [M, KB], [M, KB]
+    w = quant.integers(fmt, qweight).to(torch.int32)  # [N, KB, 32]
+    s = scales.float()
+    dots = torch.einsum("mbk,nbk->mnb", q.double(), w.double())  # exact integers
+    y = (dots.float() * (s[None, :, :, 0] * dx[:, None, :])).sum(-1) \
+        + (s[None, :, :, 1] * xs[:, None, :]).sum(-1)
     return (y if bias is None else y + bias).to(x.dtype)
 
 
 def linear_q4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
+              bias: torch.Tensor | None, round_x: bool = False) -> torch.Tensor:
     """``x @ W^T + bias`` for float32 or bfloat16 ``x [M, K]`` and the 4-bit weight ``W [N, K]``
     of :mod:`sgl.kernels.quant` (``qweight`` uint8 ``[N, K/32, 16]``, ``scales`` float16 ``[N,
     K/32, 2]``): the products summed in float32, the result in ``x``'s dtype (rounded once).
-    ``bias``: float32 ``[N]``."""
-    return _linear_quantized("q4", x, qweight, scales, bias)
+    ``bias``: float32 ``[N]``. ``round_x``: ``x`` is first rounded per block of 32 to int8
+    (:func:`round_x_blocks`, llama.cpp's ``Q8_0`` activations) and each block's products are
+    integers, summed exactly, then scaled by ``d * dx``, plus ``m * dx * sum(q)``: faster for
+    few rows, at the cost of ``x``'s rounding (at most ``max|x| / 254`` per value)."""
+    return _linear_quantized("q4", x, qweight, scales, bias, round_x)
 
 
 def linear_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
+              bias: torch.Tensor | None, round_x: bool = False) -> torch.Tensor:
     """:func:`linear_q4` for the 8-bit layout (``qweight`` int8 ``[N, K/32, 32]``)."""
-    return _linear_quantized("q8", x, qweight, scales, bias)
+    return _linear_quantized("q8", x, qweight, scales, bias, round_x)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK", "FORMATS", "check", "dequantize", "quantize"]
+__all__ = ["BLOCK", "FORMATS", "check", "dequantize", "integers", "quantize"]
 
 #: values per block along K
 BLOCK = 32
@@ -46,12 +46,16 @@ def check(fmt: str, qweight: torch.Tensor, scales: torch.Tensor) -> None:
                          f"{list(qweight.shape)}, got {scales.dtype} {list(scales.shape)}")
 
 
+def integers(fmt: str, qweight: torch.Tensor) -> torch.Tensor:
+    """The integers ``q`` of every block, ``[N, K/32, 32]`` (uint8 for q4, int8 for q8)."""
+    if fmt == "q8":
+        return qweight
+    return torch.cat([qweight & 0x0F, qweight >> 4], dim=-1)
+
+
 def _values(fmt: str, qweight: torch.Tensor) -> torch.Tensor:
     """The integers ``q`` of every block as float32 ``[N, K/32, 32]``."""
-    if fmt == "q8":
-        return qweight.float()
-    low, high = qweight & 0x0F, qweight >> 4
-    return torch.cat([low, high], dim=-1).float()
+    return integers(fmt, qweight).float()
 
 
 def dequantize(fmt: str, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

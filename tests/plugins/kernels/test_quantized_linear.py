@@ -124,17 +124,21 @@ def test_gguf_block_types_without_a_layout_are_named() -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k", [(96, 576), (67, 1536), (1, 32), (3, 64)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 9, 17, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("round_x", [False, True], ids=["exact", "round_x"])
 def test_quantized_matmul_equals_the_reference(kernels: KernelLibrary, fmt: str, n: int, k: int,
-                                               rows: int, dtype: torch.dtype) -> None:
+                                               rows: int, dtype: torch.dtype,
+                                               round_x: bool) -> None:
     torch.manual_seed(n + k + rows)
     qweight, scales = quant.quantize(fmt, torch.randn(n, k) / k ** 0.5)
     bias = torch.randn(n) if rows % 2 else None
     x = torch.randn(rows, k + 32).to(dtype)[:, 16:16 + k]  # a row-strided view
-    expected = ops.REFERENCES[f"linear_{fmt}"](x, qweight, scales, bias)
+    if rows == 9:
+        x[2, :32] = 0  # an all-zero block of x: dx = 0
+    expected = ops.REFERENCES[f"linear_{fmt}"](x, qweight, scales, bias, round_x)
     with cpu.recording() as tape:
-        got = _op(fmt)(x, qweight, scales, bias)
+        got = _op(fmt)(x, qweight, scales, bias, round_x)
     assert tape.names == ["sgl_linear_quant_avx2"]
     assert got.dtype == dtype and got.shape == (rows, n)
     if dtype == torch.float32:
@@ -161,6 +165,40 @@ def test_quantized_matmul_on_two_threads_and_replayed(kernels: KernelLibrary, fm
     tape.replay()
     torch.testing.assert_close(two, ops.REFERENCES[f"linear_{fmt}"](x, qweight, scales, None),
                                rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_round_x_reference_is_the_rounded_rows_times_the_weight(fmt: str) -> None:
+    """The reference's integer path equals a float64 matmul of the rounded rows (each block's q
+    times dx) by the dequantized weight, and stays within the rounding's bound of the exact
+    product: each value of x moves by at most dx / 2 = max|x| / 254 of its block."""
+    torch.manual_seed(7)
+    qweight, scales = quant.quantize(fmt, torch.randn(9, 320) * 0.1)
+    x = torch.randn(3, 320) * torch.linspace(0.1, 4, 320)
+    q, dx, xs = ops.round_x_blocks(x)
+    assert q.abs().amax() == 127 and (q.sum(-1) * dx - xs).abs().max() < 1e-4
+    rounded = (q.double() * dx.double().unsqueeze(-1)).reshape(3, 320)
+    w = quant.dequantize(fmt, qweight, scales).double()
+    got = ops.linear_q4(x, qweight, scales, None, True) if fmt == "q4" else ops.linear_q8(
+        x, qweight, scales, None, True)
+    torch.testing.assert_close(got.double(), rounded @ w.t(), rtol=1e-5, atol=1e-5)
+    bound = (dx.double() / 2).repeat_interleave(32, 1) @ w.abs().t()
+    exact = x.double() @ w.t()
+    assert ((got.double() - exact).abs() <= bound + 1e-5).all()
+    assert (got.double() - exact).abs().max() > 1e-4  # x was rounded
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_round_x_is_replayed_with_new_rows(kernels: KernelLibrary, fmt: str) -> None:
+    torch.manual_seed(5)
+    qweight, scales = quant.quantize(fmt, torch.randn(70, 576))
+    x = torch.randn(2, 576)
+    with cpu.recording() as tape:
+        out = _op(fmt)(x, qweight, scales, None, True)
+    x.copy_(torch.randn(2, 576))
+    tape.replay()
+    torch.testing.assert_close(out, ops.REFERENCES[f"linear_{fmt}"](x, qweight, scales, None,
+                                                                     True), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -47,7 +47,7 @@ void sgl_f32_panel_avx2(const float *x, int64_t ldx, const float *panel, float *
                         int64_t M, int64_t cols, int64_t K, const float *bias);
 int sgl_linear_quant_avx2(const void *x, int64_t ldx, const uint8_t *qw, const uint16_t *sc,
                           void *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
-                          const float *bias, int dtype, int bits);
+                          const float *bias, int dtype, int bits, int round_x);
 int sgl_embedding_quant(const uint8_t *qw, const uint16_t *sc, int64_t vocab, int64_t K,
                         const int64_t *ids, int64_t T, void *out, int64_t o_stride, int dtype,
                         int bits);

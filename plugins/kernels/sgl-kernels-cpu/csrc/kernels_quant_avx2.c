@@ -39,6 +39,9 @@ typedef struct {
     const float *bias;
     int64_t ldx, ldy, M, N, KB;
     int dtype, bits;
+    /* x rounded per block (round_x): int8 [M, K], and per row and block dx and dx * sum(q) */
+    const int8_t *xq;
+    const float *xd, *xs;
 } linear_quant_job;
 
 /* the 32 values of one block as 4 vectors of fp32, d q + m */
@@ -125,6 +128,166 @@ AVX2_TARGET INLINE void quant_column(const linear_quant_job *j, int64_t n, const
     }
 }
 
+/* -- x rounded to int8 per block (round_x) --------------------------------------------------- */
+
+/* Each block of 32 values of each row of x (fp32) rounded to int8: dx = max|x| / 127, q =
+   nearest-even(x * (127 / max|x|)), clamped to +-127 (all zero when max|x| is 0); xd = dx and
+   xs = dx * sum(q), per row and block. The reference (sgl.kernels.ops) computes the same
+   float32 operations in the same order, so the integers agree exactly. */
+AVX2_TARGET static void round_x_blocks(const float *xf, int64_t ldx, int64_t M, int64_t KB,
+                                       int8_t *xq, float *xd, float *xs) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t kb = 0; kb < KB; kb++) {
+            const float *v = xf + r * ldx + kb * 32;
+            __m256 mx = _mm256_and_ps(_mm256_loadu_ps(v), abs_mask);
+            for (int i = 1; i < 4; i++)
+                mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(v + 8 * i), abs_mask));
+            const float amax = hmax8(mx);
+            int8_t *q = xq + r * KB * 32 + kb * 32;
+            int sum = 0;
+            if (amax > 0.0f) {
+                const __m256 id = _mm256_set1_ps(127.0f / amax);
+                for (int i = 0; i < 4; i++) {
+                    __m256 t = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * i), id),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-127.0f)),
+                                      _mm256_set1_ps(127.0f));
+                    int32_t lanes[8];
+                    _mm256_storeu_si256((__m256i *)lanes, _mm256_cvtps_epi32(t));
+                    for (int k = 0; k < 8; k++) {
+                        q[8 * i + k] = (int8_t)lanes[k];
+                        sum += lanes[k];
+                    }
+                }
+            } else {
+                memset(q, 0, 32);
+            }
+            xd[r * KB + kb] = amax / 127.0f;
+            xs[r * KB + kb] = (amax / 127.0f) * (float)sum;
+        }
+}
+
+/* the sums of the lanes of a, b, c and e, in that order */
+AVX2_TARGET INLINE __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 e) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, e));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* y[r0 .. r0 + ROWS, n .. n + COLS] from the rounded x: per block the integer products summed
+   by vpmaddubsw / vpmaddwd (exact), scaled by d * dx in float32, and m * dx * sum(q) added.
+   Several columns side by side give few rows independent chains of sums. */
+AVX2_TARGET INLINE void quant_tile_i8(const linear_quant_job *j, int64_t r0, int64_t n,
+                                      const int BITS, const int ROWS, const int COLS) {
+    const int64_t KB = j->KB, qb = BITS == 4 ? 16 : 32, K = KB * 32;
+    __m256 acc[8][4];
+    float mterm[8][4];
+    #pragma GCC unroll 8
+    for (int r = 0; r < ROWS; r++)
+        #pragma GCC unroll 4
+        for (int c = 0; c < COLS; c++) {
+            acc[r][c] = _mm256_setzero_ps();
+            mterm[r][c] = 0.0f;
+        }
+    const int8_t *xq = j->xq + r0 * K;
+    const float *xd = j->xd + r0 * KB, *xs = j->xs + r0 * KB;
+    const uint8_t *q = j->qw + n * KB * qb;
+    const uint16_t *sc = j->sc + n * KB * 2;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t kb = 0; kb < KB; kb++) {
+        __m256i w[4], aw[4];
+        float d[4], m[4];
+        #pragma GCC unroll 4
+        for (int c = 0; c < COLS; c++) {
+            const uint8_t *qc = q + (c * KB + kb) * qb;
+            if (BITS == 4) { /* values 0..15 from the low nibbles, 16..31 from the high ones */
+                const __m128i raw = _mm_loadu_si128((const __m128i *)qc);
+                w[c] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low),
+                                        _mm_and_si128(raw, low));
+                aw[c] = w[c];
+            } else { /* the unsigned operand is |w|; the sign moves onto x */
+                w[c] = _mm256_loadu_si256((const __m256i *)qc);
+                aw[c] = _mm256_sign_epi8(w[c], w[c]);
+            }
+            d[c] = _cvtsh_ss(sc[(c * KB + kb) * 2]);
+            m[c] = _cvtsh_ss(sc[(c * KB + kb) * 2 + 1]);
+        }
+        #pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + kb * 32));
+            const float dx = xd[r * KB + kb], sx = xs[r * KB + kb];
+            #pragma GCC unroll 4
+            for (int c = 0; c < COLS; c++) {
+                const __m256i xc = BITS == 4 ? xv : _mm256_sign_epi8(xv, w[c]);
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[c], xc), ones);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[c] * dx),
+                                            acc[r][c]);
+                mterm[r][c] += m[c] * sx;
+            }
+        }
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < ROWS; r++) {
+        float v[4];
+        if (COLS == 4) {
+            _mm_storeu_ps(v, hsum4x8(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+        } else {
+            #pragma GCC unroll 4
+            for (int c = 0; c < COLS; c++) v[c] = hsum8(acc[r][c]);
+        }
+        #pragma GCC unroll 4
+        for (int c = 0; c < COLS; c++) {
+            const float out = v[c] + mterm[r][c] + (j->bias ? j->bias[n + c] : 0.0f);
+            const int64_t at = (r0 + r) * j->ldy + n + c;
+            if (j->dtype) ((uint16_t *)j->y)[at] = bf16_of(out);
+            else ((float *)j->y)[at] = out;
+        }
+    }
+}
+
+/* y[:, n .. n + cols] (cols 4, or the last 1-3) from the rounded x: 1-2 rows 4 columns at a
+   time, 3-4 rows 2, more rows in tiles of up to 8 rows x 1 column */
+AVX2_TARGET INLINE void quant_columns_i8(const linear_quant_job *j, int64_t n, int64_t cols,
+                                         const int BITS) {
+    if (cols == 4 && j->M <= 2) {
+        if (j->M == 1) quant_tile_i8(j, 0, n, BITS, 1, 4);
+        else quant_tile_i8(j, 0, n, BITS, 2, 4);
+        return;
+    }
+    if (cols == 4 && j->M <= 4) {
+        for (int64_t c = 0; c < 4; c += 2) {
+            if (j->M == 3) quant_tile_i8(j, 0, n + c, BITS, 3, 2);
+            else quant_tile_i8(j, 0, n + c, BITS, 4, 2);
+        }
+        return;
+    }
+    for (int64_t c = 0; c < cols; c++) {
+        int64_t r = 0;
+        for (; j->M - r >= 8; r += 8) quant_tile_i8(j, r, n + c, BITS, 8, 1);
+        switch (j->M - r) {
+        case 7: quant_tile_i8(j, r, n + c, BITS, 7, 1); break;
+        case 6: quant_tile_i8(j, r, n + c, BITS, 6, 1); break;
+        case 5: quant_tile_i8(j, r, n + c, BITS, 5, 1); break;
+        case 4: quant_tile_i8(j, r, n + c, BITS, 4, 1); break;
+        case 3: quant_tile_i8(j, r, n + c, BITS, 3, 1); break;
+        case 2: quant_tile_i8(j, r, n + c, BITS, 2, 1); break;
+        case 1: quant_tile_i8(j, r, n + c, BITS, 1, 1); break;
+        default: break;
+        }
+    }
+}
+
+/* the columns of quads (groups of 4) q_begin .. q_end */
+AVX2_TARGET static void linear_quant_i8_quads(void *ctx, int64_t q_begin, int64_t q_end) {
+    const linear_quant_job *j = ctx;
+    for (int64_t g = q_begin; g < q_end; g++) {
+        const int64_t n = 4 * g, cols = j->N - n < 4 ? j->N - n : 4;
+        if (j->bits == 4) quant_columns_i8(j, n, cols, 4);
+        else quant_columns_i8(j, n, cols, 8);
+    }
+}
+
 /* Below Q_PANEL_ROWS rows: the columns of pairs p_begin .. p_end, each in turn */
 AVX2_TARGET static void linear_quant_pairs(void *ctx, int64_t p_begin, int64_t p_end) {
     const linear_quant_job *j = ctx;
@@ -204,24 +367,42 @@ AVX2_TARGET static void linear_quant_panels(void *ctx, int64_t np_begin, int64_t
 
 /* x [M, K] (row stride ldx; dtype 1: bfloat16, 0: float32), qw and sc the q4 (bits 4) or q8
    (bits 8) weight [N, K/32, 16 or 32] and its float16 (d, m) [N, K/32, 2], y [M, N] (row stride
-   ldy, x's dtype), bias float32 [N] or NULL; K a multiple of 32. -1: no memory for x's fp32
-   copy; -2: bits is neither 4 nor 8. */
+   ldy, x's dtype), bias float32 [N] or NULL; K a multiple of 32. round_x: x is first rounded
+   per block to int8 (round_x_blocks) and the products are integer ones, at any M. -1: no memory
+   for x's copies; -2: bits is neither 4 nor 8. */
 AVX2_TARGET int sgl_linear_quant_avx2(const void *x, int64_t ldx, const uint8_t *qw,
                                       const uint16_t *sc, void *y, int64_t ldy, int64_t M,
                                       int64_t N, int64_t K, const float *bias, int dtype,
-                                      int bits) {
+                                      int bits, int round_x) {
     if (bits != 4 && bits != 8) return -2;
     const float *xf = x;
-    if (dtype) { /* the fp32 copy of a bfloat16 x */
-        float *copy = scratch_f32(M * K);
-        if (!copy) return -1;
+    const int64_t KB = K / 32;
+    /* fp32 copy of a bfloat16 x, then (round_x) the int8 blocks and their dx, dx * sum */
+    const size_t copy_bytes = dtype ? (size_t)(M * K) * 4 : 0;
+    const size_t round_bytes = round_x ? (size_t)(M * K) + (size_t)(2 * M * KB) * 4 + 64 : 0;
+    char *buf = (dtype || round_x) ? sgl_scratch(1, copy_bytes + round_bytes) : NULL;
+    if ((dtype || round_x) && !buf) return -1;
+    if (dtype) {
+        float *copy = (float *)buf;
         for (int64_t r = 0; r < M; r++)
             for (int64_t k = 0; k < K; k += 8)
                 _mm256_storeu_ps(copy + r * K + k, load8((const uint16_t *)x + r * ldx + k, 1));
         xf = copy;
         ldx = K;
     }
-    linear_quant_job job = {xf, qw, sc, y, bias, ldx, ldy, M, N, K / 32, dtype, bits};
+    linear_quant_job job = {xf, qw, sc, y, bias, ldx, ldy, M, N, KB, dtype, bits,
+                            NULL, NULL, NULL};
+    if (round_x) {
+        float *xd = (float *)(buf + copy_bytes), *xs = xd + M * KB;
+        int8_t *xq = (int8_t *)(xs + M * KB);
+        round_x_blocks(xf, ldx, M, KB, xq, xd, xs);
+        job.xq = xq;
+        job.xd = xd;
+        job.xs = xs;
+        const int64_t quads = (N + 3) / 4;
+        sgl_parallel_for(linear_quant_i8_quads, &job, quads, chunk_of(quads));
+        return 0;
+    }
     if (M >= Q_PANEL_ROWS) {
         const int64_t panels = (N + 31) / 32;
         sgl_parallel_for(linear_quant_panels, &job, panels, chunk_of(panels));

@@ -11,7 +11,7 @@
 
 #if defined(__x86_64__)
 
-int sgl_kernels_version(void) { return 7; }
+int sgl_kernels_version(void) { return 8; }
 
 /* Embedding lookup: row t of out (row stride o_stride elements) = row ids[t] of w [vocab, H]
    (row stride w_stride), `es`-byte elements. -1 (nothing written) when an id is outside
@@ -83,7 +83,7 @@ int sgl_run_op(const sgl_op *op) {
             P(21));
     case SGL_OP_LINEAR_QUANT_AVX2:
         return sgl_linear_quant_avx2(P(0), a[1], P(2), P(3), P(4), a[5], a[6], a[7], a[8], P(9),
-                                     (int)a[10], (int)a[11]);
+                                     (int)a[10], (int)a[11], (int)a[12]);
     case SGL_OP_EMBEDDING_QUANT:
         return sgl_embedding_quant(P(0), P(1), a[2], a[3], P(4), a[5], P(6), a[7], (int)a[8],
                                    (int)a[9]);

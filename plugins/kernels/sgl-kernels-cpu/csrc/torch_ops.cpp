@@ -215,7 +215,7 @@ Tensor linear_f32(const Tensor& x, const Tensor& packed, int64_t n, const OptTen
 
 // The quantized matmuls (layouts in sgl/kernels/quant.py): the same AVX2 kernel at every level.
 Tensor linear_quant(const char* op, const Tensor& x, const Tensor& qweight, const Tensor& scales,
-                    const OptTensor& bias, int bits) {
+                    const OptTensor& bias, int bits, bool round_x) {
   check_rows(op, "x", x);
   const at::ScalarType qtype = bits == 4 ? at::kByte : at::kChar;
   check_contiguous(op, "qweight", qweight, qtype);
@@ -237,20 +237,20 @@ Tensor linear_quant(const char* op, const Tensor& x, const Tensor& qweight, cons
   if (m == 0 || n == 0) return y;
   Call call(SGL_OP_LINEAR_QUANT_AVX2);
   call << ptr(x) << x.stride(0) << ptr(qweight) << ptr(scales) << ptr(y) << n << m << n << k
-       << ptr(bias) << dtype_code(x) << bits;
+       << ptr(bias) << dtype_code(x) << bits << (round_x ? 1 : 0);
   TORCH_CHECK(run(call, {x, qweight, scales, bias}, {y}) == 0, op,
               ": no memory for the input's copy");
   return y;
 }
 
 Tensor linear_q4(const Tensor& x, const Tensor& qweight, const Tensor& scales,
-                 const OptTensor& bias) {
-  return linear_quant("sgl::linear_q4", x, qweight, scales, bias, 4);
+                 const OptTensor& bias, bool round_x) {
+  return linear_quant("sgl::linear_q4", x, qweight, scales, bias, 4, round_x);
 }
 
 Tensor linear_q8(const Tensor& x, const Tensor& qweight, const Tensor& scales,
-                 const OptTensor& bias) {
-  return linear_quant("sgl::linear_q8", x, qweight, scales, bias, 8);
+                 const OptTensor& bias, bool round_x) {
+  return linear_quant("sgl::linear_q8", x, qweight, scales, bias, 8, round_x);
 }
 
 void check_rmsnorm(const char* op, int rc) {

@@ -33,7 +33,7 @@ KERNEL_NAMES = {1: "sgl_linear_bf16_amx", 2: "sgl_linear_f32", 3: "sgl_rmsnorm",
                 18: "sgl_extend_attention_avx2", 19: "sgl_linear_quant_avx2",
                 20: "sgl_embedding_quant"}
 #: what ``sgl_kernels_version`` of a build of this source returns
-VERSION = 7
+VERSION = 8
 
 _lock = threading.Lock()
 _loaded_path: Path | None = None
