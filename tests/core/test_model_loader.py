@@ -203,6 +203,14 @@ def test_gguf_names() -> None:
     assert gguf_to_hf_name("output_norm.weight") == "model.norm.weight"
     assert gguf_to_hf_name("output.weight") == "lm_head.weight"
     assert gguf_to_hf_name("blk.0.mystery.weight") is None
+    # per architecture: Gemma's four norms, Phi-3's fused q/k/v (split by the reader), unknown
+    assert gguf_to_hf_name("blk.0.ffn_norm.weight", "gemma2") == \
+        "model.layers.0.pre_feedforward_layernorm.weight"
+    assert gguf_to_hf_name("blk.1.post_ffw_norm.weight", "gemma3") == \
+        "model.layers.1.post_feedforward_layernorm.weight"
+    assert gguf_to_hf_name("blk.0.attn_q.bias", "qwen2") == "model.layers.0.self_attn.q_proj.bias"
+    assert gguf_to_hf_name("blk.0.attn_qkv.weight", "phi3") is None
+    assert gguf_to_hf_name("token_embd.weight", "falcon") is None
 
 
 def test_corrupt_gguf(tmp_path: Path) -> None:

@@ -22,11 +22,29 @@ def _default_architecture(model_type: str) -> str | None:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
 
 
+def _gguf_config(path: Path) -> PretrainedConfig:
+    """transformers' config of a GGUF file, completed from the metadata it does not read (see
+    :mod:`sgl.model_loader.gguf_config`); :class:`ModelLoadError` for an architecture sgl does
+    not load."""
+    from transformers import AutoConfig
+
+    from sgl.model_loader.gguf_archs import gguf_arch
+    from sgl.model_loader.gguf_config import GGUFMetadata, complete_config, read_gguf
+
+    meta = GGUFMetadata(read_gguf(path))
+    gguf_arch(meta.arch, path)
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    complete_config(meta, config)
+    return config
+
+
 def load_hf_config(path: str | Path | None) -> PretrainedConfig:
     """The :class:`transformers.PretrainedConfig` of a model folder or ``.gguf`` file.
 
     GGUF files store no ``architectures``; it is filled in from the model type
-    (``llama`` -> ``LlamaForCausalLM``) so that the runner can pick the model class.
+    (``llama`` -> ``LlamaForCausalLM``) so that the runner can pick the model class. What
+    transformers does not read from a GGUF file's metadata is added by
+    :func:`~sgl.model_loader.gguf_config.complete_config`.
 
     :param path: as for :func:`~sgl.model_loader.resolve_model_path` (None: the bundled model).
     :raises ModelLoadError: when the path is missing or the config cannot be read.
@@ -36,10 +54,9 @@ def load_hf_config(path: str | Path | None) -> PretrainedConfig:
     resolved = resolve_model_path(path)
     try:
         if is_gguf(resolved):
-            config = cached_from_gguf(
-                resolved, "config",
-                lambda: AutoConfig.from_pretrained(str(resolved.parent), gguf_file=resolved.name),
-                AutoConfig.from_pretrained)
+            # "config-2": entries of the earlier, incomplete GGUF configs are not reused
+            config = cached_from_gguf(resolved, "config-2", lambda: _gguf_config(resolved),
+                                      AutoConfig.from_pretrained)
         else:
             config = AutoConfig.from_pretrained(str(resolved))
     except ModelLoadError:

@@ -2,16 +2,18 @@
 with ``quantized=True``, the blocks of the types in :data:`GGUF_QUANTIZED` repacked into a
 :class:`~sgl.layers.quantized.QuantizedTensor` (the others dequantized, and logged).
 
-llama.cpp stores tensor shapes innermost-first (reversed against torch) and, for the
-``llama`` architecture, permutes the rows of ``attn_q``/``attn_k`` so that rotary pairs are
-interleaved; that permutation is undone here so the weights work with the usual rotate-half
-rotary embedding (it moves whole rows, so quantized blocks move with them).
+llama.cpp stores tensor shapes innermost-first (reversed against torch). What its converter did
+to the Hugging Face tensors depends on the architecture (:mod:`sgl.model_loader.gguf_archs`) and
+is undone here: ``llama``'s q/k rows, permuted so that rotary pairs are interleaved, are put back
+for the usual rotate-half rotary embedding; Gemma's norm weights lose the 1 the converter added;
+fused tensors (Phi-3's ``attn_qkv``, its ``ffn_up`` holding gate and up) are split by rows and
+stacked experts (Qwen2-MoE's ``ffn_*_exps``) into one tensor per expert. All of these move or
+cut whole rows, so quantized blocks go through them unchanged.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,8 @@ import torch
 
 from sgl.layers.quantized import QuantizedTensor
 from sgl.model_loader.errors import ModelLoadError
+from sgl.model_loader.gguf_archs import GGUF_ARCHS, GGUFArch, Piece, gguf_arch
+from sgl.model_loader.gguf_config import GGUFMetadata, read_gguf
 from sgl.model_loader.gguf_kquants import KQUANT_LAYOUTS, repack_kquant_blocks
 from sgl.model_loader.source import WeightSource
 
@@ -30,45 +34,13 @@ __all__ = ["GGUF_QUANTIZED", "GGUFWeights", "gguf_to_hf_name", "repack_gguf_bloc
 
 logger = logging.getLogger(__name__)
 
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-# tensors llama.cpp derives from the config; Hugging Face models recompute them
-_SKIPPED = frozenset({"rope_freqs.weight"})
-# architectures whose q/k rows llama.cpp's converter permuted
-_PERMUTED_ARCHS = frozenset({"llama"})
 
-_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
-_GLOBAL_TENSOR = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
-
-
-def gguf_to_hf_name(name: str) -> str | None:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None if unknown."""
-    match = _LAYER_TENSOR.match(name)
-    if match:
-        layer, kind, suffix = match.groups()
-        hf = _LAYER_NAMES.get(kind)
-        return None if hf is None else f"model.layers.{layer}.{hf}.{suffix}"
-    match = _GLOBAL_TENSOR.match(name)
-    if match:
-        hf = _GLOBAL_NAMES.get(match.group(1))
-        return None if hf is None else f"{hf}.{match.group(2)}"
-    return None
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` for GGUF
+    architecture ``arch``; None if unknown, or if the tensor holds several Hugging Face tensors
+    (a fused or stacked one) or none (``rope_freqs``)."""
+    rules = GGUF_ARCHS.get(arch)
+    return None if rules is None else rules.hf_name(name)
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -118,55 +90,59 @@ def repack_gguf_blocks(type_name: str, data: np.ndarray, rows: int,
     return layout, qweight, scales
 
 
-def _field(reader: Any, key: str) -> Any:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
 class GGUFWeights(WeightSource):
     """Streams the tensors of a ``.gguf`` file via a memory-mapped ``gguf.GGUFReader``;
-    ``quantized``: 2-D tensors of the types in :data:`GGUF_QUANTIZED` come as
-    :class:`~sgl.layers.quantized.QuantizedTensor`."""
+    ``quantized``: 2-D tensors (and stacked experts) of the types in :data:`GGUF_QUANTIZED`
+    come as :class:`~sgl.layers.quantized.QuantizedTensor`.
+
+    :raises ModelLoadError: for a file that is not GGUF, an architecture sgl does not load
+        (the message lists those it does) or a tensor it cannot name."""
 
     def __init__(self, path: Path, dtype: torch.dtype, *, quantized: bool = False) -> None:
         super().__init__(path, dtype)
         self.quantized = quantized
-        import gguf
-
-        try:
-            self.reader = gguf.GGUFReader(str(path))
-        except Exception as exc:  # ValueError (bad magic), struct errors, OSError
-            raise ModelLoadError(
-                f"cannot read GGUF file {str(path)!r} (corrupt or not GGUF): {exc}"
-            ) from exc
-        self.arch = str(_field(self.reader, "general.architecture") or "")
-        self.num_heads = _field(self.reader, f"{self.arch}.attention.head_count")
-        self.num_kv_heads = _field(self.reader, f"{self.arch}.attention.head_count_kv")
-        if self.num_kv_heads is None:
-            self.num_kv_heads = self.num_heads
-        self.tensors = [t for t in self.reader.tensors if t.name not in _SKIPPED]
-        unknown = [t.name for t in self.tensors if gguf_to_hf_name(t.name) is None]
+        self.reader = read_gguf(path)
+        meta = GGUFMetadata(self.reader)
+        self.arch = meta.arch
+        self.rules: GGUFArch = gguf_arch(self.arch, path)
+        self.num_heads = int(meta.arch_get("attention.head_count") or 0)
+        self.num_kv_heads = int(meta.arch_get("attention.head_count_kv") or self.num_heads)
+        #: each tensor of the file with the Hugging Face tensors it holds (none: config only)
+        self.plan: list[tuple[Any, list[Piece]]] = []
+        unknown = []
+        for tensor in self.reader.tensors:
+            pieces = self.rules.pieces(tensor.name, self._shape(tensor), self.num_heads,
+                                       self.num_kv_heads)
+            if pieces is None:
+                unknown.append(tensor.name)
+            elif pieces:
+                self.plan.append((tensor, pieces))
         if unknown:
             raise ModelLoadError(
                 f"GGUF file {str(path)!r} (architecture {self.arch!r}) has tensors sgl cannot "
-                f"map to Hugging Face names: {', '.join(unknown[:5])}; supported GGUF tensors: "
-                f"{', '.join(sorted(_GLOBAL_NAMES) + sorted('blk.N.' + k for k in _LAYER_NAMES))}"
+                f"map to Hugging Face names: {', '.join(unknown[:5])}; supported GGUF tensors of "
+                f"{self.arch}: {', '.join(self.rules.kinds())}"
             )
+        self.tensors = [tensor for tensor, _ in self.plan]
 
         if quantized:
             self._log_dequantized()
 
+    @staticmethod
+    def _shape(tensor: Any) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
     def __len__(self) -> int:
-        return len(self.tensors)
+        return sum(len(pieces) for _, pieces in self.plan)
 
     def _keeps_blocks(self, tensor: Any) -> bool:
         return (self.quantized and tensor.tensor_type.name in GGUF_QUANTIZED
-                and len(tensor.shape) == 2)
+                and len(tensor.shape) in (2, 3))
 
     def _log_dequantized(self) -> None:
         """Say which block types will be dequantized although quantized serving was asked for."""
         dense = Counter(t.tensor_type.name for t in self.tensors
-                        if not self._keeps_blocks(t) and len(t.shape) == 2
+                        if not self._keeps_blocks(t) and len(t.shape) >= 2
                         and t.tensor_type.name not in ("F32", "F16", "BF16"))
         if dense:
             logger.warning(
@@ -177,47 +153,61 @@ class GGUFWeights(WeightSource):
 
     @property
     def layouts(self) -> Counter[str]:
-        """How many tensors come in each form: ``q4``, ``q8`` or ``dense``."""
+        """How many tensors of the file come in each form: ``q4``, ``q8`` or ``dense``."""
         return Counter(GGUF_QUANTIZED[t.tensor_type.name] if self._keeps_blocks(t) else "dense"
                        for t in self.tensors)
 
     def _rotary_heads(self, hf_name: str) -> int | None:
-        if self.arch not in _PERMUTED_ARCHS:
+        if not self.rules.permuted_qk:
             return None
         if ".self_attn.q_proj." in hf_name:
-            return int(self.num_heads)
+            return self.num_heads
         if ".self_attn.k_proj." in hf_name:
-            return int(self.num_kv_heads)
+            return self.num_kv_heads
         return None
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    def _read(self, tensor: Any) -> torch.Tensor | QuantizedTensor:
+        """The whole tensor: as blocks, or dequantized to float32; 3-D tensors as 2-D rows."""
+        shape = self._shape(tensor)
+        if self._keeps_blocks(tensor):
+            rows = int(np.prod(shape[:-1]))
+            return QuantizedTensor(*repack_gguf_blocks(tensor.tensor_type.name, tensor.data,
+                                                       rows, shape[-1]))
         from gguf.quants import dequantize
 
-        for tensor in self.tensors:
-            hf_name = gguf_to_hf_name(tensor.name)
-            if hf_name is None:  # checked in __init__
-                raise ModelLoadError(f"unmapped GGUF tensor {tensor.name!r}")
-            heads = self._rotary_heads(hf_name)
-            if self._keeps_blocks(tensor):
-                cols, rows = (int(d) for d in tensor.shape.tolist())
-                blocks = QuantizedTensor(*repack_gguf_blocks(tensor.tensor_type.name,
-                                                             tensor.data, rows, cols))
-                if heads is not None:
-                    blocks = blocks.map_rows(lambda t, h=heads: unpermute_rotary_rows(t, h))
-                yield hf_name, blocks
-                continue
-            try:
-                array = dequantize(tensor.data, tensor.tensor_type)
-            except NotImplementedError as exc:
-                raise ModelLoadError(
-                    f"GGUF tensor {tensor.name!r} uses quantization {tensor.tensor_type.name}, "
-                    f"which gguf {_gguf_version()} cannot dequantize: {exc}"
-                ) from exc
-            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-            weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as exc:
+            raise ModelLoadError(
+                f"GGUF tensor {tensor.name!r} uses quantization {tensor.tensor_type.name}, "
+                f"which gguf {_gguf_version()} cannot dequantize: {exc}"
+            ) from exc
+        weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)
+        return weight.reshape(-1, shape[-1]) if len(shape) > 2 else weight
+
+    def _restore(self, hf_name: str,
+                 piece: torch.Tensor | QuantizedTensor) -> torch.Tensor | QuantizedTensor:
+        """Undo the converter's transforms of one Hugging Face tensor."""
+        heads = self._rotary_heads(hf_name)
+        if isinstance(piece, QuantizedTensor):
             if heads is not None:
-                weight = unpermute_rotary_rows(weight, heads)
-            yield hf_name, self._cast(weight)
+                piece = piece.map_rows(lambda t, h=heads: unpermute_rotary_rows(t, h))
+            return piece
+        if heads is not None:
+            piece = unpermute_rotary_rows(piece, heads)
+        if self.rules.norm_shift and hf_name.endswith("norm.weight"):
+            piece = piece - self.rules.norm_shift
+        if piece.dim() == 1 and hf_name.rpartition(".")[0].split(".", 3)[-1] in \
+                self.rules.row_vectors:
+            piece = piece.reshape(1, -1)
+        return self._cast(piece)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        for tensor, pieces in self.plan:
+            whole = self._read(tensor)
+            for hf_name, start, rows in pieces:
+                piece = whole if len(pieces) == 1 else whole.narrow(0, start, rows)
+                yield hf_name, self._restore(hf_name, piece)
 
 
 def _gguf_version() -> str:
