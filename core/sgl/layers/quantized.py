@@ -29,7 +29,8 @@ from torch import nn
 
 from sgl.kernels import ops, quant
 
-__all__ = ["QUANTIZATION_MODES", "QUANTIZE_MODES", "QuantizedTensor", "deferred_weights",
+__all__ = ["QUANTIZATION_MODES", "QUANTIZE_MODES", "ROUND_X_MAX_ROWS", "QuantizedTensor",
+           "deferred_weights",
            "deferred_mode", "dense_rows", "quantized_linear", "store_weight_rows"]
 
 #: ``gguf``: weights kept as they arrive (quantized blocks stay quantized); ``int8``/``int4``:
@@ -235,17 +236,31 @@ def dense_rows(module: nn.Module, index: torch.Tensor | None = None) -> torch.Te
     return QuantizedTensor(module.weight_layout, weight, scales).dequantize(module.weight_dtype)
 
 
+#: up to this many rows a 4-bit matmul rounds ``x`` to int8 per block of 32 (``round_x`` of
+#: ``sgl::linear_q4``, what llama.cpp does with every matmul) and multiplies integers: for one
+#: SmolLM2 forward's matmuls on one AVX2 thread 8.5 against 13.4 ms at 1 row, 11.6 against
+#: 16.1 at 2, 15.6 against 18.7 at 3, even at 4 (docs/benchmarks.md, "Quantized matmuls").
+#: Each value of ``x`` moves by at most ``max|x| / 254`` of its block. The 8-bit layout gains
+#: too little from it to give up exactness.
+ROUND_X_MAX_ROWS = 3
+
+
 def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
                      scales: torch.Tensor, bias32: torch.Tensor | None) -> torch.Tensor:
     """``x @ W^T + bias`` for ``x [..., K]`` and a quantized ``W``: the kernel operator for
-    float32 and bfloat16 ``x`` on CPU, the reference (dequantize, then multiply) otherwise."""
+    float32 and bfloat16 ``x`` on CPU (``round_x`` for few rows of a 4-bit weight, see
+    :data:`ROUND_X_MAX_ROWS`), the reference (dequantize, then multiply) otherwise."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-        op: Any = torch.ops.sgl.linear_q4 if layout == "q4" else torch.ops.sgl.linear_q8
-    else:
-        op = ops.linear_q4 if layout == "q4" else ops.linear_q8
+        if layout == "q4":
+            out = torch.ops.sgl.linear_q4(x2, qweight, scales, bias32,
+                                          0 < rows <= ROUND_X_MAX_ROWS)
+        else:
+            out = torch.ops.sgl.linear_q8(x2, qweight, scales, bias32)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
+    op: Any = ops.linear_q4 if layout == "q4" else ops.linear_q8
     out = op(x2, qweight, scales, bias32)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])

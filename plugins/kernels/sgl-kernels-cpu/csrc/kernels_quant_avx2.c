@@ -174,56 +174,94 @@ AVX2_TARGET INLINE __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 e) {
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
+/* the 32 integers of one block as bytes in value order (q4: 0..15, q8: signed) */
+AVX2_TARGET INLINE __m256i block_ints(const uint8_t *q, const int BITS) {
+    if (BITS == 8) return _mm256_loadu_si256((const __m256i *)q);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+}
+
+/* the exact integer dot product of one block's weight integers w with x's int8 xv, as 8 lanes */
+AVX2_TARGET INLINE __m256 block_dot(__m256i w, __m256i xv, const int BITS) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (BITS == 8) /* vpmaddubsw takes one unsigned operand: |w|, with w's sign moved onto x */
+        return _mm256_cvtepi32_ps(_mm256_madd_epi16(
+            _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), ones));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
+}
+
+/* d and m of 8 consecutive blocks from their interleaved float16 (d, m) pairs */
+AVX2_TARGET INLINE void scales8(const uint16_t *sc, __m256 *d, __m256 *m) {
+    const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sc));       /* blocks 0-3 */
+    const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 8))); /* blocks 4-7 */
+    /* in-lane shuffles give blocks 0 1 4 5 | 2 3 6 7; the 64-bit permute puts them in order */
+    *d = _mm256_castpd_ps(_mm256_permute4x64_pd(
+        _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0))), 0xD8));
+    *m = _mm256_castpd_ps(_mm256_permute4x64_pd(
+        _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))), 0xD8));
+}
+
 /* y[r0 .. r0 + ROWS, n .. n + COLS] from the rounded x: per block the integer products summed
    by vpmaddubsw / vpmaddwd (exact), scaled by d * dx in float32, and m * dx * sum(q) added.
-   Several columns side by side give few rows independent chains of sums. */
+   The scales of 8 blocks are widened and multiplied at once; the m terms are summed as a vector
+   over those blocks into the same sums (only the total of the lanes counts). Several columns
+   side by side give few rows independent chains of sums. */
 AVX2_TARGET INLINE void quant_tile_i8(const linear_quant_job *j, int64_t r0, int64_t n,
                                       const int BITS, const int ROWS, const int COLS) {
     const int64_t KB = j->KB, qb = BITS == 4 ? 16 : 32, K = KB * 32;
     __m256 acc[8][4];
-    float mterm[8][4];
     #pragma GCC unroll 8
     for (int r = 0; r < ROWS; r++)
         #pragma GCC unroll 4
-        for (int c = 0; c < COLS; c++) {
-            acc[r][c] = _mm256_setzero_ps();
-            mterm[r][c] = 0.0f;
-        }
+        for (int c = 0; c < COLS; c++) acc[r][c] = _mm256_setzero_ps();
     const int8_t *xq = j->xq + r0 * K;
     const float *xd = j->xd + r0 * KB, *xs = j->xs + r0 * KB;
     const uint8_t *q = j->qw + n * KB * qb;
     const uint16_t *sc = j->sc + n * KB * 2;
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m128i low = _mm_set1_epi8(0x0F);
-    for (int64_t kb = 0; kb < KB; kb++) {
-        __m256i w[4], aw[4];
-        float d[4], m[4];
+    int64_t kb = 0;
+    for (; kb + 8 <= KB; kb += 8) {
+        float ds[8][4][8]; /* d * dx per row, column and block of the group */
         #pragma GCC unroll 4
         for (int c = 0; c < COLS; c++) {
-            const uint8_t *qc = q + (c * KB + kb) * qb;
-            if (BITS == 4) { /* values 0..15 from the low nibbles, 16..31 from the high ones */
-                const __m128i raw = _mm_loadu_si128((const __m128i *)qc);
-                w[c] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low),
-                                        _mm_and_si128(raw, low));
-                aw[c] = w[c];
-            } else { /* the unsigned operand is |w|; the sign moves onto x */
-                w[c] = _mm256_loadu_si256((const __m256i *)qc);
-                aw[c] = _mm256_sign_epi8(w[c], w[c]);
+            __m256 d, m;
+            scales8(sc + (c * KB + kb) * 2, &d, &m);
+            #pragma GCC unroll 8
+            for (int r = 0; r < ROWS; r++) {
+                _mm256_storeu_ps(ds[r][c], _mm256_mul_ps(d, _mm256_loadu_ps(xd + r * KB + kb)));
+                acc[r][c] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs + r * KB + kb), acc[r][c]);
             }
-            d[c] = _cvtsh_ss(sc[(c * KB + kb) * 2]);
-            m[c] = _cvtsh_ss(sc[(c * KB + kb) * 2 + 1]);
         }
         #pragma GCC unroll 8
-        for (int r = 0; r < ROWS; r++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + kb * 32));
-            const float dx = xd[r * KB + kb], sx = xs[r * KB + kb];
+        for (int b = 0; b < 8; b++) {
+            __m256i w[4];
             #pragma GCC unroll 4
-            for (int c = 0; c < COLS; c++) {
-                const __m256i xc = BITS == 4 ? xv : _mm256_sign_epi8(xv, w[c]);
-                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[c], xc), ones);
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[c] * dx),
-                                            acc[r][c]);
-                mterm[r][c] += m[c] * sx;
+            for (int c = 0; c < COLS; c++) w[c] = block_ints(q + (c * KB + kb + b) * qb, BITS);
+            #pragma GCC unroll 8
+            for (int r = 0; r < ROWS; r++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K +
+                                                                        (kb + b) * 32));
+                #pragma GCC unroll 4
+                for (int c = 0; c < COLS; c++)
+                    acc[r][c] = _mm256_fmadd_ps(block_dot(w[c], xv, BITS),
+                                                _mm256_broadcast_ss(&ds[r][c][b]), acc[r][c]);
+            }
+        }
+    }
+    for (; kb < KB; kb++) { /* the last blocks, one at a time */
+        #pragma GCC unroll 4
+        for (int c = 0; c < COLS; c++) {
+            const __m256i w = block_ints(q + (c * KB + kb) * qb, BITS);
+            const float d = _cvtsh_ss(sc[(c * KB + kb) * 2]);
+            const float m = _cvtsh_ss(sc[(c * KB + kb) * 2 + 1]);
+            #pragma GCC unroll 8
+            for (int r = 0; r < ROWS; r++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + kb * 32));
+                const __m256 sum = _mm256_fmadd_ps(block_dot(w, xv, BITS),
+                                                   _mm256_set1_ps(d * xd[r * KB + kb]),
+                                                   acc[r][c]);
+                /* m * dx * sum(q) in lane 0 */
+                acc[r][c] = _mm256_add_ps(sum, _mm256_setr_ps(m * xs[r * KB + kb], 0, 0, 0, 0,
+                                                              0, 0, 0));
             }
         }
     }
@@ -238,7 +276,7 @@ AVX2_TARGET INLINE void quant_tile_i8(const linear_quant_job *j, int64_t r0, int
         }
         #pragma GCC unroll 4
         for (int c = 0; c < COLS; c++) {
-            const float out = v[c] + mterm[r][c] + (j->bias ? j->bias[n + c] : 0.0f);
+            const float out = v[c] + (j->bias ? j->bias[n + c] : 0.0f);
             const int64_t at = (r0 + r) * j->ldy + n + c;
             if (j->dtype) ((uint16_t *)j->y)[at] = bf16_of(out);
             else ((float *)j->y)[at] = out;
