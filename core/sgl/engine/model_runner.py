@@ -196,6 +196,8 @@ class ModelRunner:
     :param dtype: ``"auto"`` (:func:`auto_cpu_dtype` on CPU), ``"float32"``, ``"bfloat16"`` or
         ``"float16"``.
     :param quantization: one of :data:`QUANTIZATION_CHOICES` (:func:`resolve_quantization`).
+    :param exact_quantized_matmul: never round activations to int8 in the 4-bit matmuls
+        (:data:`sgl.layers.quantized.ROUND_X_MAX_ROWS`).
     :param attention_backend: a name registered by an attention plugin (``"torch"``).
     :param registries: the plugin manager's registries (models, attention backends).
     :param plugin_manager: asked through ``sgl_resolve_model_arch`` when no registered class
@@ -210,7 +212,8 @@ class ModelRunner:
     """
 
     def __init__(self, *, model_path: str | None = None, dtype: str = "auto",
-                 quantization: str = "auto", attention_backend: str = "torch",
+                 quantization: str = "auto", exact_quantized_matmul: bool = False,
+                 attention_backend: str = "torch",
                  registries: Registries,
                  plugin_manager: Any = None, max_total_tokens: int | None = None,
                  mem_fraction: float = 0.5, max_running_requests: int = 64,
@@ -234,7 +237,8 @@ class ModelRunner:
         backend_cls = registries.attention.load(attention_backend)  # fail before loading weights
         with contextlib.ExitStack() as stack:
             if self.quantization != "none":
-                stack.enter_context(deferred_weights(self.quantization))
+                stack.enter_context(deferred_weights(self.quantization,
+                                                     round_x=not exact_quantized_matmul))
             self.model: BaseCausalLM = model_cls(self.hf_config, dtype=self.dtype,
                                                  device=self.device)
         self.model.eval()

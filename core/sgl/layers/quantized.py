@@ -113,18 +113,29 @@ class QuantizedTensor:
 
 # -- building a model whose weights are decided by what arrives --------------------------------
 
-_deferred: str | None = None
+#: up to this many rows a 4-bit matmul rounds ``x`` to int8 per block of 32 (``round_x`` of
+#: ``sgl::linear_q4``, what llama.cpp does with every matmul) and multiplies integers: for one
+#: SmolLM2 forward's matmuls on one AVX2 thread 8.5 against 13.4 ms at 1 row, 11.6 against
+#: 16.1 at 2, 15.6 against 18.7 at 3, even at 4 (docs/benchmarks.md, "Quantized matmuls").
+#: Each value of ``x`` moves by at most ``max|x| / 254`` of its block. The 8-bit layout gains
+#: too little from it to give up exactness.
+ROUND_X_MAX_ROWS = 3
+
+
+_deferred: tuple[str, int] | None = None  # (mode, round_x_rows)
 
 
 @contextlib.contextmanager
-def deferred_weights(mode: str) -> Iterator[None]:
+def deferred_weights(mode: str, *, round_x: bool = True) -> Iterator[None]:
     """Build models inside this to let their weights be held as they arrive (see the module
-    docstring); ``mode`` is one of :data:`QUANTIZATION_MODES`."""
+    docstring); ``mode`` is one of :data:`QUANTIZATION_MODES`. ``round_x``: the layers' 4-bit
+    matmuls round few rows of x to int8 (:data:`ROUND_X_MAX_ROWS`); False keeps every
+    product exact (``--exact-quantized-matmul``)."""
     global _deferred
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"unknown quantization mode {mode!r} "
                          f"(expected one of {', '.join(QUANTIZATION_MODES)})")
-    previous, _deferred = _deferred, mode
+    previous, _deferred = _deferred, (mode, ROUND_X_MAX_ROWS if round_x else 0)
     try:
         yield
     finally:
@@ -133,7 +144,7 @@ def deferred_weights(mode: str) -> Iterator[None]:
 
 def deferred_mode() -> str | None:
     """The mode of the enclosing :func:`deferred_weights`, or None outside one."""
-    return _deferred
+    return None if _deferred is None else _deferred[0]
 
 
 def _blocks(layout: str, rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor,
@@ -218,6 +229,8 @@ def init_weight(module: nn.Module, rows: int, cols: int, dtype: torch.dtype | No
     module.weight_dtype = dtype or torch.get_default_dtype()
     module.weight_device = torch.device(device) if device is not None else torch.device("cpu")
     module.weight_mode = deferred_mode()
+    #: up to this many rows its 4-bit matmuls round x (0: never)
+    module.round_x_rows = ROUND_X_MAX_ROWS if _deferred is None else _deferred[1]
     place = "meta" if module.weight_mode is not None else device
     module.weight = nn.Parameter(torch.empty((rows, cols), dtype=dtype, device=place),
                                  requires_grad=False)
@@ -236,20 +249,15 @@ def dense_rows(module: nn.Module, index: torch.Tensor | None = None) -> torch.Te
     return QuantizedTensor(module.weight_layout, weight, scales).dequantize(module.weight_dtype)
 
 
-#: up to this many rows a 4-bit matmul rounds ``x`` to int8 per block of 32 (``round_x`` of
-#: ``sgl::linear_q4``, what llama.cpp does with every matmul) and multiplies integers: for one
-#: SmolLM2 forward's matmuls on one AVX2 thread 8.5 against 13.4 ms at 1 row, 11.6 against
-#: 16.1 at 2, 15.6 against 18.7 at 3, even at 4 (docs/benchmarks.md, "Quantized matmuls").
-#: Each value of ``x`` moves by at most ``max|x| / 254`` of its block. The 8-bit layout gains
-#: too little from it to give up exactness.
-ROUND_X_MAX_ROWS = 3
 
 
 def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
-                     scales: torch.Tensor, bias32: torch.Tensor | None) -> torch.Tensor:
+                     scales: torch.Tensor, bias32: torch.Tensor | None, *,
+                     round_x_rows: int = ROUND_X_MAX_ROWS) -> torch.Tensor:
     """``x @ W^T + bias`` for ``x [..., K]`` and a quantized ``W``: the kernel operator for
-    float32 and bfloat16 ``x`` on CPU (``round_x`` for few rows of a 4-bit weight, see
-    :data:`ROUND_X_MAX_ROWS`), the reference (dequantize, then multiply) otherwise."""
+    float32 and bfloat16 ``x`` on CPU (``round_x`` for up to ``round_x_rows`` rows of a 4-bit
+    weight, see :data:`ROUND_X_MAX_ROWS`), the reference (dequantize, then multiply)
+    otherwise."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -257,7 +265,7 @@ def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
         if layout == "q4":
             out = torch.ops.sgl.linear_q4(x2, qweight, scales, bias32,
-                                          0 < rows <= ROUND_X_MAX_ROWS)
+                                          0 < rows <= round_x_rows)
         else:
             out = torch.ops.sgl.linear_q8(x2, qweight, scales, bias32)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
