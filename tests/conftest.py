@@ -66,11 +66,10 @@ def server(tmp_path_factory: pytest.TempPathFactory, route_plugin_file: Path,
            markers_file: Path) -> Iterator[ServerProcess]:
     """The bundled SmolLM2 behind a real `sgl serve` on a free loopback port, in float32 (the
     dtype of the transformers reference its outputs are checked against; ``auto`` would be
-    bfloat16 on a CPU with AMX), its quantized matmuls exact at every batch size (as the
-    reference is)."""
+    bfloat16 on a CPU with AMX)."""
     log = tmp_path_factory.mktemp("server") / "server.log"
     proc = ServerProcess("--plugin", str(route_plugin_file), "--max-total-tokens", "16384",
-                         "--dtype", "float32", "--exact-quantized-matmul",
+                         "--dtype", "float32",
                          env={"SGL_TEST_MARKERS": str(markers_file)}, log_path=log)
     yield proc
     proc.stop()

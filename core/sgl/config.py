@@ -76,12 +76,12 @@ class ServerSettings:
         "int8 / int4: a Hugging Face checkpoint's linear weights rounded to 8-/4-bit blocks "
         "of 32 at load (weight-only; the embedding and LM head to 8 bits). gguf: as auto, but "
         "only for a GGUF file.")
-    exact_quantized_matmul: bool = _opt(
-        False, "Multiply quantized weights by the activations as they are at every batch size. "
-        "By default a 4-bit matmul of up to 3 rows (decoding a few sequences) first rounds "
-        "the activations to int8 per block of 32, as llama.cpp does with every matmul: about "
-        "1.6x faster, and the logits move by about 0.5. For comparisons with --quantization "
-        "none, and for results that do not depend on the batch size.")
+    int8_activations: bool = _opt(
+        False, "In decode steps of up to 3 sequences, round the activations to int8 per block "
+        "of 32 before each 4-bit quantized matmul and multiply integers, as llama.cpp does "
+        "with every matmul: about 1.6x faster matmuls at batch 1, but the logits move by "
+        "about 0.5 and the output then depends on the batch size and on prefix-cache hits "
+        "(the same request can decode differently). Off: every product exact.")
     num_threads: int | None = _opt(
         None, "torch intra-op threads of the scheduler; default: 1 where sgl's CPU kernels run "
         "(they need it), else one less than the usable cores (the process's CPU affinity).",

@@ -30,6 +30,7 @@ from sgl.layers import (
 from sgl.layers.quantized import (
     ROUND_X_MAX_ROWS,
     QuantizedTensor,
+    decode_step,
     deferred_weights,
     dense_rows,
 )
@@ -139,22 +140,30 @@ def test_int8_and_int4_round_dense_weights_at_load(mode: str, layout: str) -> No
     torch.testing.assert_close(layer(x), x @ expected.t(), rtol=1e-5, atol=1e-5)
 
 
-def test_few_rows_of_a_4_bit_matmul_round_x() -> None:
-    """Up to ROUND_X_MAX_ROWS rows a q4 layer multiplies x rounded to int8 per block (the
-    round_x reference); a q8 layer stays exact at any row count."""
-    with deferred_weights("gguf"):
+def test_few_rows_of_a_4_bit_matmul_round_x_in_decode_steps() -> None:
+    """Built with round_x, in a decode step, up to ROUND_X_MAX_ROWS rows a q4 layer multiplies
+    x rounded to int8 per block (the round_x reference); outside one, and for a q8 layer, it
+    stays exact; a layer built without round_x (the default) never rounds."""
+    with deferred_weights("gguf", round_x=True):
         q4, q8 = RowParallelLinear(96, 40), RowParallelLinear(96, 40)
-    load(q4, blocks("q4", 40, 96, 14))
-    load(q8, blocks("q8", 40, 96, 15))
+    with deferred_weights("gguf"):
+        exact_q4 = RowParallelLinear(96, 40)
+    for layer, seed in ((q4, 14), (q8, 15), (exact_q4, 14)):
+        load(layer, blocks("q8" if layer is q8 else "q4", 40, 96, seed))
     for rows in range(1, ROUND_X_MAX_ROWS + 2):
         x = inputs(rows, 96)
         round_x = rows <= ROUND_X_MAX_ROWS
-        torch.testing.assert_close(
-            q4(x), ops.linear_q4(x, q4.weight, q4.weight_scales, None, round_x),
-            rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(q8(x), x @ dense_rows(q8).t(), rtol=1e-5, atol=1e-5)
-    exact = inputs(1, 96) @ dense_rows(q4).t()
-    assert (q4(inputs(1, 96)) - exact).abs().max() > 1e-4  # x was rounded
+        with decode_step():
+            torch.testing.assert_close(
+                q4(x), ops.linear_q4(x, q4.weight, q4.weight_scales, None, round_x),
+                rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(q8(x), x @ dense_rows(q8).t(), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(exact_q4(x), x @ dense_rows(q4).t(), rtol=1e-5,
+                                       atol=1e-5)
+        torch.testing.assert_close(q4(x), x @ dense_rows(q4).t(), rtol=1e-5, atol=1e-5)
+    with decode_step():
+        rounded = q4(inputs(1, 96))
+    assert (rounded - inputs(1, 96) @ dense_rows(q4).t()).abs().max() > 1e-4  # x was rounded
 
 
 @pytest.mark.usefixtures("tp_rank_1_of_2")
@@ -240,16 +249,17 @@ def test_quantization_modes_of_model_paths(tmp_path: Any) -> None:
 
 # -- the bundled SmolLM2 served quantized -----------------------------------------------------
 
-def runner(quantization: str, dtype: str = "float32") -> ModelRunner:
+def runner(quantization: str, dtype: str = "float32", **kwargs: Any) -> ModelRunner:
     pm = create_plugin_manager()
-    return ModelRunner(quantization=quantization, dtype=dtype, registries=pm.registries,
+    return ModelRunner(quantization=quantization, dtype=dtype, **kwargs, registries=pm.registries,
                        plugin_manager=pm, max_total_tokens=2048, max_running_requests=4,
                        show_progress=False)
 
 
 @pytest.fixture(scope="module")
 def smollm2() -> dict[str, ModelRunner]:
-    return {"gguf": runner("auto"), "none": runner("none")}
+    return {"gguf": runner("auto"), "none": runner("none"),
+            "int8x": runner("auto", int8_activations=True)}
 
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
@@ -327,29 +337,29 @@ def test_quantized_weights_take_at_most_40_percent_of_bfloat16(
 
 def test_quantized_greedy_text_and_logits_match_dequantized(
         smollm2: dict[str, ModelRunner]) -> None:
-    """Four prompts batched (every matmul on 4+ rows: float32 activations on the same values,
-    since Q4_1/Q8_0 dequantize exactly in float32): only the order of the sums differs, so the
-    first-token logits (range about -11..30) agree to 1e-3 and greedy text is the same token
-    for token."""
+    """float32 activations on the same values (Q4_1/Q8_0 dequantize exactly in float32): only
+    the order of the sums differs, so the first-token logits (range about -11..30) agree to
+    1e-3 and greedy text is the same token for token, batched and decoded alone."""
     prompts = chat_prompts()
-    assert len(prompts) > ROUND_X_MAX_ROWS
     got_logits, got = greedy(smollm2["gguf"], prompts, 24)
     want_logits, want = greedy(smollm2["none"], prompts, 24)
     torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-3)
     assert got == want
+    assert greedy(smollm2["gguf"], prompts[:1], 24)[1] == want[:1]
 
 
-def test_batch_1_decode_rounds_x_within_a_stated_tolerance(
+def test_int8_activations_round_x_within_a_stated_tolerance(
         smollm2: dict[str, ModelRunner]) -> None:
-    """Decoding one sequence, the 4-bit matmuls round x to int8 per block (ROUND_X_MAX_ROWS):
+    """With ``int8_activations``, decoding one sequence, the 4-bit matmuls round x to int8 per
+    block (ROUND_X_MAX_ROWS):
     along ``--quantization none``'s greedy tokens, each step's logits stay within 3.0 of
     none's (measured: median 0.5-0.6, largest 1.9 over 30 layers of at most max|x|/254 per
     value), and the greedy pick is the same wherever none's best two logits are 0.25 or more
     apart."""
     for prompt in chat_prompts()[:2]:
         _, (tokens,) = greedy(smollm2["none"], [prompt], 24)
-        got, want = forced(smollm2["gguf"], prompt, tokens), forced(smollm2["none"], prompt,
-                                                                   tokens)
+        got, want = forced(smollm2["int8x"], prompt, tokens), forced(smollm2["none"], prompt,
+                                                                    tokens)
         assert (got - want).abs().max() <= 3.0
         assert (got - want).abs().max() > 1e-3  # x was rounded
         top2 = want.topk(2, dim=-1).values

@@ -44,8 +44,7 @@ class Harness:
 
     def __init__(self, tmp: Path, pm: SglPluginManager | None = None, **overrides: Any) -> None:
         settings = load_settings(env={}, cli={
-            "dtype": "float32", "exact_quantized_matmul": True,
-            "max_total_tokens": POOL_TOKENS, "max_running_requests": 48,
+            "dtype": "float32", "max_total_tokens": POOL_TOKENS, "max_running_requests": 48,
             "chunked_prefill_size": 512, "num_threads": 1, **overrides})
         self.ctx = zmq.Context()
         endpoints = {"requests": f"ipc://{tmp}/req", "outputs": f"ipc://{tmp}/out"}

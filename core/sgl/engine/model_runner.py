@@ -22,7 +22,7 @@ from sgl.engine.memory import available_memory_bytes, kv_pool_tokens
 from sgl.kernels import cpu
 from sgl.kvcache.pool import KVPool, ReqToTokenPool
 from sgl.layers.attention import Attention
-from sgl.layers.quantized import deferred_weights
+from sgl.layers.quantized import decode_step, deferred_weights
 from sgl.layers.tp import get_tp_group, tp_min
 from sgl.model_loader import (
     ModelLoadError,
@@ -196,8 +196,8 @@ class ModelRunner:
     :param dtype: ``"auto"`` (:func:`auto_cpu_dtype` on CPU), ``"float32"``, ``"bfloat16"`` or
         ``"float16"``.
     :param quantization: one of :data:`QUANTIZATION_CHOICES` (:func:`resolve_quantization`).
-    :param exact_quantized_matmul: never round activations to int8 in the 4-bit matmuls
-        (:data:`sgl.layers.quantized.ROUND_X_MAX_ROWS`).
+    :param int8_activations: let the 4-bit matmuls of small decode steps round activations
+        to int8 (:data:`sgl.layers.quantized.ROUND_X_MAX_ROWS`).
     :param attention_backend: a name registered by an attention plugin (``"torch"``).
     :param registries: the plugin manager's registries (models, attention backends).
     :param plugin_manager: asked through ``sgl_resolve_model_arch`` when no registered class
@@ -212,7 +212,7 @@ class ModelRunner:
     """
 
     def __init__(self, *, model_path: str | None = None, dtype: str = "auto",
-                 quantization: str = "auto", exact_quantized_matmul: bool = False,
+                 quantization: str = "auto", int8_activations: bool = False,
                  attention_backend: str = "torch",
                  registries: Registries,
                  plugin_manager: Any = None, max_total_tokens: int | None = None,
@@ -238,7 +238,7 @@ class ModelRunner:
         with contextlib.ExitStack() as stack:
             if self.quantization != "none":
                 stack.enter_context(deferred_weights(self.quantization,
-                                                     round_x=not exact_quantized_matmul))
+                                                     round_x=int8_activations))
             self.model: BaseCausalLM = model_cls(self.hf_config, dtype=self.dtype,
                                                  device=self.device)
         self.model.eval()
@@ -346,9 +346,11 @@ class ModelRunner:
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         self.attn_backend.init_forward_metadata(batch)
-        if self.cpu_graphs is not None and batch.mode == ForwardMode.DECODE:
-            return self.cpu_graphs.forward(batch)
-        return self.model(batch)
+        decoding = batch.mode == ForwardMode.DECODE
+        with decode_step(decoding):  # where 4-bit matmuls of few rows may round activations
+            if self.cpu_graphs is not None and decoding:
+                return self.cpu_graphs.forward(batch)
+            return self.model(batch)
 
     @torch.inference_mode()
     def logits_at(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

@@ -117,7 +117,7 @@ def build_runner(settings: ServerSettings, pm: SglPluginManager) -> ModelRunner:
     return ModelRunner(
         model_path=settings.model_path, dtype=settings.dtype,
         quantization=settings.quantization,
-        exact_quantized_matmul=settings.exact_quantized_matmul, attention_backend=settings.attention_backend, registries=pm.registries,
+        int8_activations=settings.int8_activations, attention_backend=settings.attention_backend, registries=pm.registries,
         plugin_manager=pm, max_total_tokens=settings.max_total_tokens,
         mem_fraction=settings.mem_fraction_static,
         max_running_requests=settings.max_running_requests,
