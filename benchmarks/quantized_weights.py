@@ -3,12 +3,13 @@
     .venv/bin/python benchmarks/quantized_weights.py
     .venv/bin/python benchmarks/quantized_weights.py --configs gguf:float32,none:bfloat16 --batch-sizes 1
 
-Each configuration (``quantization:dtype``) is one ``sgl.Engine``, started alone, so its
-scheduler process holds only that model. Reported per configuration:
+Each configuration (``quantization:dtype``, ``:int8x`` appended for ``--int8-activations``) is
+one ``sgl.Engine``, started alone, so its scheduler process holds only that model. Reported per configuration:
 
 * ``weights MiB``: ``weights_bytes`` of the scheduler's info (parameters, buffers and the CPU
   kernels' packed copies; what ``/get_server_info`` shows).
-* ``RSS MiB``: the scheduler process's resident memory after a warm-up request.
+* ``RSS MiB``: the scheduler process's resident memory after a warm-up request (the KV pool
+  is ``--max-total-tokens`` in every configuration).
 * decode tokens/s at each batch size: ``batch`` requests of the same 32-token prompt
   (different seeds of nothing: greedy, EOS ignored), sent together; the time of
   ``--tokens`` new tokens minus the time of 1, so prefill is left out:
@@ -32,13 +33,20 @@ PROMPT = ("The river town woke slowly. Fishermen pushed their boats into the gre
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="none:bfloat16,gguf:bfloat16,gguf:float32,none:float32",
-                   help="comma-separated quantization:dtype pairs; the first is the baseline "
-                        "(quantization: none or gguf; dtype: float32 or bfloat16)")
+    p.add_argument("--configs",
+                   default="none:bfloat16,gguf:bfloat16,gguf:float32,gguf:float32:int8x,"
+                           "none:float32",
+                   help="comma-separated quantization:dtype[:int8x]; the first is the baseline "
+                        "(quantization: none or gguf; dtype: float32 or bfloat16; int8x: "
+                        "--int8-activations)")
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--kernel-threads", type=int, default=None)
+    p.add_argument("--max-total-tokens", type=int, default=8192,
+                   help="the KV pool of every configuration (a fixed size, so that the "
+                        "scheduler's RSS differs by the weights only; sized from free memory "
+                        "the pool would grow into what quantized weights leave free)")
     args = p.parse_args(argv)
     try:
         args.configs = [tuple(c.split(":")) for c in args.configs.split(",")]
@@ -46,9 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError:
         p.error("--configs takes quantization:dtype pairs and --batch-sizes integers")
     for config in args.configs:
-        if len(config) != 2 or config[0] not in ("none", "gguf") \
-                or config[1] not in ("float32", "bfloat16"):
-            p.error(f"--configs: bad entry {':'.join(config)!r}; e.g. gguf:float32")
+        if len(config) not in (2, 3) or config[0] not in ("none", "gguf") \
+                or config[1] not in ("float32", "bfloat16") or config[2:] not in ((), ("int8x",)):
+            p.error(f"--configs: bad entry {':'.join(config)!r}; e.g. gguf:float32 or "
+                    "gguf:float32:int8x")
     if min(args.batch_sizes) < 1 or args.tokens < 2:
         p.error("--batch-sizes must be positive and --tokens at least 2")
     return args
@@ -71,11 +80,14 @@ def decode_rate(engine: Any, batch: int, tokens: int) -> float:
     return batch * (tokens - 1) / (timed(tokens) - timed(1))
 
 
-def measure(quantization: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+def measure(quantization: str, dtype: str, args: argparse.Namespace,
+            int8x: bool = False) -> dict[str, Any]:
     import sgl
 
     settings: dict[str, Any] = {"quantization": quantization, "dtype": dtype,
-                                "log_level": "warning", "disable_radix_cache": True}
+                                "int8_activations": int8x,
+                                "log_level": "warning", "disable_radix_cache": True,
+                                "max_total_tokens": args.max_total_tokens}
     if args.kernel_threads:
         settings["kernel_threads"] = args.kernel_threads
     engine = sgl.Engine(**settings)
@@ -98,16 +110,16 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     results = {}
-    for quantization, dtype in tqdm(args.configs, desc="configurations", unit="engine"):
-        results[(quantization, dtype)] = measure(quantization, dtype, args)
+    for config in tqdm(args.configs, desc="configurations", unit="engine"):
+        results[config] = measure(config[0], config[1], args, int8x=len(config) == 3)
     base = results[args.configs[0]]
-    head = ["quantization", "dtype", "weights MiB", "x", "RSS MiB"]
+    head = ["configuration", "weights MiB", "x", "RSS MiB"]
     head += [f"decode b{b} tok/s" for b in args.batch_sizes] + [
         f"x b{b}" for b in args.batch_sizes]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    for (quantization, dtype), r in results.items():
-        row = [quantization, dtype, f"{r['weights_mib']:.1f}",
+    for config, r in results.items():
+        row = [":".join(config), f"{r['weights_mib']:.1f}",
                f"{r['weights_mib'] / base['weights_mib']:.2f}", f"{r['rss_mib']:.0f}"]
         row += [f"{r['decode'][b]:.1f}" for b in args.batch_sizes]
         row += [f"{r['decode'][b] / base['decode'][b]:.2f}x" for b in args.batch_sizes]
