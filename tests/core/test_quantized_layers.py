@@ -365,3 +365,46 @@ def test_int8_activations_round_x_within_a_stated_tolerance(
         top2 = want.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) >= 0.25
         assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+# -- --quantization int8 / int4 on a Hugging Face checkpoint ----------------------------------
+
+@pytest.mark.parametrize("mode,layout", [("int8", "q8"), ("int4", "q4")])
+def test_hf_checkpoint_rounded_at_load_matches_transformers_on_the_rounded_weights(
+        tmp_path: Any, mode: str, layout: str) -> None:
+    """A tiny random Llama (safetensors) served with ``--quantization int8``/``int4``: every
+    linear weight is rounded to ``layout`` blocks, the embedding and LM head to q8, and the
+    logits equal transformers' run on exactly those rounded weights (float32; only the order of
+    the sums differs, hence 1e-4 on logits of about +-4)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, tie_word_embeddings=False)
+    reference = LlamaForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path)
+    pm = create_plugin_manager()
+    served = ModelRunner(model_path=str(tmp_path), quantization=mode, dtype="float32",
+                         registries=pm.registries, plugin_manager=pm, max_total_tokens=512,
+                         max_running_requests=2, show_progress=False)
+    layer = served.model.model.layers[0]
+    assert served.quantization == mode
+    assert layer.self_attn.qkv_proj.weight_layout == layout
+    assert layer.mlp.down_proj.weight_layout == layout
+    assert served.model.get_input_embeddings().weight_layout == "q8"
+    assert served.model.lm_head.weight_layout == "q8"
+    with torch.no_grad():  # transformers on the same rounded values
+        for name, module in reference.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                fmt = "q8" if name == "lm_head" else layout
+                module.weight.copy_(quant.dequantize(fmt, *quant.quantize(fmt, module.weight)))
+        table = reference.model.embed_tokens.weight
+        table.copy_(quant.dequantize("q8", *quant.quantize("q8", table)))
+        prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+        want = reference(prompt).logits[0]
+    row = served.req_to_token_pool.alloc()
+    batch = make_forward_batch(served, ForwardMode.EXTEND, [BatchSeq(row, 0, prompt[0].tolist())])
+    got = served.logits_at(served.forward(batch), torch.arange(12))
+    release_sequence(served, row, 12)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
