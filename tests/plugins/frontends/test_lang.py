@@ -171,9 +171,11 @@ def test_select_methods(server: ServerProcess, backend: Any) -> None:
 
     greedy = pick.run(method=sgl.greedy_token_selection)
     # the best logprob at the first position where the choices differ (the scored entries
-    # start with the prefix's last token, the same for all four)
+    # start with the prefix's last token, the same for all four: equal up to the order of the
+    # sums, which the quantized matmuls of the GGUF choose by the number of rows in a forward)
     scored = greedy.get_meta_info("animal")["input_token_logprobs"]
-    assert len({lps[0] for lps in scored}) == 1
+    firsts = [lps[0] for lps in scored]
+    assert max(firsts) - min(firsts) <= 1e-4
     assert greedy["animal"] == SELECT_CHOICES[max(range(4), key=lambda i: scored[i])]
 
     uncond = pick.run(method=sgl.unconditional_likelihood_normalized)
