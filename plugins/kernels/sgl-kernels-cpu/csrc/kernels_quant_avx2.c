@@ -16,6 +16,11 @@
  *
  * Columns (pairs, or panels of 32) are shared out over the pool's threads.
  *
+ * With round_x (any M) each block of each row of x is first rounded to int8 (round_x_blocks,
+ * llama.cpp's Q8 activations) and the products are integers: vpmaddubsw / vpmaddwd per block,
+ * scaled by d * dx, plus m * dx * sum(q); 1-2 rows take 4 columns at a time, 3-4 rows 2, and
+ * the columns are shared out in groups of 4.
+ *
  * The lookup of token embeddings in a quantized table (sgl::embedding_q) is here too: each row
  * widened block by block as the matmuls widen them, d q + m in float32 (exact: fp16 d times a
  * small integer needs at most 19 bits, so the FMA rounds once, as the reference's add does), and
