@@ -65,6 +65,10 @@ class ServerSettings:
         None, "Jinja chat template file used instead of the model's own.")
     host: str = _opt("127.0.0.1", "Address the HTTP server binds to.")
     port: int = _opt(30000, "Port of the HTTP server.")
+    device: Literal["auto", "cpu", "cuda"] = _opt(
+        "auto", "Where the model, its KV cache and the sampling live: cuda (an NVIDIA GPU "
+        "through torch; the first one, or the one CUDA_VISIBLE_DEVICES leaves), cpu, or auto: "
+        "cuda when torch sees a GPU, else cpu.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(
         "auto", "Data type of weights and activations; auto: on CPU bfloat16 where sgl's "
         "kernels run with AMX or AVX512-BF16 (faster decode), else float32; on accelerators "
@@ -100,10 +104,21 @@ class ServerSettings:
         False, "Run every decode forward through the model's Python code instead of replaying "
         "the kernel calls recorded for its batch size (CPU; what --disable-cuda-graph is on a "
         "GPU).")
+    disable_cuda_graph: bool = _opt(
+        False, "Run every decode forward eagerly instead of replaying the CUDA graph captured "
+        "at start-up for its batch size (--device cuda; on CPU see --disable-cpu-graph).")
+    cuda_graph_max_bs: int | None = _opt(
+        None, "Largest decode batch captured as a CUDA graph at start-up (sizes 1, 2, 4, 8, "
+        "then every 8); larger batches run eagerly. Default: --max-running-requests, at most "
+        "160. --device cuda only.", minimum=1)
     max_total_tokens: int | None = _opt(
         None, "Size of the KV pool in tokens; default: from --mem-fraction-static.", minimum=1)
-    mem_fraction_static: float = _opt(
-        0.1, "Fraction of available memory given to the KV pool when --max-total-tokens is unset.")
+    mem_fraction_static: float | None = _opt(
+        None, "Memory for the model when --max-total-tokens is unset. On a GPU as SGLang means "
+        "it: the fraction of the GPU's total memory that the weights and the KV pool take "
+        "together (default 0.85; the rest is for activations and CUDA graphs). On CPU: the "
+        "fraction of the host's available memory, after loading the weights, that the KV pool "
+        "takes (default 0.1).")
     max_running_requests: int = _opt(64, "Most requests decoded together in one batch.",
                                      minimum=1)
     context_length: int | None = _opt(
@@ -451,8 +466,9 @@ def _check_ranges(s: ServerSettings) -> None:
     problem = check_thread_counts(s.num_threads, s.kernel_threads, cores_per_rank(s))
     if problem:
         fail("kernel_threads" if s.kernel_threads is not None else "num_threads", problem)
-    if not 0 < s.mem_fraction_static <= 1:
+    if s.mem_fraction_static is not None and not 0 < s.mem_fraction_static <= 1:
         fail("mem_fraction_static", "expected a fraction in (0, 1]")
+    _check_device(s, fail)
     if s.chunked_prefill_size != -1 and s.chunked_prefill_size < 1:
         fail("chunked_prefill_size", "expected -1 (off) or at least 1")
     if s.speculative_algorithm is None:
@@ -496,6 +512,30 @@ def _check_ranges(s: ServerSettings) -> None:
     if s.chat_template and not Path(s.chat_template).expanduser().is_file() \
             and "{{" not in s.chat_template and "{%" not in s.chat_template:
         fail("chat_template", "no such file (expected a Jinja template file)")
+
+
+def _check_device(s: ServerSettings, fail: Any) -> None:
+    """The device and the flags that apply to one device only. torch is imported only when
+    the answer depends on whether it sees a GPU."""
+    gpu_flags = [key for key in ("disable_cuda_graph", "cuda_graph_max_bs")
+                 if s.sources.get(key, "default") != "default"]
+    if s.device == "cpu" or not (s.device == "cuda" or gpu_flags):
+        device = s.device
+    else:
+        from sgl.devices import resolve_device
+
+        try:
+            device = resolve_device(s.device).type
+        except ValueError as exc:
+            fail("device", str(exc))
+    if device == "cpu":
+        for key in gpu_flags:
+            fail(key, "CUDA graphs need --device cuda (this server runs on the CPU, where "
+                 "--disable-cpu-graph turns off the replayed decode forwards)")
+    elif device == "cuda":
+        if s.sources.get("disable_cpu_graph", "default") != "default":
+            fail("disable_cpu_graph", "it applies to --device cpu; on a GPU use "
+                 "--disable-cuda-graph")
 
 
 def settings_from_dict(data: Mapping[str, Any], plugin_classes: Mapping[str, type]) -> ServerSettings:

@@ -44,6 +44,7 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
+    req_pool_indices_cpu: list[int] = field(default_factory=list)
     # token trees (speculative verification), one entry per sequence: None for a causal
     # chain, else a bool [n, n] over its n new tokens, True where token i may attend token j
     # (its ancestors and itself); only for backends with ``supports_tree_mask``. The tokens'

@@ -159,6 +159,7 @@ def make_forward_batch(runner: ModelRunner, mode: ForwardMode,
         seq_lens_cpu=seq_lens,
         extend_prefix_lens_cpu=prefix_lens,
         extend_seq_lens_cpu=new_lens,
+        req_pool_indices_cpu=[s.row for s in items],
         tree_masks=tree_masks,
     )
 

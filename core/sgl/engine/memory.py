@@ -6,7 +6,16 @@ import os
 
 import torch
 
-__all__ = ["available_memory_bytes", "kv_pool_tokens"]
+__all__ = ["DEFAULT_CPU_MEM_FRACTION", "DEFAULT_GPU_MEM_FRACTION", "available_memory_bytes",
+           "kv_pool_bytes"]
+
+#: ``--mem-fraction-static`` on CPU: the share of the host's available memory (after loading
+#: the weights) that the KV pool takes; the rest stays with the system and other processes
+DEFAULT_CPU_MEM_FRACTION = 0.1
+#: ``--mem-fraction-static`` on a GPU, as SGLang means it: the share of the GPU's total memory
+#: the weights and the KV pool take together; the rest holds activations, CUDA graphs and
+#: what other processes use
+DEFAULT_GPU_MEM_FRACTION = 0.85
 
 
 def _host_available_bytes() -> int:
@@ -32,10 +41,22 @@ def available_memory_bytes(device: torch.device) -> int:
     return _host_available_bytes()
 
 
-def kv_pool_tokens(*, bytes_per_token: int, mem_fraction: float, available_bytes: int,
-                   cap_tokens: int) -> int:
-    """Token slots that fit in ``mem_fraction`` of ``available_bytes``, at most ``cap_tokens``."""
-    if not 0.0 < mem_fraction <= 1.0:
-        raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
-    fits = int(available_bytes * mem_fraction) // max(bytes_per_token, 1)
-    return min(fits, cap_tokens)
+def kv_pool_bytes(device: torch.device, mem_fraction: float | None) -> int:
+    """Bytes the KV pool may take, once the weights are loaded.
+
+    On CUDA, SGLang's rule: the weights and the pool together take ``mem_fraction`` of the
+    GPU's total memory, so the pool gets what is free minus the ``1 - mem_fraction`` share
+    kept back. Elsewhere ``mem_fraction`` of the available host memory."""
+    if device.type == "cuda":
+        fraction = DEFAULT_GPU_MEM_FRACTION if mem_fraction is None else mem_fraction
+        _check_fraction(fraction)
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, int(free - total * (1 - fraction)))
+    fraction = DEFAULT_CPU_MEM_FRACTION if mem_fraction is None else mem_fraction
+    _check_fraction(fraction)
+    return int(available_memory_bytes(device) * fraction)
+
+
+def _check_fraction(fraction: float) -> None:
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"mem_fraction must be in (0, 1], got {fraction}")

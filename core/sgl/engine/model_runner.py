@@ -18,7 +18,8 @@ import torch
 
 from sgl.engine.cpu_graph import CpuGraphRunner
 from sgl.forward_batch import ForwardMode
-from sgl.engine.memory import available_memory_bytes, kv_pool_tokens
+from sgl.devices import describe_device, resolve_device
+from sgl.engine.memory import kv_pool_bytes
 from sgl.kernels import cpu
 from sgl.kvcache.pool import KVPool, ReqToTokenPool
 from sgl.layers.attention import Attention
@@ -203,11 +204,16 @@ class ModelRunner:
     :param plugin_manager: asked through ``sgl_resolve_model_arch`` when no registered class
         matches ``config.architectures``; may be None.
     :param max_total_tokens: KV pool size in tokens; None sizes it from free memory.
-    :param mem_fraction: share of free memory (after loading weights) the KV pool may take.
+    :param mem_fraction: on CUDA, the share of the GPU's total memory the weights and the KV
+        pool take together (SGLang's ``--mem-fraction-static``, default
+        :data:`~sgl.engine.memory.DEFAULT_GPU_MEM_FRACTION`); elsewhere the share of free host
+        memory (after loading the weights) the KV pool takes (default
+        :data:`~sgl.engine.memory.DEFAULT_CPU_MEM_FRACTION`).
     :param max_running_requests: rows of ``req_to_token`` (concurrent requests).
     :param context_length: longest sequence; None uses ``max_position_embeddings``.
     :param page_size: KV page size passed to the pool.
-    :param device: where the model and KV live.
+    :param device: where the model, the KV pool and the batches' tensors live: ``"auto"``,
+        ``"cpu"``, ``"cuda"`` or any torch device (:func:`sgl.devices.resolve_device`).
     :param show_progress: draw a progress bar while loading weights.
     """
 
@@ -216,16 +222,19 @@ class ModelRunner:
                  attention_backend: str = "torch",
                  registries: Registries,
                  plugin_manager: Any = None, max_total_tokens: int | None = None,
-                 mem_fraction: float = 0.5, max_running_requests: int = 64,
+                 mem_fraction: float | None = None, max_running_requests: int = 64,
                  context_length: int | None = None, page_size: int = 1,
                  device: str | torch.device = "cpu", show_progress: bool = True,
                  cpu_graphs: bool = True) -> None:
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.model_path = resolve_model_path(model_path)
         self.hf_config = load_hf_config(self.model_path)
         self.dtype = resolve_dtype(dtype, self.hf_config, self.device)
         if dtype == "auto" and self.device.type == "cpu":
             logger.info("dtype auto -> %s", auto_cpu_dtype()[1])
+        elif dtype == "auto":
+            logger.info("dtype auto -> %s on %s", str(self.dtype).removeprefix("torch."),
+                        describe_device(self.device))
         self.vocab_size = int(self.hf_config.vocab_size)
         self.context_length = self._context_length(context_length)
         if max_running_requests < 1:
@@ -272,9 +281,10 @@ class ModelRunner:
         if cpu_graphs and self.device.type == "cpu" and cpu.load() is not None \
                 and not tensor_parallel:
             self.cpu_graphs = CpuGraphRunner(self.model, self.attn_backend)
-        logger.info("model %s (%s, %s): KV pool of %d tokens (%.1f MiB), backend %s, decode "
-                    "graphs %s, CPU kernels %s", self.model_path.name, model_cls.__name__,
-                    self.dtype, size, self.kv_pool_bytes / 2**20, attention_backend,
+        logger.info("model %s (%s, %s) on %s: KV pool of %d tokens (%.1f MiB), backend %s, "
+                    "decode graphs %s, CPU kernels %s", self.model_path.name,
+                    model_cls.__name__, self.dtype, describe_device(self.device), size,
+                    self.kv_pool_bytes / 2**20, attention_backend,
                     "on" if self.cpu_graphs is not None else
                     "off (tensor parallel)" if tensor_parallel else "off",
                     cpu.describe_isa() if self.device.type == "cpu" else "not used")
@@ -313,19 +323,19 @@ class ModelRunner:
         return f"quantization {self.quantization}; layers: {held}" if held else \
             f"quantization {self.quantization}"
 
-    def _pool_size(self, max_total_tokens: int | None, mem_fraction: float, per_token: int,
+    def _pool_size(self, max_total_tokens: int | None, mem_fraction: float | None, per_token: int,
                    cap: int) -> int:
         if max_total_tokens is not None:
             if max_total_tokens < 1:
                 raise ValueError(f"max_total_tokens must be positive, got {max_total_tokens}")
             return max_total_tokens
-        free = available_memory_bytes(self.device)
-        size = kv_pool_tokens(bytes_per_token=per_token, mem_fraction=mem_fraction,
-                              available_bytes=free, cap_tokens=cap)
+        free = kv_pool_bytes(self.device, mem_fraction)
+        size = min(free // max(per_token, 1), cap)
         if size < 1:
             raise ModelLoadError(
-                f"no memory left for the KV cache ({free / 2**20:.0f} MiB free, "
-                f"{per_token} bytes per token); pass max_total_tokens or raise mem_fraction"
+                f"no memory left for the KV cache ({free / 2**20:.0f} MiB for it, "
+                f"{per_token} bytes per token); pass max_total_tokens or raise "
+                "mem_fraction_static"
             )
         if size < self.context_length:
             logger.warning("the KV pool holds %d tokens, less than one full context (%d)",

@@ -76,13 +76,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
     ``[batch, vocab]``; ``bitmask[j]`` (int32, ``ceil(vocab / 32)`` words) is the mask of row
     ``rows[j]``, bit ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed (the layout of
     xgrammar, llguidance and outlines-core). Tokens past the bitmask's width are forbidden."""
-    vocab = logits.shape[-1]
-    allowed = ((bitmask[:, :, None] >> _BITS.to(bitmask.device)) & 1).bool().flatten(1)
+    vocab, device = logits.shape[-1], logits.device
+    bitmask = bitmask.to(device)  # the packed words travel, not a bool per token
+    allowed = ((bitmask[:, :, None] >> _BITS.to(device)) & 1).bool().flatten(1)
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    index = torch.tensor(list(rows), dtype=torch.int64, device=logits.device)
+    index = torch.tensor(list(rows), dtype=torch.int64, device=device)
     sub = logits.index_select(0, index)
-    sub.masked_fill_(~allowed[:, :vocab].to(logits.device), float("-inf"))
+    sub.masked_fill_(~allowed[:, :vocab], float("-inf"))
     logits.index_copy_(0, index, sub)
 
 
@@ -118,8 +119,8 @@ def _apply_penalties(logits: torch.Tensor, inp: SamplingInput) -> None:
     freq = torch.tensor([inp.params[i].frequency_penalty for i in rows], device=device)
     pres = torch.tensor([inp.params[i].presence_penalty for i in rows], device=device)
     sub -= freq[:, None] * counts + pres[:, None] * (counts > 0).float()
-    rep = torch.tensor([inp.params[i].repetition_penalty for i in rows], device=device)
-    if bool((rep != 1.0).any()):
+    if any(inp.params[i].repetition_penalty != 1.0 for i in rows):
+        rep = torch.tensor([inp.params[i].repetition_penalty for i in rows], device=device)
         seen = counts > 0
         for j, i in enumerate(rows):  # mark prompt tokens too (one scatter per row, not per token)
             if inp.prompt_ids[i]:
@@ -143,8 +144,10 @@ def _apply_bias_and_bans(logits: torch.Tensor, inp: SamplingInput) -> None:
             cols.append(token)
             vals.append(float("-inf"))
     if rows:
-        logits.index_put_((torch.tensor(rows), torch.tensor(cols)),
-                          torch.tensor(vals, dtype=logits.dtype), accumulate=True)
+        device = logits.device
+        logits.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                          torch.tensor(vals, dtype=logits.dtype, device=device),
+                          accumulate=True)
 
 
 def sample_next_tokens(logits: torch.Tensor, inp: SamplingInput) -> torch.Tensor:
@@ -165,15 +168,15 @@ def sample_next_tokens(logits: torch.Tensor, inp: SamplingInput) -> torch.Tensor
                          device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     min_p = torch.tensor([p.min_p for p in params], device=device)
-    needs_sort = bool((top_k < vocab).any() or (top_p < 1).any())
-    if needs_sort:
+    # decided from the parameters on the host: no device round trip
+    if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)[None, :]
         before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = (ranks >= top_k[:, None]) | (before > top_p[:, None])
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values,
                                   0.0)
     seeds = torch.tensor(list(inp.seeds), dtype=torch.int64, device=device)

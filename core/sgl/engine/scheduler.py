@@ -122,7 +122,7 @@ def build_runner(settings: ServerSettings, pm: SglPluginManager) -> ModelRunner:
         mem_fraction=settings.mem_fraction_static,
         max_running_requests=settings.max_running_requests,
         context_length=settings.context_length, page_size=settings.page_size,
-        cpu_graphs=not settings.disable_cpu_graph,
+        device=settings.device, cpu_graphs=not settings.disable_cpu_graph,
         show_progress=get_tp_group().rank == 0)  # one bar, not one per rank
 
 

@@ -88,6 +88,8 @@ def tp_min(value: int) -> int:
         return value
     import torch.distributed as dist
 
-    tensor = torch.tensor([value], dtype=torch.int64)
+    # NCCL reduces only CUDA tensors
+    device = "cuda" if dist.get_backend(group.process_group) == "nccl" else "cpu"
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group.process_group)
     return int(tensor.item())

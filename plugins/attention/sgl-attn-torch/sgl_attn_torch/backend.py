@@ -147,7 +147,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
     def _plan_extend(self, batch: ForwardBatch, seq_lens: list[int]) -> TorchAttentionMetadata:
         prefix_lens = _cpu_list(batch.extend_prefix_lens_cpu, batch.extend_prefix_lens)
         table = self.req_to_token_pool.req_to_token
-        rows = batch.req_pool_indices.tolist()
+        rows = _cpu_list(batch.req_pool_indices_cpu, batch.req_pool_indices)
         plan = TorchAttentionMetadata(ForwardMode.EXTEND)
         start = 0
         trees = batch.tree_masks or [None] * len(rows)

@@ -49,6 +49,14 @@ class DataParallel(BaseParallelStrategy):
 
     def init_process(self, rank: RankInfo) -> None:
         take_core_share(rank.local_rank, rank.local_size)
+        if self.settings.device != "cpu":
+            import torch
+
+            from sgl.devices import resolve_device
+
+            if resolve_device(self.settings.device).type == "cuda":
+                # replica i of this machine on GPU i (round robin when there are fewer)
+                torch.cuda.set_device(rank.local_rank % torch.cuda.device_count())
 
     def lead(self, runner: Any) -> None:
         """Every replica leads itself: nothing to mirror."""

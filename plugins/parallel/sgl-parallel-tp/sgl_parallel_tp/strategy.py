@@ -9,9 +9,12 @@ batch, samples and answers the server. Before each forward and each logits compu
 all-reduces after attention and after the MLP, and the all-gather of the logits, then meet in
 the same order on every rank. Since only the leader samples, the ranks never diverge.
 
-The ranks talk through torch.distributed with gloo (CPU), over TCP: on one machine through a
-loopback port, across machines (``--nnodes``) through ``--dist-init-addr``. Each rank of a
-machine takes an equal share of the cores this process may use.
+The ranks talk through torch.distributed, over TCP: on one machine through a loopback port,
+across machines (``--nnodes``) through ``--dist-init-addr``. The forward's collectives run on
+gloo on CPU (through shared memory when every rank is on one machine) and on NCCL with
+``--device cuda``, where rank ``i`` of a machine takes its GPU ``i``
+(:func:`collective_backend`); the leader's calls always travel on a gloo group, pickled. Each
+rank of a machine takes an equal share of the cores this process may use.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from sgl.config import split_host_port
+from sgl.devices import resolve_device
 from sgl.forward_batch import ForwardBatch
 from sgl.layers.tp import TPGroup, get_tp_group, set_tp_group
 from sgl.threads import take_core_share
@@ -36,7 +40,7 @@ if TYPE_CHECKING:
     from sgl.config import ServerSettings
     from sgl.engine.model_runner import ModelRunner
 
-__all__ = ["BroadcastMirror", "TensorParallel"]
+__all__ = ["BroadcastMirror", "TensorParallel", "collective_backend"]
 
 logger = logging.getLogger("sgl.parallel.tp")
 
@@ -45,6 +49,12 @@ logger = logging.getLogger("sgl.parallel.tp")
 IDLE_TIMEOUT = timedelta(days=365)
 #: the batch's fields that are the process's own objects, not sent
 LOCAL_FIELDS = ("req_to_token_pool", "kv_pool", "attn_backend", "attn_metadata")
+
+
+def collective_backend(device: torch.device) -> str:
+    """The torch.distributed backend of the forward's collectives on ``device``: NCCL for
+    CUDA tensors, gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 class TensorParallel(BaseParallelStrategy):
@@ -93,9 +103,13 @@ class TensorParallel(BaseParallelStrategy):
             raise ValueError(f"--dist-init-addr {rank.init_addr!r}: expected HOST:PORT")
         host, port = address
         timeout = timedelta(seconds=self.settings.dist_timeout)
+        device = resolve_device(self.settings.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(rank.local_rank)  # the runner's "cuda" is this GPU
+        backend = collective_backend(device)
         try:
             # rank 0 listens at the address (TCPStore); the others connect until the timeout
-            dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank.rank,
+            dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank.rank,
                                     world_size=rank.world_size, timeout=timeout)
         except Exception as exc:
             raise RuntimeError(
@@ -105,11 +119,12 @@ class TensorParallel(BaseParallelStrategy):
         self._check_same_settings()
         #: the leader's calls travel on a group of their own, which may wait idle for long
         self.calls = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        self.shared = self._shared_memory(rank)
+        self.shared = self._shared_memory(rank) if backend == "gloo" else None
         set_tp_group(TPGroup(rank=rank.rank, size=rank.world_size,
                              process_group=dist.group.WORLD, fast=self.shared))
-        logger.info("tensor-parallel rank %d of %d: pid %d, cores %s", rank.rank,
-                    rank.world_size, os.getpid(), _cores_text())
+        logger.info("tensor-parallel rank %d of %d: pid %d, cores %s, collectives on %s",
+                    rank.rank, rank.world_size, os.getpid(), _cores_text(),
+                    "shared memory" if self.shared is not None else backend)
 
     def _shared_memory(self, rank: RankInfo) -> SharedMemoryCollectives | None:
         """The forward's collectives through shared memory when every rank is on this
@@ -146,7 +161,7 @@ class TensorParallel(BaseParallelStrategy):
         it with the leader's, so that a node started with other flags fails at once."""
         s = self.settings
         mine = {key: getattr(s, key) for key in (
-            "model_path", "dtype", "tp_size", "nnodes", "context_length", "max_total_tokens",
+            "model_path", "device", "dtype", "tp_size", "nnodes", "context_length", "max_total_tokens",
             "max_running_requests", "page_size", "attention_backend", "cpu_isa",
             "chunked_prefill_size")}
         theirs: list[Any] = [None] * self.rank.world_size
@@ -178,12 +193,13 @@ class TensorParallel(BaseParallelStrategy):
                                       fields["seq_lens_cpu"]):
                         table[row, :n] = slots[offset:offset + n]
                         offset += n
+                    fields = {k: _to_device(v, runner.device) for k, v in fields.items()}
                     hidden = runner.forward(ForwardBatch(
                         **fields, req_to_token_pool=runner.req_to_token_pool,
                         kv_pool=runner.kv_pool, attn_backend=runner.attn_backend))
                 elif call[0] == "logits":
                     assert hidden is not None, "logits before any forward"
-                    runner.logits_at(hidden, call[1])
+                    runner.logits_at(hidden, call[1].to(runner.device))
                 elif call[0] == "stop":
                     logger.info("rank %d stops with the leader", self.rank.rank)
                     _leave()
@@ -206,14 +222,14 @@ class BroadcastMirror(RunnerMirror):
         self.closed = False
 
     def forward(self, batch: ForwardBatch) -> None:
-        fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)
-                  if f.name not in LOCAL_FIELDS}
+        fields = {f.name: _to_device(getattr(batch, f.name), torch.device("cpu"))
+                  for f in dataclasses.fields(batch) if f.name not in LOCAL_FIELDS}
         table = batch.req_to_token_pool.req_to_token
         # the rows' slots as the leader holds them (prefix-cache hits write rows outside any
         # forward, so the whole of each row goes)
         slots = torch.cat([table[row, :n] for row, n in
                            zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu)])
-        self._send(("forward", fields, slots))
+        self._send(("forward", fields, slots.cpu()))
 
     def logits_at(self, indices: torch.Tensor) -> None:
         self._send(("logits", indices.cpu()))
@@ -244,6 +260,16 @@ def _leave() -> None:
         dist.destroy_process_group()
     except Exception as exc:  # a peer closed first: nothing is left to close
         logger.debug("closing the process group: %s", exc)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """A batch field (a tensor, a list of tensors or plain data) with its tensors on
+    ``device``: they travel pickled through the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    return value
 
 
 def _receive(group: Any) -> tuple[Any, ...]:
