@@ -306,3 +306,26 @@ def test_padding_rows() -> None:
     assert padded.batch_size == 4 and padded.attn_metadata is None
     assert batch.batch_size == 2 and batch.input_ids.tolist() == [17, 18]
     assert batch.attn_metadata == "planned"
+
+
+@pytest.mark.usefixtures("kernel_isa", "one_torch_thread")
+def test_a_failed_capture_is_refused(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What CUDA reports when a forward cannot be captured (here, the message a host
+    synchronisation gets) comes back as CudaGraphUnsupported naming the batch size and the
+    ways out; no graph is kept."""
+    calls: list[int] = []
+
+    def capture(fn: Callable[[], Any], pool: Any) -> Callable[[], Any]:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return fn
+
+    monkeypatch.setattr(cuda_graph, "_capture", capture)
+    graphs = make_graphs(make_runner(model_dir, "bfloat16"), max_bs=4)
+    with pytest.raises(CudaGraphUnsupported, match=r"capturing the decode forward of batch "
+                       r"size 2 into a CUDA graph failed: CUDA error: operation not permitted "
+                       r"when stream is capturing\. .* lower --cuda-graph-max-bs or run with "
+                       r"--disable-cuda-graph"):
+        graphs.capture()
+    assert graphs.graphs == {}

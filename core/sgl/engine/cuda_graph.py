@@ -155,16 +155,24 @@ class CudaGraphRunner:
         "Capturing CUDA graphs" over the sizes; logs the time and the device memory taken.
 
         :raises CudaGraphUnsupported: the attention backend gives no ``graph_inputs`` for a
-            decode batch, or there is no CUDA device."""
+            decode batch, there is no CUDA device, or capturing failed (a host
+            synchronisation in the forward, out of memory); the graphs captured so far are
+            dropped."""
         from tqdm.auto import tqdm
 
         start, free_before = time.perf_counter(), _free_memory(self.device)
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         sizes = tqdm(sorted(self.batch_sizes, reverse=True), desc="Capturing CUDA graphs",
                      unit="graph", disable=not self.show_progress)
-        for bs in sizes:
-            sizes.set_postfix(bs=bs)
-            self.graphs[bs] = self._capture_size(bs, pool)
+        try:
+            for bs in sizes:
+                sizes.set_postfix(bs=bs)
+                self.graphs[bs] = self._capture_size(bs, pool)
+        except BaseException:
+            self.graphs.clear()
+            raise
+        finally:
+            sizes.close()
         free_after = _free_memory(self.device)
         memory = "" if free_before is None or free_after is None else \
             f", {(free_before - free_after) / 2**20:.0f} MiB"
@@ -180,8 +188,8 @@ class CudaGraphRunner:
             raise CudaGraphUnsupported(
                 f"the {self.attn_backend.name} attention backend on {self.device} lists no "
                 "graph_inputs for a decode batch, so its decode forward cannot be captured "
-                "into a CUDA graph; run with --disable-cuda-graph or pick a backend that "
-                "supports graphs")
+                "into a CUDA graph; run with --disable-cuda-graph or pick an attention "
+                "backend whose graph_inputs lists the tensors its decode kernels read")
         model = self.model
 
         def run() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -193,7 +201,18 @@ class CudaGraphRunner:
             run()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return _Graph(batch, list(inputs), _capture(run, pool))
+        try:
+            replay = _capture(run, pool)
+        except CudaGraphUnsupported:
+            raise
+        except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one too
+            raise CudaGraphUnsupported(
+                f"capturing the decode forward of batch size {bs} into a CUDA graph failed: "
+                f"{exc}. The model's or the {self.attn_backend.name} attention backend's "
+                "decode forward must not synchronise with the host (.item(), .tolist(), a "
+                "CPU tensor) and needs memory beyond the KV pool; lower --cuda-graph-max-bs "
+                "or run with --disable-cuda-graph") from exc
+        return _Graph(batch, list(inputs), replay)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether :meth:`forward` takes ``batch``: a decode batch (one token per sequence, no
