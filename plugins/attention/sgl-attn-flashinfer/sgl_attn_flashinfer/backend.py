@@ -133,6 +133,7 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
         key = (kind, q.dtype, k_pool.dtype)
         wrapper = meta.planned.get(key)
         if wrapper is None:
+            check_dtypes(q.dtype, k_pool.dtype)
             plan = meta.plan
             wrapper = self._wrapper(plan.mode, *key)
             make_args = decode_plan_args if plan.mode == ForwardMode.DECODE else prefill_plan_args

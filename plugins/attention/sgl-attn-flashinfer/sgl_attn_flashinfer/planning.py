@@ -182,8 +182,8 @@ def plan_paged_kv(batch: ForwardBatch, req_to_token: torch.Tensor) -> PagedKVPla
 
 def decode_plan_args(plan: PagedKVPlan, kind: LayerKind, q_dtype: torch.dtype,
                      kv_dtype: torch.dtype) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``(args, kwargs)`` for ``BatchDecodeWithPagedKVCacheWrapper.plan``."""
-    check_dtypes(q_dtype, kv_dtype)
+    """``(args, kwargs)`` for ``BatchDecodeWithPagedKVCacheWrapper.plan`` (whatever the dtypes:
+    :func:`check_dtypes` is the backend's)."""
     args = (plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, kind.num_qo_heads,
             kind.num_kv_heads, kind.head_dim, plan.page_size)
     kwargs = {"window_left": kind.window_left, "logits_soft_cap": kind.logits_soft_cap,
@@ -197,7 +197,6 @@ def prefill_plan_args(plan: PagedKVPlan, kind: LayerKind, q_dtype: torch.dtype,
     custom mask of a batch with token trees (which takes no sliding window, as in the torch
     backend: a tree token's position is its depth, not its index, so flashinfer's window,
     counted in indices, would cut the wrong keys)."""
-    check_dtypes(q_dtype, kv_dtype)
     if plan.custom_mask is not None and kind.window_left >= 0:
         raise ValueError("token trees with a sliding window are not supported")
     args = (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len,
