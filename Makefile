@@ -16,6 +16,8 @@ PLUGINS := \
 	plugins/models/sgl-model-phi \
 	plugins/models/sgl-model-qwen \
 	plugins/attention/sgl-attn-torch \
+	plugins/attention/sgl-attn-triton \
+	plugins/attention/sgl-attn-flashinfer \
 	plugins/kernels/sgl-kernels-cpu \
 	plugins/cache/sgl-cache-radix \
 	plugins/speculative/sgl-spec-ngram \

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sgl.engine.cpu_graph import CpuGraphRunner
+from sgl.engine.cuda_graph import CudaGraphRunner, CudaGraphUnsupported
 from sgl.forward_batch import ForwardMode
 from sgl.devices import describe_device, resolve_device
 from sgl.engine.memory import kv_pool_bytes
@@ -43,11 +44,15 @@ if TYPE_CHECKING:
     from sgl.parallel.base import RunnerMirror
     from sgl.plugins import Registries
 
-__all__ = ["QUANTIZATION_CHOICES", "SUPPORTED_DTYPES", "ModelRunner", "auto_cpu_dtype",
+__all__ = ["CUDA_GRAPH_MAX_BS", "QUANTIZATION_CHOICES", "SUPPORTED_DTYPES", "ModelRunner", "auto_cpu_dtype",
            "resolve_architecture", "resolve_dtype", "resolve_model_class",
            "resolve_quantization", "weights_bytes"]
 
 logger = logging.getLogger(__name__)
+
+#: the default ``--cuda-graph-max-bs`` when ``--max-running-requests`` is larger (SGLang's
+#: default for most GPUs)
+CUDA_GRAPH_MAX_BS = 160
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                     "float16": torch.float16}
@@ -215,6 +220,11 @@ class ModelRunner:
     :param device: where the model, the KV pool and the batches' tensors live: ``"auto"``,
         ``"cpu"``, ``"cuda"`` or any torch device (:func:`sgl.devices.resolve_device`).
     :param show_progress: draw a progress bar while loading weights.
+    :param cpu_graphs: on CPU, replay recorded decode forwards (:mod:`sgl.engine.cpu_graph`).
+    :param cuda_graphs: on CUDA, capture decode forwards as CUDA graphs at start-up
+        (:mod:`sgl.engine.cuda_graph`).
+    :param cuda_graph_max_bs: the largest batch captured; None: ``max_running_requests``, at
+        most :data:`CUDA_GRAPH_MAX_BS`.
     """
 
     def __init__(self, *, model_path: str | None = None, dtype: str = "auto",
@@ -225,7 +235,8 @@ class ModelRunner:
                  mem_fraction: float | None = None, max_running_requests: int = 64,
                  context_length: int | None = None, page_size: int = 1,
                  device: str | torch.device = "cpu", show_progress: bool = True,
-                 cpu_graphs: bool = True) -> None:
+                 cpu_graphs: bool = True, cuda_graphs: bool = True,
+                 cuda_graph_max_bs: int | None = None) -> None:
         self.device = resolve_device(device)
         self.model_path = resolve_model_path(model_path)
         self.hf_config = load_hf_config(self.model_path)
@@ -277,16 +288,33 @@ class ModelRunner:
         self._last_hidden: torch.Tensor | None = None
         #: replays recorded decode forwards (sgl.engine.cpu_graph); None when off
         self.cpu_graphs: CpuGraphRunner | None = None
+        #: replays the CUDA graphs of decode forwards (sgl.engine.cuda_graph); None when off
+        self.cuda_graphs: CudaGraphRunner | None = None
         tensor_parallel = get_tp_group().size > 1  # a replay cannot run the all-reduces
+        graphs_off = "off"
         if cpu_graphs and self.device.type == "cpu" and cpu.load() is not None \
                 and not tensor_parallel:
             self.cpu_graphs = CpuGraphRunner(self.model, self.attn_backend)
+        elif cuda_graphs and self.device.type == "cuda" and not tensor_parallel:
+            max_bs = cuda_graph_max_bs or min(max_running_requests, CUDA_GRAPH_MAX_BS)
+            try:
+                self.cuda_graphs = CudaGraphRunner(
+                    self.model, self.attn_backend, kv_pool=self.kv_pool,
+                    req_to_token_pool=self.req_to_token_pool, max_bs=max_bs,
+                    device=self.device, show_progress=show_progress)
+                self.cuda_graphs.capture()
+            except CudaGraphUnsupported as exc:
+                self.cuda_graphs = None
+                graphs_off = f"off ({exc})"
+                logger.warning("CUDA graphs are off: %s", exc)
         logger.info("model %s (%s, %s) on %s: KV pool of %d tokens (%.1f MiB), backend %s, "
                     "decode graphs %s, CPU kernels %s", self.model_path.name,
                     model_cls.__name__, self.dtype, describe_device(self.device), size,
                     self.kv_pool_bytes / 2**20, attention_backend,
-                    "on" if self.cpu_graphs is not None else
-                    "off (tensor parallel)" if tensor_parallel else "off",
+                    "on (CPU replays)" if self.cpu_graphs is not None else
+                    f"on (CUDA graphs up to batch {self.cuda_graphs.max_bs})"
+                    if self.cuda_graphs is not None else
+                    "off (tensor parallel)" if tensor_parallel else graphs_off,
                     cpu.describe_isa() if self.device.type == "cpu" else "not used")
 
     def _context_length(self, requested: int | None) -> int:
@@ -355,9 +383,11 @@ class ModelRunner:
         return self._last_hidden
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        self.attn_backend.init_forward_metadata(batch)
         decoding = batch.mode == ForwardMode.DECODE
         with decode_step(decoding):  # where 4-bit matmuls of few rows may round activations
+            if self.cuda_graphs is not None and decoding and self.cuda_graphs.can_run(batch):
+                return self.cuda_graphs.forward(batch)  # plans the padded batch itself
+            self.attn_backend.init_forward_metadata(batch)
             if self.cpu_graphs is not None and decoding:
                 return self.cpu_graphs.forward(batch)
             return self.model(batch)

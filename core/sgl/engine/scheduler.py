@@ -123,6 +123,7 @@ def build_runner(settings: ServerSettings, pm: SglPluginManager) -> ModelRunner:
         max_running_requests=settings.max_running_requests,
         context_length=settings.context_length, page_size=settings.page_size,
         device=settings.device, cpu_graphs=not settings.disable_cpu_graph,
+        cuda_graphs=not settings.disable_cuda_graph, cuda_graph_max_bs=settings.cuda_graph_max_bs,
         show_progress=get_tp_group().rank == 0)  # one bar, not one per rank
 
 

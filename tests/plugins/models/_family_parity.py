@@ -2,11 +2,16 @@
 
 Each family's test builds a tiny random-weight transformers model, saves it, opens it with a
 :class:`ModelRunner` and calls these helpers. Not a test module itself (no ``test_`` prefix).
+
+The runners run on the CPU with the ``torch`` attention backend; ``SGL_TEST_DEVICE=cuda`` and
+``SGL_TEST_ATTENTION_BACKEND=triton`` (or ``flashinfer``) run the same checks on a GPU
+(``benchmarks/gpu_check.sh``), against transformers on the CPU.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +46,8 @@ def make_runner(path: str, **kwargs: Any) -> ModelRunner:
     pm = create_plugin_manager()
     kwargs.setdefault("max_total_tokens", 2048)
     kwargs.setdefault("max_running_requests", 8)
+    kwargs.setdefault("device", os.environ.get("SGL_TEST_DEVICE", "cpu"))
+    kwargs.setdefault("attention_backend", os.environ.get("SGL_TEST_ATTENTION_BACKEND", "torch"))
     return ModelRunner(model_path=path, registries=pm.registries, plugin_manager=pm,
                        dtype="float32", show_progress=False, **kwargs)
 
@@ -106,7 +113,7 @@ def check_ragged_extend_prefix_decode(reference: Any, runner: ModelRunner, *, at
     expected = reference_logits(reference, texts, batched=batched_reference)
     for name, where, logits in got:
         want = torch.stack([expected[i][pos] for i, pos in where])
-        torch.testing.assert_close(logits, want, rtol=0, atol=atol,
+        torch.testing.assert_close(logits.cpu(), want, rtol=0, atol=atol,
                                    msg=lambda m, n=name: f"{n}: {m}")
 
     for row, text in zip(rows, texts):

@@ -9,6 +9,7 @@ decode steps, and by greedy generation of a batch of prompts.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -98,7 +99,9 @@ def tiny(request: pytest.FixtureRequest, model_isa: str,
     reference.save_pretrained(folder)
     runner = ModelRunner(model_path=str(folder), registries=registries[0],
                          plugin_manager=registries[1], show_progress=False, dtype="float32",
-                         max_total_tokens=1024, max_running_requests=4)
+                         max_total_tokens=1024, max_running_requests=4,
+                         device=os.environ.get("SGL_TEST_DEVICE", "cpu"),  # gpu_check.sh
+                         attention_backend=os.environ.get("SGL_TEST_ATTENTION_BACKEND", "torch"))
     return reference, runner
 
 
@@ -165,7 +168,7 @@ def test_ragged_extend_prefix_extend_and_decode(tiny: tuple[Any, ModelRunner]) -
     hidden = runner.forward(batch)
     logits = runner.logits_at(hidden, torch.arange(batch.num_tokens))
     expected = torch.cat([reference_logits(reference, p) for p in prompts])
-    torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL)
+    torch.testing.assert_close(logits.cpu(), expected, rtol=0, atol=ATOL)
 
     # 2. a second extend on top of the cached prompts
     more = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 1, 8, 2)]
@@ -174,7 +177,7 @@ def test_ragged_extend_prefix_extend_and_decode(tiny: tuple[Any, ModelRunner]) -
     logits = runner.logits_at(hidden, torch.arange(hidden.shape[0]))
     texts = [p + m for p, m in zip(prompts, more)]
     expected = torch.cat([reference_logits(reference, t)[-len(m):] for t, m in zip(texts, more)])
-    torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL)
+    torch.testing.assert_close(logits.cpu(), expected, rtol=0, atol=ATOL)
 
     # 3. decode steps, feeding each sequence its greedy token
     logits = logits[torch.tensor([len(m) for m in more]).cumsum(0) - 1]  # last new tokens
@@ -184,7 +187,7 @@ def test_ragged_extend_prefix_extend_and_decode(tiny: tuple[Any, ModelRunner]) -
         logits = runner.forward_logits(make_forward_batch(runner, ForwardMode.DECODE, seqs))
         texts = [t + [n] for t, n in zip(texts, next_ids)]
         expected = torch.stack([reference_logits(reference, t)[-1] for t in texts])
-        torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL)
+        torch.testing.assert_close(logits.cpu(), expected, rtol=0, atol=ATOL)
 
     for row, text in zip(rows, texts):
         release_sequence(runner, row, len(text))
