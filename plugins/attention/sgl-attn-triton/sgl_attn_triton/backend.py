@@ -21,8 +21,8 @@ import torch
 
 from sgl.attention.base import AttentionLayerSpec, BaseAttentionBackend
 from sgl.forward_batch import ForwardMode
-from sgl_attn_triton.kernels import (DECODE_SPLITS, compiled, decode_attention,
-                                     extend_attention, interpreting)
+from sgl_attn_triton.kernels import (DECODE_SPLITS, decode_attention, extend_attention,
+                                     interpreting)
 
 if TYPE_CHECKING:
     from sgl.forward_batch import ForwardBatch
@@ -71,9 +71,6 @@ class TritonAttentionBackend(BaseAttentionBackend):
         if decode_splits < 1 or decode_splits & (decode_splits - 1):
             raise ValueError(f"decode_splits must be a power of two, got {decode_splits}")
         self.decode_splits = decode_splits
-        #: wrapped by triton.jit now: compiled for the GPU, or for the interpreter when
-        #: TRITON_INTERPRET is set at construction
-        self.kernels = compiled()
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         plan = TritonAttentionMetadata(batch.mode, batch.req_pool_indices.contiguous(),
@@ -141,12 +138,12 @@ class TritonAttentionBackend(BaseAttentionBackend):
         options = {"scale": layer.scaling, "softcap": layer.logit_softcap,
                    "window": layer.sliding_window}
         if plan.mode == ForwardMode.DECODE:
-            out = decode_attention(self.kernels, q, k_pool, v_pool, table, plan.rows,
+            out = decode_attention(q, k_pool, v_pool, table, plan.rows,
                                    plan.seq_lens, splits=self.decode_splits, **options)
         else:
             if plan.tree is not None and layer.sliding_window:
                 raise ValueError("token trees with a sliding window are not supported")
-            out = extend_attention(self.kernels, q, k_pool, v_pool, table, plan.rows,
+            out = extend_attention(q, k_pool, v_pool, table, plan.rows,
                                    plan.q_starts, plan.prefix_lens, plan.extend_lens,
                                    plan.max_extend, tree=plan.tree,
                                    tree_starts=plan.tree_starts, **options)

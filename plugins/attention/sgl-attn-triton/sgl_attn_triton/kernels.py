@@ -19,25 +19,22 @@ and an unnormalised float32 accumulator), so no ``[queries, keys]`` matrix is ev
   sequence's token tree. The grid's third dimension is the longest extend of the batch,
   planned on the host (extend batches are not captured).
 
-The kernel functions are plain Python here; :func:`compiled` wraps them with ``triton.jit``
-the first time they are needed. ``triton.jit`` reads ``triton.knobs.runtime.interpret`` (the
-``TRITON_INTERPRET`` environment variable) when it wraps a function, not when it runs one, so
-wrapping late lets the backend (and the tests) decide at construction whether the kernels are
-compiled for the GPU or run by triton's interpreter on the CPU.
+On a CPU the kernels run only under triton's interpreter. ``triton.jit`` decides whether it
+compiles a function or hands it to the interpreter when it wraps it, reading
+``triton.knobs.runtime.interpret`` (the ``TRITON_INTERPRET`` environment variable), and triton's
+own library functions (``tl.sum``, ``tl.max``, ``tl.cdiv``) are wrapped when triton is first
+imported: ``TRITON_INTERPRET=1`` must be set before anything imports triton.
 
 (No ``from __future__ import annotations`` in this module: triton reads the ``tl.constexpr``
 annotations of the kernels' parameters.)
 """
 
-import functools
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["CAUSAL_SLACK", "DECODE_SPLITS", "compiled", "decode_attention",
-           "extend_attention", "interpreting"]
+__all__ = ["CAUSAL_SLACK", "DECODE_SPLITS", "decode_attention", "extend_attention",
+           "interpreting"]
 
 #: key positions up to ``query position + CAUSAL_SLACK`` are visible. 0 is the causal mask;
 #: the tests set 1 to prove that their comparisons see a broken mask
@@ -46,6 +43,7 @@ CAUSAL_SLACK = tl.constexpr(0)
 DECODE_SPLITS = 8
 
 
+@triton.jit
 def _decode_split(Q, K, V, Table, Rows, SeqLens, MidAcc, MidStats,
                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                   stride_table, stride_mb, stride_mh, stride_sb, stride_sh,
@@ -53,7 +51,8 @@ def _decode_split(Q, K, V, Table, Rows, SeqLens, MidAcc, MidStats,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
-                  WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+                  WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+                  DOT_F32: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -64,6 +63,8 @@ def _decode_split(Q, K, V, Table, Rows, SeqLens, MidAcc, MidStats,
     dv = tl.arange(0, BLOCK_DV)
     q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=head_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
     row = tl.load(Rows + seq)
     end = tl.load(SeqLens + seq) + CAUSAL_SLACK  # the query is token seq_len - 1
     start = end * 0
@@ -91,6 +92,8 @@ def _decode_split(Q, K, V, Table, Rows, SeqLens, MidAcc, MidStats,
         alpha = tl.exp(m_i - m_new)
         v = tl.load(V + slot[:, None] * stride_vt + kv_head * stride_vh + dv[None, :],
                     mask=pos_ok[:, None] & (dv[None, :] < V_DIM), other=0.0)
+        if DOT_F32:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -102,6 +105,7 @@ def _decode_split(Q, K, V, Table, Rows, SeqLens, MidAcc, MidStats,
     tl.store(MidStats + stats + 1, l_i, mask=head_ok)
 
 
+@triton.jit
 def _decode_merge(MidAcc, MidStats, Out, stride_mb, stride_mh, stride_sb, stride_sh,
                   stride_ot, stride_oh,
                   V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS: tl.constexpr):
@@ -123,6 +127,7 @@ def _decode_merge(MidAcc, MidStats, Out, stride_mb, stride_mh, stride_sb, stride
              out.to(Out.dtype.element_ty), mask=dv < V_DIM)
 
 
+@triton.jit
 def _extend(Q, K, V, Out, Table, Rows, QStarts, PrefixLens, ExtendLens, Tree, TreeStarts,
             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
             stride_ot, stride_oh, stride_table,
@@ -130,7 +135,7 @@ def _extend(Q, K, V, Out, Table, Rows, QStarts, PrefixLens, ExtendLens, Tree, Tr
             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
             BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-            TREE: tl.constexpr, PRECISION: tl.constexpr):
+            TREE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -148,6 +153,8 @@ def _extend(Q, K, V, Out, Table, Rows, QStarts, PrefixLens, ExtendLens, Tree, Tr
     dv = tl.arange(0, BLOCK_DV)
     q = tl.load(Q + (q_start + new[:, None]) * stride_qt + head * stride_qh + d[None, :],
                 mask=new_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
 
     # the keys any query of the block can see
     lo = seq_len * 0
@@ -177,9 +184,10 @@ def _extend(Q, K, V, Out, Table, Rows, QStarts, PrefixLens, ExtendLens, Tree, Tr
             visible &= q_pos[:, None] - pos[None, :] < window
         if TREE:  # a token tree: the whole prefix, and the new tokens its mask row names
             j = pos - prefix
+            first = tl.where(tree_start >= 0, 0, num_new)  # a chain reads no bits
             bits = tl.load(Tree + tree_start + new[:, None] * num_new + j[None, :],
-                           mask=new_ok[:, None] & pos_ok[None, :] & (j[None, :] >= 0)
-                           & (tree_start >= 0), other=0)
+                           mask=new_ok[:, None] & pos_ok[None, :] & (j[None, :] >= first),
+                           other=0)
             in_tree = (j[None, :] < 0) | (bits != 0)
             visible = tl.where(tree_start >= 0, in_tree, visible)
         visible &= pos_ok[None, :] & new_ok[:, None]
@@ -190,6 +198,8 @@ def _extend(Q, K, V, Out, Table, Rows, QStarts, PrefixLens, ExtendLens, Tree, Tr
         alpha = tl.exp(m_i - m_safe)
         v = tl.load(V + slot[:, None] * stride_vt + kv_head * stride_vh + dv[None, :],
                     mask=pos_ok[:, None] & (dv[None, :] < V_DIM), other=0.0)
+        if DOT_F32:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -199,42 +209,34 @@ def _extend(Q, K, V, Out, Table, Rows, QStarts, PrefixLens, ExtendLens, Tree, Tr
              out.to(Out.dtype.element_ty), mask=new_ok[:, None] & (dv[None, :] < V_DIM))
 
 
-@dataclass(frozen=True)
-class Kernels:
-    """The kernels wrapped by ``triton.jit``, compiled or interpreted."""
-
-    decode_split: triton.JITFunction
-    decode_merge: triton.JITFunction
-    extend: triton.JITFunction
-    interpreted: bool
-
-
 def interpreting() -> bool:
-    """Whether ``triton.jit`` wraps functions for triton's interpreter (``TRITON_INTERPRET``)."""
-    return bool(triton.knobs.runtime.interpret)
+    """Whether these kernels run in triton's interpreter (``TRITON_INTERPRET=1`` when triton
+    was imported).
 
-
-@functools.cache
-def _compiled(interpret: bool) -> Kernels:
-    return Kernels(triton.jit(_decode_split), triton.jit(_decode_merge), triton.jit(_extend),
-                   interpret)
-
-
-def compiled() -> Kernels:
-    """The kernels, for the GPU or for the interpreter as ``TRITON_INTERPRET`` says now."""
-    return _compiled(interpreting())
+    :raises RuntimeError: when the variable was set after triton was imported but before this
+        module: its kernels would be interpreted and triton's library functions not.
+    """
+    mine = not isinstance(_extend, triton.JITFunction)
+    if mine != (not isinstance(tl.sum, triton.JITFunction)):
+        raise RuntimeError("TRITON_INTERPRET changed between importing triton and importing "
+                           "sgl_attn_triton.kernels; set it before anything imports triton")
+    return mine
 
 
 def _block(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
 
-def _precision(dtype: torch.dtype) -> str:
-    # float32 products stay float32 (the GPU's default would round them to tf32)
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _dots(dtype: torch.dtype) -> dict[str, object]:
+    """How the kernels multiply: float32 products stay float32 (the GPU's default would round
+    them to tf32); bfloat16 operands become float32 in the interpreter, whose ``tl.dot``
+    multiplies bfloat16 as the integers that store it (triton 3.9)."""
+    dot_f32 = dtype == torch.bfloat16 and interpreting()
+    return {"PRECISION": "ieee" if dtype == torch.float32 or dot_f32 else "tf32",
+            "DOT_F32": dot_f32}
 
 
-def decode_attention(kernels: Kernels, q: torch.Tensor, k_pool: torch.Tensor,
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor,
                      v_pool: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
                      seq_lens: torch.Tensor, *, scale: float, softcap: float | None,
                      window: int | None, splits: int = DECODE_SPLITS,
@@ -254,7 +256,7 @@ def decode_attention(kernels: Kernels, q: torch.Tensor, k_pool: torch.Tensor,
     stats = torch.empty((batch, heads, splits, 2), dtype=torch.float32, device=q.device)
     out = q.new_empty((batch, heads, v_dim))
     group = heads // kv_heads
-    kernels.decode_split[(batch, kv_heads, splits)](
+    _decode_split[(batch, kv_heads, splits)](
         q, k_pool, v_pool, table, rows, seq_lens, mid, stats,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
         v_pool.stride(0), v_pool.stride(1), table.stride(0),
@@ -262,14 +264,14 @@ def decode_attention(kernels: Kernels, q: torch.Tensor, k_pool: torch.Tensor,
         scale, softcap or 0.0, window or 0,
         GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_H=_block(group),
         BLOCK_D=_block(head_dim), BLOCK_DV=block_dv, BLOCK_N=block_n, SPLITS=splits,
-        SOFTCAP=bool(softcap), WINDOW=bool(window), PRECISION=_precision(q.dtype))
-    kernels.decode_merge[(batch, heads)](
+        SOFTCAP=bool(softcap), WINDOW=bool(window), **_dots(q.dtype))
+    _decode_merge[(batch, heads)](
         mid, stats, out, mid.stride(0), mid.stride(1), stats.stride(0), stats.stride(1),
         out.stride(0), out.stride(1), V_DIM=v_dim, BLOCK_DV=block_dv, SPLITS=splits)
     return out
 
 
-def extend_attention(kernels: Kernels, q: torch.Tensor, k_pool: torch.Tensor,
+def extend_attention(q: torch.Tensor, k_pool: torch.Tensor,
                      v_pool: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
                      q_starts: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, max_extend: int, *, scale: float,
@@ -295,7 +297,7 @@ def extend_attention(kernels: Kernels, q: torch.Tensor, k_pool: torch.Tensor,
     has_tree = tree is not None
     if not has_tree:
         tree = tree_starts = rows  # never read
-    kernels.extend[(batch, heads, triton.cdiv(max_extend, block_m))](
+    _extend[(batch, heads, triton.cdiv(max_extend, block_m))](
         q, k_pool, v_pool, out, table, rows, q_starts, prefix_lens, extend_lens, tree,
         tree_starts,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
@@ -303,6 +305,5 @@ def extend_attention(kernels: Kernels, q: torch.Tensor, k_pool: torch.Tensor,
         scale, softcap or 0.0, window or 0,
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=_block(head_dim), BLOCK_DV=_block(v_dim),
-        SOFTCAP=bool(softcap), WINDOW=bool(window), TREE=has_tree,
-        PRECISION=_precision(q.dtype))
+        SOFTCAP=bool(softcap), WINDOW=bool(window), TREE=has_tree, **_dots(q.dtype))
     return out
