@@ -97,7 +97,7 @@ class _FakeWrapper:
     def _plan(self, plan: dict[str, Any]) -> None:
         for name in ("kv_indptr", "kv_indices", "kv_last_page_len", "qo_indptr"):
             assert plan[name].dtype == torch.int32, name
-        assert len(plan["kv_indices"]) == int(plan["kv_indptr"][-1])
+        assert len(plan["kv_indices"]) >= int(plan["kv_indptr"][-1])  # == outside graphs
         assert len(plan["kv_indptr"]) == len(plan["qo_indptr"]) == len(plan["kv_last_page_len"]) + 1
         assert all(1 <= n <= plan["page_size"] for n in plan["kv_last_page_len"].tolist())
         assert plan["num_qo_heads"] % plan["num_kv_heads"] == 0
@@ -131,6 +131,11 @@ class FakeDecodeWrapper(_FakeWrapper):
                  backend: str = "auto", jit_args: list[Any] | None = None) -> None:
         super().__init__(float_workspace_buffer, kv_layout)
         self.use_tensor_cores = use_tensor_cores
+        self.use_cuda_graph = use_cuda_graph
+        if use_cuda_graph:  # flashinfer's checks, and its fixed buffers
+            assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
+            self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer,
+                            paged_kv_last_page_len_buffer)
 
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
@@ -143,6 +148,13 @@ class FakeDecodeWrapper(_FakeWrapper):
              fixed_split_size: int | None = None, disable_split_kv: bool = False,
              q_len_per_req: int = 1) -> None:
         assert pos_encoding_mode == "NONE" and q_len_per_req == 1
+        if self.use_cuda_graph:  # copied into the fixed buffers, which run() reads, as flashinfer
+            fixed_indptr, fixed_indices, fixed_last = self.buffers
+            assert len(last_page_len) == len(fixed_last) and len(indices) <= len(fixed_indices)
+            fixed_indptr.copy_(indptr)
+            fixed_last.copy_(last_page_len)
+            fixed_indices[:len(indices)].copy_(indices)
+            indptr, indices, last_page_len = fixed_indptr, fixed_indices, fixed_last
         self._plan(dict(
             qo_indptr=torch.arange(len(last_page_len) + 1, dtype=torch.int32), kv_indptr=indptr,
             kv_indices=indices, kv_last_page_len=last_page_len, num_qo_heads=num_qo_heads,
@@ -479,6 +491,60 @@ def test_backend_forward_equals_the_torch_backend(layers: str) -> None:
                                                         for m, _, _ in steps)
 
 
+@pytest.mark.usefixtures("stand_in_flashinfer")
+@pytest.mark.parametrize("replan", [True, False], ids=["graph_inputs", "without graph_inputs"])
+def test_decode_replayed_from_a_capture(replan: bool) -> None:
+    """sgl's CUDA graph runner, emulated: at capture, ``init_forward_metadata`` then
+    ``graph_inputs`` then warm-up forwards, then the captured forwards; before each replay,
+    ``init_forward_metadata`` and ``graph_inputs`` of the new batch, its tensors copied into the
+    captured batch's, and the captured forwards run again over the captured batch, its metadata
+    and fixed tensors (a real replay runs their kernels on the same addresses). Without
+    ``graph_inputs`` re-planning, the graph reads the capture's indices: wrong."""
+    torch.manual_seed(4)
+    specs = [AttentionLayerSpec(layer_id=i, num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM,
+                                scaling=0.3, **extra)
+             for i, extra in enumerate(LAYERS["local+global"])]
+    harness = Harness(3, layers=3, dtype=torch.bfloat16)
+    backend = FlashInferAttentionBackend(kv_pool=harness.kv_pool,
+                                         req_to_token_pool=harness.req_pool, device=CPU)
+    harness.batch(ForwardMode.EXTEND, [7, 2, 11])
+    captured, _ = harness.batch(ForwardMode.DECODE, [1, 1, 1])
+    backend.init_forward_metadata(captured)
+    assert backend.graph_inputs(captured) == []  # no kind known yet
+    static = torch.zeros(3, 3, 4 * HEAD_DIM, dtype=torch.bfloat16)  # q, k and v of the graph
+
+    def graph() -> list[torch.Tensor]:
+        q, k, v = static[0], static[1, :, :2 * HEAD_DIM], static[2, :, :2 * HEAD_DIM]
+        return [backend.forward(q, k, v, spec, captured) for spec in specs]
+
+    graph()  # warm-up: plans each kind into the graph wrappers of 3 rows
+    planned = captured.attn_metadata.planned
+    assert len(planned) == 2 and all(w.use_cuda_graph for w in planned.values())
+    graph()  # the capture
+    for _ in range(3):
+        batch, _ = harness.batch(ForwardMode.DECODE, [1, 1, 1])
+        backend.init_forward_metadata(batch)
+        if replan:
+            assert backend.graph_inputs(batch) == []
+            assert list(batch.attn_metadata.planned.values()) == list(planned.values())
+        for name in ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc"):
+            getattr(captured, name).copy_(getattr(batch, name))
+        static.normal_()
+        harness.torch_backend.init_forward_metadata(batch)
+        expected = [harness.torch_backend.forward(static[0], static[1, :, :2 * HEAD_DIM],
+                                                  static[2, :, :2 * HEAD_DIM], spec, batch)
+                    for spec in specs]
+        got = graph()
+        for out, want in zip(got, expected):
+            if replan:
+                torch.testing.assert_close(out.float(), want.float(), rtol=0.02, atol=0.02)
+        if not replan:
+            assert max((a.float() - b.float()).abs().max() for a, b in zip(got, expected)) > 0.05
+    graph_wrappers = [w for key, w in backend._wrappers.items() if key[2] is not None]
+    assert len(graph_wrappers) == 2  # one per kind for 3 rows, planned again per replay
+    assert all(len(w.plans) == (4 if replan else 1) for w in graph_wrappers)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None
                     or not torch.cuda.is_available(), reason="needs flashinfer and a CUDA device")
@@ -504,7 +570,9 @@ def test_backend_refuses_float32_and_forward_without_metadata() -> None:
     spec = AttentionLayerSpec(0, 2, 2, HEAD_DIM, 1.0)
     with pytest.raises(RuntimeError, match="init_forward_metadata"):
         backend.forward(x, x, x, spec, batch)
-    assert backend.graph_inputs(batch) is None  # no CUDA-graph capture (see the docs)
+    assert backend.graph_inputs(batch) is None  # not planned
+    backend.init_forward_metadata(batch)
+    assert backend.graph_inputs(batch) is None  # an extend batch: never captured
 
 
 # --- without flashinfer and without a GPU (this machine) ----------------------------------------
