@@ -220,12 +220,20 @@ def decode_reads_only_its_graph_inputs() -> None:
 
 
 def tiny_llama_matches_torch(path: str) -> None:
-    """A tiny random-weight Llama through the model runner: the triton backend's logits of a
-    ragged prefill and three greedy decode steps equal the torch backend's."""
+    """A tiny random-weight Llama (written to ``path``) through the model runner: the triton
+    backend's logits of a ragged prefill and three greedy decode steps equal the torch
+    backend's."""
     from sgl.engine.batch_builder import BatchSeq, make_forward_batch
     from sgl.engine.model_runner import ModelRunner
     from sgl.plugins import create_plugin_manager
 
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(path)
     pm = create_plugin_manager()
     prompts = [[5, 9, 2, 77, 31, 8, 140, 6, 11], [250, 3], [7, 7, 7, 7, 42]]
     logits = {}

@@ -21,8 +21,8 @@ import torch
 
 from sgl.attention.base import AttentionLayerSpec, BaseAttentionBackend
 from sgl.forward_batch import ForwardMode
-from sgl_attn_triton.kernels import (DECODE_SPLITS, decode_attention, extend_attention,
-                                     interpreting)
+from sgl_attn_triton.kernels import (DECODE_SPLITS, INTERPRETED_DECODE_SPLITS,
+                                     decode_attention, extend_attention, interpreting)
 
 if TYPE_CHECKING:
     from sgl.forward_batch import ForwardBatch
@@ -51,13 +51,17 @@ class TritonAttentionMetadata:
 
 class TritonAttentionBackend(BaseAttentionBackend):
     """Extend and decode attention for ragged batches: GQA, sliding window, soft-capping and
-    token trees."""
+    token trees.
+
+    :param decode_splits: key ranges per sequence in decode, a power of two; default
+        :data:`~sgl_attn_triton.kernels.DECODE_SPLITS` on a GPU, fewer in the interpreter
+    """
 
     name = "triton"
     supports_tree_mask = True
 
     def __init__(self, *, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool,
-                 device: torch.device, decode_splits: int = DECODE_SPLITS) -> None:
+                 device: torch.device, decode_splits: int | None = None) -> None:
         super().__init__(kv_pool=kv_pool, req_to_token_pool=req_to_token_pool, device=device)
         device = torch.device(device)
         if device.type == "cpu" and not interpreting():
@@ -68,6 +72,8 @@ class TritonAttentionBackend(BaseAttentionBackend):
         if device.type not in ("cuda", "cpu"):
             raise RuntimeError(f"the triton attention backend runs on CUDA GPUs, not on "
                                f"{device.type!r}; use --attention-backend torch")
+        if decode_splits is None:  # the interpreter runs the programs one after another
+            decode_splits = INTERPRETED_DECODE_SPLITS if interpreting() else DECODE_SPLITS
         if decode_splits < 1 or decode_splits & (decode_splits - 1):
             raise ValueError(f"decode_splits must be a power of two, got {decode_splits}")
         self.decode_splits = decode_splits

@@ -33,14 +33,17 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["CAUSAL_SLACK", "DECODE_SPLITS", "decode_attention", "extend_attention",
-           "interpreting"]
+__all__ = ["CAUSAL_SLACK", "DECODE_SPLITS", "INTERPRETED_DECODE_SPLITS", "decode_attention",
+           "extend_attention", "interpreting"]
 
 #: key positions up to ``query position + CAUSAL_SLACK`` are visible. 0 is the causal mask;
 #: the tests set 1 to prove that their comparisons see a broken mask
 CAUSAL_SLACK = tl.constexpr(0)
-#: key ranges per sequence in decode (split-K); a fixed count keeps the grid static
+#: key ranges per sequence in decode (split-K), so that a small batch still has enough
+#: programs for the GPU; a fixed count keeps the grid static
 DECODE_SPLITS = 8
+#: the same under the interpreter, which runs the programs one after another
+INTERPRETED_DECODE_SPLITS = 2
 
 
 @triton.jit
