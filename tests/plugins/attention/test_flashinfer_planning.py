@@ -555,6 +555,47 @@ def test_flashinfer_on_cuda_equals_the_torch_backend(layers: str) -> None:
     compare_backends(layers, torch.device("cuda"), 64)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None
+                    or not torch.cuda.is_available(), reason="needs flashinfer and a CUDA device")
+def test_flashinfer_decode_in_cuda_graphs_on_cuda() -> None:
+    """sgl's CUDA graph runner over the real kernels: replayed decode steps (3 rows in the
+    graph of 4, one padding row) equal the torch backend's eager ones."""
+    from sgl.engine.cuda_graph import CudaGraphRunner
+
+    torch.manual_seed(5)
+    cuda, dim = torch.device("cuda"), 64
+    specs = [AttentionLayerSpec(layer_id=i, num_heads=8, num_kv_heads=2, head_dim=dim,
+                                scaling=dim ** -0.5, **extra)
+             for i, extra in enumerate(LAYERS["local+global"])]
+    harness = Harness(4, layers=3, dtype=torch.bfloat16, device=cuda, head_dim=dim)
+    backend = FlashInferAttentionBackend(kv_pool=harness.kv_pool,
+                                         req_to_token_pool=harness.req_pool, device=cuda)
+    table = torch.randn(64, 12 * dim, device=cuda).bfloat16()
+
+    class Model(torch.nn.Module):
+        def forward(self, batch: ForwardBatch) -> torch.Tensor:
+            x = table[batch.input_ids % 64]
+            q, k, v = x[:, :8 * dim], x[:, 8 * dim:10 * dim], x[:, 10 * dim:]
+            return torch.cat([batch.attn_backend.forward(q, k.contiguous(), v.contiguous(),
+                                                         spec, batch) for spec in specs], 1)
+
+    runner = CudaGraphRunner(Model(), backend, kv_pool=harness.kv_pool,
+                             req_to_token_pool=harness.req_pool, max_bs=4, device=cuda,
+                             show_progress=False)
+    runner.capture()
+    harness.batch(ForwardMode.EXTEND, [9, 30, 2, 0])
+    for _ in range(3):
+        batch, _ = harness.batch(ForwardMode.DECODE, [1, 1, 1, 0])
+        batch.input_ids.copy_(torch.randint(0, 64, (3,), device=cuda))
+        got = runner.forward(batch).clone()
+        batch.attn_backend = harness.torch_backend
+        harness.torch_backend.init_forward_metadata(batch)
+        expected = Model()(batch)
+        torch.testing.assert_close(got.float(), expected.float(), rtol=0.02, atol=0.02)
+    assert runner.replays == 3
+
+
 @pytest.mark.usefixtures("stand_in_flashinfer")
 def test_backend_refuses_float32_and_forward_without_metadata() -> None:
     harness = Harness(1, dtype=torch.float32)

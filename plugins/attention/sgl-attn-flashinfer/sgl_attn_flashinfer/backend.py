@@ -191,7 +191,9 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
                             k.view(tokens, layer.num_kv_heads, layer.head_dim),
                             v.view(tokens, layer.num_kv_heads, -1))
         key = (layer_kind(layer), q.dtype, k_pool.dtype)
-        wrapper = meta.planned.get(key) or self._plan(meta, key)
+        wrapper = meta.planned.get(key)
+        if wrapper is None:  # the first layer of its kind in this batch
+            wrapper = self._plan(meta, key)
         out = wrapper.run(q.reshape(tokens, layer.num_heads, layer.head_dim),
                           paged_kv_cache(k_pool, v_pool))
         return out.reshape(tokens, -1)
