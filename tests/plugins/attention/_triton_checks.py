@@ -189,19 +189,14 @@ def decode_reads_only_its_graph_inputs() -> None:
     """What a CUDA-graph replay does: a later decode batch of the same size copies its tensors
     into :meth:`graph_inputs` of the recorded one and reruns the same launches. The result must
     be the new batch's attention, so the kernels take nothing from the host copies
-    (``seq_lens_cpu``) and nothing is planned per batch beyond those tensors. On a CUDA device
-    the inputs are the batch's rows, lengths and slots; on the CPU there are none (sgl's CPU
-    graphs replay sgl's own kernels only)."""
+    (``seq_lens_cpu``) and nothing is planned per batch beyond those tensors: the batch's rows,
+    lengths and new slots."""
     harness = Harness(spec_of((4, 2), window=6), lengths=[20, 11, 30], dtype=torch.float32,
                       page=1, splits=4)
     harness.step(ForwardMode.EXTEND, [9, 3, 17])
     recorded, index = harness.batch(ForwardMode.DECODE, [1, 1, 1])
     harness.backend.init_forward_metadata(recorded)
-    assert harness.backend.graph_inputs(recorded) is None  # CPU
-    gpu = TritonAttentionBackend(kv_pool=harness.kv_pool, req_to_token_pool=harness.req_pool,
-                                 device=torch.device("cuda"))
-    gpu.init_forward_metadata(recorded)
-    inputs = gpu.graph_inputs(recorded)
+    inputs = harness.backend.graph_inputs(recorded)
     assert inputs is not None and [t.data_ptr() for t in inputs] == [
         recorded.req_pool_indices.data_ptr(), recorded.seq_lens.data_ptr(),
         recorded.out_cache_loc.data_ptr()]
@@ -217,12 +212,13 @@ def decode_reads_only_its_graph_inputs() -> None:
     harness.check(out, index, [1, 1, 1])
 
 
-
-
 def tiny_llama_matches_torch(path: str) -> None:
-    """A tiny random-weight Llama (written to ``path``) through the model runner: the triton
-    backend's logits of a ragged prefill and three greedy decode steps equal the torch
-    backend's."""
+    """A tiny random-weight one-layer Llama (written to ``path``) through the model runner: the triton
+    backend's logits of a ragged prefill and two greedy decode steps equal the torch
+    backend's. Then sgl's CUDA-graph runner captures decode batches of 1, 2 and 4 (a stand-in
+    for the capture runs the forward and keeps it, see tests/core/test_cuda_graph.py) and a
+    batch of 3, padded to 4 and replayed, gives the eager forward's hidden states."""
+    from sgl.engine import cuda_graph
     from sgl.engine.batch_builder import BatchSeq, make_forward_batch
     from sgl.engine.model_runner import ModelRunner
     from sgl.plugins import create_plugin_manager
@@ -231,7 +227,7 @@ def tiny_llama_matches_torch(path: str) -> None:
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512, tie_word_embeddings=False)
     LlamaForCausalLM(config).save_pretrained(path)
     pm = create_plugin_manager()
@@ -240,13 +236,13 @@ def tiny_llama_matches_torch(path: str) -> None:
     for name in ("torch", "triton"):
         runner = ModelRunner(model_path=path, dtype="float32", attention_backend=name,
                              registries=pm.registries, plugin_manager=pm, max_total_tokens=256,
-                             max_running_requests=4, show_progress=False)
+                             max_running_requests=4, show_progress=False, cpu_graphs=False)
         rows = [runner.req_to_token_pool.alloc() for _ in prompts]
         batch = make_forward_batch(runner, ForwardMode.EXTEND,
                                    [BatchSeq(r, 0, p) for r, p in zip(rows, prompts)])
         steps = [runner.forward_logits(batch)]
         lens = [len(p) for p in prompts]
-        for _ in range(3):
+        for _ in range(2):
             tokens = steps[-1].argmax(-1).tolist()
             batch = make_forward_batch(runner, ForwardMode.DECODE,
                                        [BatchSeq(r, n, [t]) for r, n, t in zip(rows, lens, tokens)])
@@ -255,3 +251,30 @@ def tiny_llama_matches_torch(path: str) -> None:
         logits[name] = torch.stack(steps)
     assert torch.equal(logits["torch"].argmax(-1), logits["triton"].argmax(-1))
     torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
+
+    graphs = cuda_graph.CudaGraphRunner(runner.model, runner.attn_backend, kv_pool=runner.kv_pool,
+                                        req_to_token_pool=runner.req_to_token_pool, max_bs=4,
+                                        device=runner.device, show_progress=False)
+    captured = []
+
+    def capture(fn, pool):  # noqa: ANN001, ANN202 - the stand-in of a CUDA graph
+        captured.append(int(fn()[0].shape[0]))
+        return fn
+
+    real = cuda_graph._capture, cuda_graph.WARMUP_FORWARDS
+    cuda_graph._capture, cuda_graph.WARMUP_FORWARDS = capture, 0  # no warm-up on a CPU
+    try:
+        graphs.capture()
+    finally:
+        cuda_graph._capture, cuda_graph.WARMUP_FORWARDS = real
+    assert captured == [4, 2, 1]
+    tokens = steps[-1].argmax(-1).tolist()
+    batch = make_forward_batch(runner, ForwardMode.DECODE,
+                               [BatchSeq(r, n, [t]) for r, n, t in zip(rows, lens, tokens)])
+    pool = [t.clone() for t in (*runner.kv_pool.k_buffer, *runner.kv_pool.v_buffer)]
+    eager = runner.forward(batch).clone()
+    for tensor, saved in zip((*runner.kv_pool.k_buffer, *runner.kv_pool.v_buffer), pool):
+        tensor.copy_(saved)
+    replayed = graphs.forward(batch)
+    assert graphs.replays == 1
+    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)

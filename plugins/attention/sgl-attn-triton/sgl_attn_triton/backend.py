@@ -115,11 +115,11 @@ class TritonAttentionBackend(BaseAttentionBackend):
             plan.tree, plan.tree_starts = torch.cat(masks), as_tensor(offsets)
 
     def graph_inputs(self, batch: ForwardBatch) -> list[torch.Tensor] | None:
-        """A decode batch on a GPU: its rows, lengths and new slots, which the kernels read.
-        None on the CPU: sgl's CPU graph runner replays sgl's CPU kernels only."""
+        """A decode batch: its rows, lengths and new slots, which the kernels and the KV write
+        read. (On the CPU, under the interpreter, sgl's CPU graph runner tries once per batch
+        size to record the forward and keeps it eager: the KV write is a torch op.)"""
         plan = batch.attn_metadata
-        if (not isinstance(plan, TritonAttentionMetadata) or plan.mode != ForwardMode.DECODE
-                or self.device.type == "cpu"):
+        if not isinstance(plan, TritonAttentionMetadata) or plan.mode != ForwardMode.DECODE:
             return None
         return [plan.rows, plan.seq_lens, plan.out_cache_loc]
 
