@@ -26,6 +26,7 @@ import torch
 
 import sgl_attn_flashinfer.backend as fi_backend
 from sgl.attention import AttentionLayerSpec
+from sgl.config import ConfigError, load_settings
 from sgl.engine.batch_builder import BatchSeq, make_forward_batch
 from sgl.forward_batch import ForwardBatch, ForwardMode
 from sgl.kvcache import KVPool, ReqToTokenPool
@@ -645,6 +646,9 @@ def test_plugin_is_listed_unavailable_with_the_fix() -> None:
     assert "NVIDIA GPU" in record.reason and "--attention-backend torch" in record.reason
     assert "flashinfer" not in pm.registries.attention
     assert "torch" in pm.registries.attention
+    with pytest.raises(ConfigError, match="(?s)no installed plugin provides that attention "
+                       "backend.*plugin 'attn-flashinfer' is unavailable: flashinfer is not"):
+        pm.check_backends(load_settings(env={}, cli={"attention_backend": "flashinfer"}))
     result = run_cli(["plugins"])
     assert result.returncode == 0, result.stderr
     line = next(x for x in result.stdout.splitlines() if x.startswith("attn-flashinfer "))
