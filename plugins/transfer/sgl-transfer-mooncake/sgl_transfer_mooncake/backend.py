@@ -46,6 +46,11 @@ class MooncakeKVTransfer(BaseKVTransfer):
 
     def __init__(self, buffers: KVBuffers, *, role: Role, host: str) -> None:
         super().__init__(buffers, role=role, host=host)
+        if any(t.device.type != "cpu" for t in buffers.tensors):
+            raise KVTransferError(
+                "mooncake: the KV pool is on the GPU, and the installed engine "
+                "(mooncake-transfer-engine-non-cuda) registers host memory only; use "
+                "--disaggregation-transfer-backend tcp, or a CUDA build of mooncake's engine")
         engine = TransferEngine()
         # without a port, the engine picks a free one for its handshakes (get_rpc_port)
         if engine.initialize(host, "P2PHANDSHAKE", self.protocol, self.device_name) != 0:
