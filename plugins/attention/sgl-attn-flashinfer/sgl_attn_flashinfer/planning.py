@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from sgl.forward_batch import ForwardBatch
 
 __all__ = [
+    "PAGE_SIZE",
     "SUPPORTED_DTYPES",
     "LayerKind",
     "PagedKVPlan",
