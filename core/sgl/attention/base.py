@@ -58,14 +58,17 @@ class BaseAttentionBackend(ABC):
 
     def graph_inputs(self, batch: ForwardBatch) -> list[torch.Tensor] | None:
         """The per-batch tensors this backend's kernels read during ``batch``'s forward, for
-        replaying a recorded decode forward (:mod:`sgl.engine.cpu_graph`); called after
+        replaying a recorded decode forward: sgl's CPU replays (:mod:`sgl.engine.cpu_graph`)
+        and CUDA graphs (:mod:`sgl.engine.cuda_graph`); called after
         :meth:`init_forward_metadata`.
 
         The runner records one decode forward of a batch size and, for a later batch of the same
         size, copies that batch's tensors (same order, same shapes) into the recorded ones and
         replays the kernel calls. Return every per-batch tensor a kernel gets a pointer to
-        (persistent ones such as the pools need not be listed). Default: None, the forward of
-        this backend is never replayed."""
+        (persistent ones such as the pools need not be listed), with shapes that depend on the
+        batch size alone; the kernels must decide nothing from host values of the batch (a
+        CUDA graph's launches are fixed at capture). Default: None, the forward of this backend
+        is never replayed (on a GPU it then decodes without CUDA graphs)."""
         return None
 
     @abstractmethod
