@@ -1,8 +1,12 @@
-"""The checks of the ``triton`` attention backend that run its kernels in triton's interpreter,
-against a float64 reference. They run in a child process that imported triton with
-``TRITON_INTERPRET=1`` (see test_triton_attention.py); every function raises on a failure."""
+"""The checks of the ``triton`` attention backend that run its kernels, against a float64
+reference or the torch backend. On the CPU they run in a child process that imported triton with
+``TRITON_INTERPRET=1`` (see test_triton_attention.py); on a GPU (``device="cuda"``) in the test's
+own process. Every function raises on a failure."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -44,29 +48,31 @@ def causal(prefix: int, new: int, window: int | None) -> torch.Tensor:
 
 class Harness:
     """Pools with hand-placed KV slots, the backend, and each sequence's full q/k/v, fed in
-    piece by piece and checked against :func:`reference` after every forward."""
+    piece by piece and checked against :func:`reference` (on the CPU) after every forward.
+    Everything lives on ``device``: the CPU under the interpreter, or a GPU."""
 
     def __init__(self, spec: AttentionLayerSpec, lengths: list[int], *, dtype: torch.dtype,
                  page: int, splits: int = kernels.DECODE_SPLITS, seed: int = 0,
                  device: str = "cpu") -> None:
         generator = torch.Generator().manual_seed(seed)
+        self.device = device = torch.device(device)
         pages = sum(-(-n // page) for n in lengths)
         self.spec, self.dtype = spec, dtype
         self.kv_pool = KVPool(size=(pages + 2) * page, num_layers=spec.layer_id + 1,
                               num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                              dtype=dtype, device=torch.device("cpu"), page_size=page)
+                              dtype=dtype, device=device, page_size=page)
         self.req_pool = ReqToTokenPool(max_requests=len(lengths) + 2, max_context_len=64,
-                                       device=torch.device("cpu"))
+                                       device=device)
         self.backend = TritonAttentionBackend(kv_pool=self.kv_pool,
                                               req_to_token_pool=self.req_pool,
-                                              device=torch.device(device), decode_splits=splits)
+                                              device=device, decode_splits=splits)
         # page p holds slots [p * page, (p + 1) * page); page 0 holds the padding slot 0
         order = (torch.randperm(pages, generator=generator) + 1).tolist()
         self.slots = []
         for n in lengths:
             mine, order = order[:-(-n // page)], order[-(-n // page):]
             self.slots.append(torch.tensor([mine[j // page] * page + j % page
-                                            for j in range(n)]))
+                                            for j in range(n)], device=device))
         self.rows = [self.req_pool.alloc() for _ in lengths]
         self.full = [{name: torch.randn(n, heads * spec.head_dim, generator=generator).to(dtype)
                       for name, heads in (("q", spec.num_heads), ("k", spec.num_kv_heads),
@@ -81,26 +87,28 @@ class Harness:
                 self.slots[i][self.done[i]:self.done[i] + new[i]]
 
         def as_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64)
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
 
         prefix = [self.done[i] for i in index]
         lens = [self.done[i] + new[i] for i in index]
         batch = ForwardBatch(
-            mode=mode, input_ids=torch.zeros(sum(new), dtype=torch.int64),
-            positions=torch.cat([torch.arange(p, n) for p, n in zip(prefix, lens)]),
+            mode=mode, input_ids=as_tensor([0] * sum(new)),
+            positions=as_tensor([j for p, n in zip(prefix, lens) for j in range(p, n)]),
             req_pool_indices=as_tensor([self.rows[i] for i in index]), seq_lens=as_tensor(lens),
-            extend_prefix_lens=as_tensor(prefix), extend_seq_lens=as_tensor([new[i] for i in index]),
+            extend_prefix_lens=as_tensor(prefix),
+            extend_seq_lens=as_tensor([new[i] for i in index]),
             out_cache_loc=torch.cat([self.slots[i][self.done[i]:lens[j]]
                                      for j, i in enumerate(index)]),
             req_to_token_pool=self.req_pool, kv_pool=self.kv_pool, attn_backend=self.backend,
             seq_lens_cpu=lens, extend_prefix_lens_cpu=prefix,
             extend_seq_lens_cpu=[new[i] for i in index],
-            tree_masks=[trees.get(i) for i in index] if trees else None)
+            tree_masks=[trees[i].to(self.device) if i in trees else None for i in index]
+            if trees else None)
         return batch, index
 
     def forward(self, batch: ForwardBatch, index: list[int], new: list[int]) -> torch.Tensor:
         parts = {name: torch.cat([self.full[i][name][self.done[i]:self.done[i] + new[i]]
-                                  for i in index]) for name in "qkv"}
+                                  for i in index]).to(self.device) for name in "qkv"}
         self.backend.init_forward_metadata(batch)
         return self.backend.forward(parts["q"], parts["k"], parts["v"], self.spec, batch)
 
@@ -117,7 +125,7 @@ class Harness:
             expected = reference(self.full[i]["q"][prefix:end], self.full[i]["k"][:end],
                                  self.full[i]["v"][:end], visible, self.spec)
             rtol, atol = TOLERANCE[self.dtype]
-            torch.testing.assert_close(out[start:start + new[i]].double(), expected,
+            torch.testing.assert_close(out[start:start + new[i]].double().cpu(), expected,
                                        rtol=rtol, atol=atol)
             start += new[i]
             self.done[i] = end
@@ -139,9 +147,10 @@ def spec_of(heads: tuple[int, int], window: int | None = None, softcap: float | 
 
 
 def extend_prefix_then_decode(heads: tuple[int, int], dtype: torch.dtype, page: int,
-                                   window: int | None, softcap: float | None) -> None:
+                              window: int | None, softcap: float | None,
+                              device: str = "cpu") -> None:
     harness = Harness(spec_of(heads, window, softcap), lengths=[24, 40, 4, 9], dtype=dtype,
-                      page=page)
+                      page=page, device=device)
     harness.step(ForwardMode.EXTEND, [7, 35, 1, 0])  # ragged; one sequence not yet started
     harness.step(ForwardMode.EXTEND, [15, 2, 1, 9])  # on cached prefixes, plus a fresh one
     for _ in range(2):  # 8 splits of up to 40 keys: some splits are empty
@@ -156,15 +165,16 @@ def tree_mask(parents: list[int]) -> torch.Tensor:
     return mask
 
 
-def token_trees() -> None:
+def token_trees(device: str = "cpu") -> None:
     """A tree on a cached prefix, a forest without one and a plain chain in one batch."""
-    harness = Harness(spec_of((4, 2)), lengths=[13, 7, 10], dtype=torch.float32, page=1)
+    harness = Harness(spec_of((4, 2)), lengths=[13, 7, 10], dtype=torch.float32, page=1,
+                      device=device)
     harness.step(ForwardMode.EXTEND, [6, 0, 4])
     trees = {0: tree_mask([-1, 0, 0, 1, 3, 3, 2]), 1: tree_mask([-1, 0, -1, 2, -1, 4, 5])}
     harness.step(ForwardMode.EXTEND, [7, 7, 5], trees=trees)
     batch, index = harness.batch(ForwardMode.EXTEND, [0, 0, 1], trees={2: tree_mask([-1])})
     harness.backend.init_forward_metadata(batch)
-    x = torch.zeros(1, 4 * 16)
+    x = torch.zeros(1, 4 * 16, device=device)
     with pytest.raises(ValueError, match="token trees with a sliding window"):
         harness.backend.forward(x, x[:, :32], x[:, :32], spec_of((4, 2), window=4), batch)
 
@@ -212,12 +222,13 @@ def decode_reads_only_its_graph_inputs() -> None:
     harness.check(out, index, [1, 1, 1])
 
 
-def tiny_llama_matches_torch(path: str) -> None:
-    """A tiny random-weight one-layer Llama (written to ``path``) through the model runner: the triton
-    backend's logits of a ragged prefill and two greedy decode steps equal the torch
+def tiny_llama_matches_torch(path: str, device: str = "cpu") -> None:
+    """A tiny random-weight one-layer Llama (written to ``path``) through the model runner:
+    the triton backend's logits of a ragged prefill and two greedy decode steps equal the torch
     backend's. Then sgl's CUDA-graph runner captures decode batches of 1, 2 and 4 (a stand-in
     for the capture runs the forward and keeps it, see tests/core/test_cuda_graph.py) and a
-    batch of 3, padded to 4 and replayed, gives the eager forward's hidden states."""
+    batch of 3, padded to 4 and replayed, gives the eager forward's hidden states. On a GPU the
+    captures are real CUDA graphs."""
     from sgl.engine import cuda_graph
     from sgl.engine.batch_builder import BatchSeq, make_forward_batch
     from sgl.engine.model_runner import ModelRunner
@@ -236,7 +247,8 @@ def tiny_llama_matches_torch(path: str) -> None:
     for name in ("torch", "triton"):
         runner = ModelRunner(model_path=path, dtype="float32", attention_backend=name,
                              registries=pm.registries, plugin_manager=pm, max_total_tokens=256,
-                             max_running_requests=4, show_progress=False, cpu_graphs=False)
+                             max_running_requests=4, show_progress=False, cpu_graphs=False,
+                             cuda_graphs=False, device=device)
         rows = [runner.req_to_token_pool.alloc() for _ in prompts]
         batch = make_forward_batch(runner, ForwardMode.EXTEND,
                                    [BatchSeq(r, 0, p) for r, p in zip(rows, prompts)])
@@ -257,17 +269,19 @@ def tiny_llama_matches_torch(path: str) -> None:
                                         device=runner.device, show_progress=False)
     captured = []
 
-    def capture(fn, pool):  # noqa: ANN001, ANN202 - the stand-in of a CUDA graph
+    def capture(fn: Callable[[], Any], pool: Any) -> Callable[[], Any]:  # a CUDA graph's stand-in
         captured.append(int(fn()[0].shape[0]))
         return fn
 
     real = cuda_graph._capture, cuda_graph.WARMUP_FORWARDS
-    cuda_graph._capture, cuda_graph.WARMUP_FORWARDS = capture, 0  # no warm-up on a CPU
+    if device == "cpu":
+        cuda_graph._capture, cuda_graph.WARMUP_FORWARDS = capture, 0  # no warm-up on a CPU
     try:
         graphs.capture()
     finally:
         cuda_graph._capture, cuda_graph.WARMUP_FORWARDS = real
-    assert captured == [4, 2, 1]
+    assert sorted(graphs.graphs) == [1, 2, 4]
+    assert captured == ([4, 2, 1] if device == "cpu" else [])
     tokens = steps[-1].argmax(-1).tolist()
     batch = make_forward_batch(runner, ForwardMode.DECODE,
                                [BatchSeq(r, n, [t]) for r, n, t in zip(rows, lens, tokens)])

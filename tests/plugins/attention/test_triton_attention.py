@@ -91,6 +91,18 @@ def test_tiny_llama_matches_the_torch_backend(interpreter: Pool, tmp_path: Path)
     interpreter.apply(checks.tiny_llama_matches_torch, (str(tmp_path),))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_cuda_gpu(tmp_path: Path) -> None:
+    """The same checks with the kernels compiled, in this process: every case against float64,
+    the trees, and the tiny Llama against the torch backend, its decode captured into real CUDA
+    graphs."""
+    for case in CASES:
+        checks.extend_prefix_then_decode(*case.values, device="cuda")
+    checks.token_trees(device="cuda")
+    checks.tiny_llama_matches_torch(str(tmp_path), device="cuda")
+
+
 def test_kernels_compile_for_a_cuda_gpu(monkeypatch: pytest.MonkeyPatch,
                                         tmp_path: Path) -> None:
     """Without a GPU: triton's code generator turns every kernel into sm_90 PTX and machine
