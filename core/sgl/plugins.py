@@ -395,9 +395,15 @@ def create_plugin_manager(selection: PluginSelection | None = None) -> SglPlugin
                 f"{record.target}"
             )
         pm.records[record.name] = record
+        # a plugin that says it cannot run on this machine (SGL_UNAVAILABLE: no GPU, no system
+        # library) is expected to be so on most machines: said at info level, not on every
+        # command; a missing dependency or a broken plugin is a warning
+        expected = False
         try:
             module = _import_target(record.source, record.target)
             record.reason = _missing_requirements(module)
+            expected = record.reason is not None and \
+                record.reason == getattr(module, "SGL_UNAVAILABLE", None)
         except Exception as exc:  # a broken plugin must not stop the others
             record.reason = f"{type(exc).__name__}: {exc}"
         if record.reason is None:
@@ -406,7 +412,8 @@ def create_plugin_manager(selection: PluginSelection | None = None) -> SglPlugin
             record.available = False
             if record.explicit:
                 raise PluginLoadError(f"plugin {record.name!r} could not be loaded: {record.reason}")
-            logger.warning("plugin %r is unavailable: %s", record.name, record.reason)
+            logger.log(logging.INFO if expected else logging.WARNING,
+                       "plugin %r is unavailable: %s", record.name, record.reason)
 
     for name, plugin in pm.list_name_plugin():
         if name in pm.records:
