@@ -136,7 +136,7 @@ def test_kernels_compile_for_a_cuda_gpu(monkeypatch: pytest.MonkeyPatch,
         assert binary.asm["cubin"]
 
 
-def test_cpu_without_the_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unsupported_setups_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     pools = {"kv_pool": KVPool(size=4, num_layers=1, num_kv_heads=1, head_dim=8,
                                dtype=torch.float32, device=torch.device("cpu")),
@@ -147,6 +147,10 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch)
         TritonAttentionBackend(**pools, device=torch.device("cpu"))
     with pytest.raises(RuntimeError, match="not on 'mps'"):
         TritonAttentionBackend(**pools, device=torch.device("mps"))
+    pools["kv_pool"] = KVPool(size=4, num_layers=1, num_kv_heads=1, head_dim=8,
+                              dtype=torch.float64, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="float32, float16, bfloat16, not float64"):
+        TritonAttentionBackend(**pools, device=torch.device("cuda"))
 
 
 def test_plugin_is_installed() -> None:

@@ -28,7 +28,10 @@ if TYPE_CHECKING:
     from sgl.forward_batch import ForwardBatch
     from sgl.kvcache.pool import KVPool, ReqToTokenPool
 
-__all__ = ["TritonAttentionBackend", "TritonAttentionMetadata"]
+__all__ = ["DTYPES", "TritonAttentionBackend", "TritonAttentionMetadata"]
+
+#: the query and KV-cache dtypes the kernels take (they accumulate in float32)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -62,8 +65,8 @@ class TritonAttentionBackend(BaseAttentionBackend):
 
     def __init__(self, *, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool,
                  device: torch.device, decode_splits: int | None = None) -> None:
-        super().__init__(kv_pool=kv_pool, req_to_token_pool=req_to_token_pool, device=device)
         device = torch.device(device)
+        super().__init__(kv_pool=kv_pool, req_to_token_pool=req_to_token_pool, device=device)
         if device.type == "cpu" and not interpreting():
             raise RuntimeError(
                 "the triton attention backend runs on CUDA GPUs, not on the CPU: use "
@@ -72,6 +75,10 @@ class TritonAttentionBackend(BaseAttentionBackend):
         if device.type not in ("cuda", "cpu"):
             raise RuntimeError(f"the triton attention backend runs on CUDA GPUs, not on "
                                f"{device.type!r}; use --attention-backend torch")
+        if kv_pool.dtype not in DTYPES:
+            raise ValueError(f"the triton attention backend takes a KV cache in "
+                             f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)}, "
+                             f"not {str(kv_pool.dtype).removeprefix('torch.')}")
         if decode_splits is None:  # the interpreter runs the programs one after another
             decode_splits = INTERPRETED_DECODE_SPLITS if interpreting() else DECODE_SPLITS
         if decode_splits < 1 or decode_splits & (decode_splits - 1):
