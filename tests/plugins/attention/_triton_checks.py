@@ -147,10 +147,10 @@ def spec_of(heads: tuple[int, int], window: int | None = None, softcap: float | 
 
 
 def extend_prefix_then_decode(heads: tuple[int, int], dtype: torch.dtype, page: int,
-                              window: int | None, softcap: float | None,
+                              window: int | None, softcap: float | None, head_dim: int,
                               device: str = "cpu") -> None:
-    harness = Harness(spec_of(heads, window, softcap), lengths=[24, 40, 4, 9], dtype=dtype,
-                      page=page, device=device)
+    harness = Harness(spec_of(heads, window, softcap, head_dim), lengths=[24, 40, 4, 9],
+                      dtype=dtype, page=page, device=device)
     harness.step(ForwardMode.EXTEND, [7, 35, 1, 0])  # ragged; one sequence not yet started
     harness.step(ForwardMode.EXTEND, [15, 2, 1, 9])  # on cached prefixes, plus a fresh one
     for _ in range(2):  # 8 splits of up to 40 keys: some splits are empty

@@ -55,22 +55,24 @@ def interpreter() -> Iterator[Pool]:
         yield pool
 
 
-CASES = [  # query/KV heads (GQA ratio), dtype, page size, window, softcap
-    pytest.param((2, 2), torch.float32, 1, None, None, id="ratio1-f32-page1"),
-    pytest.param((8, 2), torch.float16, 16, 5, None, id="ratio4-f16-page16-window"),
-    pytest.param((8, 1), torch.bfloat16, 1, None, 3.0, id="ratio8-bf16-page1-softcap"),
-    pytest.param((8, 1), torch.float32, 16, 4, 2.0, id="ratio8-f32-page16-window-softcap"),
-    pytest.param((4, 1), torch.float16, 16, None, None, id="ratio4-f16-page16"),
+CASES = [  # query/KV heads (GQA ratio), dtype, page size, window, softcap, head_dim
+    pytest.param((2, 2), torch.float32, 1, None, None, 16, id="ratio1-f32-page1"),
+    pytest.param((8, 2), torch.float16, 16, 5, None, 64, id="ratio4-f16-page16-window-d64"),
+    pytest.param((8, 1), torch.bfloat16, 1, None, 3.0, 16, id="ratio8-bf16-page1-softcap"),
+    pytest.param((8, 1), torch.float32, 16, 4, 2.0, 16, id="ratio8-f32-page16-window-softcap"),
+    pytest.param((4, 1), torch.float16, 16, None, None, 24, id="ratio4-f16-page16-d24"),
 ]
 
 
-@pytest.mark.parametrize("heads,dtype,page,window,softcap", CASES)
+@pytest.mark.parametrize("heads,dtype,page,window,softcap,head_dim", CASES)
 def test_extend_prefix_then_decode(interpreter: Pool, heads: tuple[int, int],
                                    dtype: torch.dtype, page: int, window: int | None,
-                                   softcap: float | None) -> None:
+                                   softcap: float | None, head_dim: int) -> None:
     """Ragged extend (prefixes 0..35, a sequence of one token), extend on the cached prefixes,
-    then decode with 8 key splits (some empty), against float64."""
-    interpreter.apply(checks.extend_prefix_then_decode, (heads, dtype, page, window, softcap))
+    then decode with 8 key splits (some empty), against float64; head sizes 16, 24 (padded to
+    32) and 64."""
+    interpreter.apply(checks.extend_prefix_then_decode,
+                      (heads, dtype, page, window, softcap, head_dim))
 
 
 def test_token_trees(interpreter: Pool) -> None:
