@@ -3,7 +3,8 @@ a float64 reference: ragged extend batches on cached prefixes, then decode; KV s
 one by one (page size 1) or handed out in aligned runs of 16; grouped-query ratios 1, 4 and 8;
 float32, float16 and bfloat16; sliding window, soft-capping and token trees. Then: a broken mask
 is caught, a replayed decode reads only its tensors, the kernels compile for a CUDA GPU, the
-plugin is registered, and a tiny Llama gives the torch backend's logits.
+plugin is registered, and a tiny Llama gives the torch backend's logits, also when sgl's CUDA-graph
+runner replays its decode.
 
 How the interpreter is switched on, and why in a child process: ``triton.jit`` decides whether it
 compiles a function or hands it to the interpreter when it wraps the function, reading
@@ -114,10 +115,9 @@ def test_kernels_compile_for_a_cuda_gpu(monkeypatch: pytest.MonkeyPatch,
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile, do not reuse
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when it is unset
-    assert not kernels.interpreting()
+    assert not kernels.interpreting()  # this process imported triton without the interpreter
     blocks = {"HEAD_DIM": 64, "V_DIM": 64, "BLOCK_D": 64, "BLOCK_DV": 64, "BLOCK_N": 32,
               "SOFTCAP": True, "WINDOW": True, "PRECISION": "tf32",
               "DOT_F32": False}
@@ -129,17 +129,26 @@ def test_kernels_compile_for_a_cuda_gpu(monkeypatch: pytest.MonkeyPatch,
     pointers = {"Table": "*i64", "Rows": "*i64", "SeqLens": "*i64", "QStarts": "*i64",
                 "PrefixLens": "*i64", "ExtendLens": "*i64", "TreeStarts": "*i64",
                 "Tree": "*u8", "MidAcc": "*fp32", "MidStats": "*fp32"}
+
+
+    def kind(name: str, consts: dict[str, object]) -> str:
+        if name in consts:
+            return "constexpr"
+        if name[0].isupper():  # a tensor: q, k, v and the output in bfloat16
+            return pointers.get(name, "*bf16")
+        return "fp32" if name in ("scale", "softcap") else "i32"  # strides, window
+
     for fn, consts in constants.items():
-        signature = {name: "constexpr" if name in consts else pointers.get(name, "*bf16")
-                     if name[0].isupper() else "fp32" if name in ("scale", "softcap") else "i32"
-                     for name in fn.arg_names}
+        signature = {name: kind(name, consts) for name in fn.arg_names}
         binary = triton.compile(ASTSource(fn, signature, consts),
                                 target=GPUTarget("cuda", 90, 32))
         assert binary.asm["cubin"]
 
 
 def test_unsupported_setups_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    import sgl_attn_triton.backend
+
+    monkeypatch.setattr(sgl_attn_triton.backend, "interpreting", lambda: False)
     pools = {"kv_pool": KVPool(size=4, num_layers=1, num_kv_heads=1, head_dim=8,
                                dtype=torch.float32, device=torch.device("cpu")),
              "req_to_token_pool": ReqToTokenPool(max_requests=1, max_context_len=4,
