@@ -196,6 +196,8 @@ def build_cli(pm: SglPluginManager) -> click.Group:
             click.echo(f"{r['name']}  ({dist})  {status}")
             if r["hooks"]:
                 click.echo(f"    hooks: {', '.join(r['hooks'])}")
+            if r["note"]:
+                click.echo(f"    note: {r['note']}")
         from sgl.kernels import cpu
 
         cpu.use_plugins(pm)

@@ -63,6 +63,8 @@ class PluginRecord:
     version: str | None = None
     available: bool = True
     reason: str | None = None
+    #: where or how the plugin runs, when that needs saying (its module's ``SGL_NOTE``)
+    note: str | None = None
     explicit: bool = False
     hooks: list[str] = field(default_factory=list)
 
@@ -402,6 +404,7 @@ def create_plugin_manager(selection: PluginSelection | None = None) -> SglPlugin
         try:
             module = _import_target(record.source, record.target)
             record.reason = _missing_requirements(module)
+            record.note = getattr(module, "SGL_NOTE", None)
             expected = record.reason is not None and \
                 record.reason == getattr(module, "SGL_UNAVAILABLE", None)
         except Exception as exc:  # a broken plugin must not stop the others

@@ -176,3 +176,6 @@ def test_plugin_is_installed() -> None:
     from sgl_attn_triton import plugin
 
     assert "CUDA GPUs" in plugin.SGL_NOTE and "TRITON_INTERPRET=1" in plugin.SGL_NOTE
+    # sgl plugins says where it runs
+    assert record.note == plugin.SGL_NOTE == listed["attn-triton"]["note"]
+    assert f"    note: {plugin.SGL_NOTE}" in run_cli(["plugins"]).stdout
