@@ -26,6 +26,7 @@ from sgl.engine.cuda_graph import CudaGraphRunner, CudaGraphUnsupported, capture
 from sgl.engine.model_runner import ModelRunner
 from sgl.forward_batch import ForwardBatch, ForwardMode
 from sgl.plugins import create_plugin_manager
+from sgl_testing import write_tiny_llama
 
 MAX_BS = 10  # graphs of 1, 2, 4, 8 and 10 rows
 PROMPTS = [[5, 9, 2], [7] * 9, [1], list(range(3, 20)), [11, 12, 13, 14, 15], [4, 4],
@@ -34,15 +35,7 @@ PROMPTS = [[5, 9, 2], [7] * 9, [1], list(range(3, 20)), [11, 12, 13, 14, 15], [4
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160,
-                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture

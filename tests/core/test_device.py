@@ -28,6 +28,7 @@ from sgl.engine.sampler import SamplingInput, apply_token_bitmask, sample_next_t
 from sgl.forward_batch import ForwardMode
 from sgl.plugins import create_plugin_manager
 from sgl.sampling import SamplingParams
+from sgl_testing import write_tiny_llama
 
 META = torch.device("meta")
 
@@ -67,15 +68,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256)
-    path = tmp_path_factory.mktemp("tiny-llama-device")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-device"))
 
 
 @pytest.fixture(scope="module")

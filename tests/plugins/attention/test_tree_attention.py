@@ -14,6 +14,7 @@ from sgl.engine.batch_builder import BatchSeq, make_forward_batch, release_seque
 from sgl.engine.model_runner import ModelRunner
 from sgl.forward_batch import ForwardMode
 from sgl.plugins import create_plugin_manager
+from sgl_testing import write_tiny_llama
 
 PREFIX = [5, 9, 2, 77, 31, 8, 140, 6]
 #: node tokens and parents: 0 is the root (the request's last token), 1 and 2 its children,
@@ -26,14 +27,7 @@ FOREST = [-1, 0, -1, 2, -1, 4, 5]
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160,
-                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("tiny-llama-tree")
-    LlamaForCausalLM(config).save_pretrained(path)
+    path = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tree"))
     pm = create_plugin_manager()
     return ModelRunner(model_path=str(path), dtype="float32", registries=pm.registries,
                        plugin_manager=pm, max_total_tokens=2048, max_running_requests=8,

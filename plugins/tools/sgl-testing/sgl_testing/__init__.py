@@ -40,7 +40,23 @@ if TYPE_CHECKING:
 
     from sgl.plugins import SglPluginManager
 
-__all__ = ["ServerProcess", "free_port"]
+__all__ = ["ServerProcess", "free_port", "write_tiny_llama"]
+
+
+def write_tiny_llama(path: Path, **overrides: Any) -> Path:
+    """Save a random-weight Llama (transformers' initialisation, seed 0) at ``path``: 3 layers
+    of width 64, 4 query and 2 key/value heads, a 300-token vocabulary, untied, unless
+    ``overrides`` (``LlamaConfig`` fields) say otherwise. Returns ``path``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields: dict[str, Any] = dict(vocab_size=300, hidden_size=64, intermediate_size=160,
+                                  num_hidden_layers=3, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=256,
+                                  tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**fields, **overrides})).save_pretrained(path)
+    return path
 
 
 def free_port() -> int:
