@@ -5,8 +5,8 @@
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]        (default: $OUT, else gpu-check/)
 #
-# It installs nothing from the internet: sgl, its plugins and the carried wheels go into a
-# virtual environment over the machine's own torch and triton (--system-site-packages). Each
+# It installs nothing from the internet: sgl, its plugins and the carried wheels go into
+# /tmp/sgl-site, put on PYTHONPATH ahead of the machine's own torch and triton. Each
 # step logs to OUT_DIR/<step>.log; OUT_DIR/gpu_check.md sums them up:
 #   install      sgl and the plugins; `sgl plugins` (is attn-triton available? flashinfer?)
 #   attention    the attention plugins' parity tests on the GPU (triton's kernels compiled for
@@ -52,17 +52,25 @@ install() {
         py=.venv/bin/python
         return 0
     fi
-    python3 -m venv --system-site-packages /tmp/sgl-gpu-venv || return 1
-    py=/tmp/sgl-gpu-venv/bin/python
+    # into a folder on PYTHONPATH, ahead of the machine's own packages (whose python3 may
+    # itself be a virtual environment, which a --system-site-packages venv would not see)
+    py=python3
+    rm -rf /tmp/sgl-site
+    local wheels=()
     if ls .whl/*.whl >/dev/null 2>&1; then
-        $py -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || return 1
+        wheels=(.whl/*.whl)
     else
         echo "no .whl/: run benchmarks/gpu_check_prepare.sh where pip reaches the index" >&2
     fi
     local plugins
-    plugins=$(ls -d plugins/*/*/ | grep -v sgl-kernels-cpu | sed 's/^/-e /')
-    # shellcheck disable=SC2086 - one -e per plugin
-    $py -m pip install -q --no-index --no-deps --no-build-isolation -e . $plugins
+    plugins=$(ls -d plugins/*/*/ | grep -v sgl-kernels-cpu)
+    # shellcheck disable=SC2086 - one folder per plugin
+    $py -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+        --target /tmp/sgl-site "${wheels[@]}" . $plugins || return 1
+    export PYTHONPATH=/tmp/sgl-site${PYTHONPATH:+:$PYTHONPATH}
+    $py -c "import sgl, fastapi, zmq, gguf, xgrammar, transformers, triton, torch; \
+print('sgl', sgl.__file__, 'transformers', transformers.__version__, 'triton', \
+triton.__version__, 'torch', torch.__version__)"
 }
 
 # the step's command, with the environment it needs
@@ -196,7 +204,7 @@ PY
 } >"$summary"
 
 step install install
-if [ -z "${py:-}" ]; then py=/tmp/sgl-gpu-venv/bin/python; fi
+if [ -z "${py:-}" ]; then py=python3; fi
 step plugins plugin_list
 step attention attention_tests
 step families family_tests
