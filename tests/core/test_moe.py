@@ -114,3 +114,79 @@ def test_weight_loader_errors_name_the_problem() -> None:
         layer.weight_loader(layer.gate_up_proj, torch.zeros(HIDDEN, INTER), "down", 0)
     with pytest.raises(ValueError, match="top_k must be between 1 and num_experts"):
         FusedMoE(EXPERTS, EXPERTS + 1, HIDDEN, INTER)
+
+
+# -- experts held quantized (a GGUF file served as it is, --quantization int8/int4) -------------
+
+Q_HIDDEN, Q_INTER = 64, 32  # whole blocks of 32 values
+
+
+def quantized_build(mode: str, weights: dict[tuple[int, str], Any]) -> FusedMoE:
+    from sgl.layers.quantized import deferred_weights
+
+    with deferred_weights(mode):
+        layer = FusedMoE(EXPERTS, TOP_K, Q_HIDDEN, Q_INTER, dtype=torch.float32)
+    assert layer.gate_up_proj.is_meta  # nothing allocated before the tensors arrive
+    for (expert, shard), tensor in weights.items():
+        param = layer.down_proj if shard == "down" else layer.gate_up_proj
+        param.weight_loader(param, tensor, shard, expert)
+    layer.process_weights_after_loading()
+    return layer
+
+
+def dense_build(weights: dict[tuple[int, str], torch.Tensor]) -> FusedMoE:
+    layer = FusedMoE(EXPERTS, TOP_K, Q_HIDDEN, Q_INTER, dtype=torch.float32)
+    for (expert, shard), tensor in weights.items():
+        param = layer.down_proj if shard == "down" else layer.gate_up_proj
+        param.weight_loader(param, tensor, shard, expert)
+    return layer
+
+
+def q_expert_weights() -> dict[tuple[int, str], torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return {(e, shard): torch.randn(shape, generator=gen) / 4 for e in range(EXPERTS)
+            for shard, shape in (("gate", (Q_INTER, Q_HIDDEN)), ("up", (Q_INTER, Q_HIDDEN)),
+                                 ("down", (Q_HIDDEN, Q_INTER)))}
+
+
+def assert_same_outputs(layer: FusedMoE, reference: FusedMoE) -> None:
+    hidden, logits = torch.randn(13, Q_HIDDEN), torch.randn(13, EXPERTS)
+    with torch.no_grad():  # the quantized matmuls sum in another order
+        torch.testing.assert_close(layer(hidden, logits), reference(hidden, logits),
+                                   rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,layout", [("int8", "q8"), ("int4", "q4")])
+def test_experts_rounded_at_load_equal_dense_experts_on_the_rounded_weights(
+        mode: str, layout: str) -> None:
+    from sgl.layers.quantized import QuantizedTensor
+
+    weights = q_expert_weights()
+    layer = quantized_build(mode, weights)
+    assert layer.layouts == {"gate_up": layout, "down": layout}
+    assert layer.gate_up_proj.dtype == (torch.uint8 if layout == "q4" else torch.int8)
+    assert layer.gate_up_proj.shape[:2] == (EXPERTS, 2 * Q_INTER)
+    assert layer.down_scales.shape[:2] == (EXPERTS, Q_HIDDEN)
+    rounded = {key: QuantizedTensor.quantize(layout, w).dequantize()
+               for key, w in weights.items()}
+    assert_same_outputs(layer, dense_build(rounded))
+
+
+def test_gguf_experts_keep_their_blocks_in_one_layout_per_projection() -> None:
+    """Blocks stay blocks; an expert whose up projection is 8-bit widens its projection's
+    4-bit experts to 8 bits (exactly); one dense expert makes its projection dense."""
+    from sgl.layers.quantized import QuantizedTensor
+
+    weights = q_expert_weights()
+    blocks = {key: QuantizedTensor.quantize("q8" if key == (1, "up") else "q4", w)
+              for key, w in weights.items()}
+    exact = {key: b.dequantize() for key, b in blocks.items()}
+    layer = quantized_build("gguf", blocks)
+    assert layer.layouts == {"gate_up": "q8", "down": "q4"}
+    assert_same_outputs(layer, dense_build(exact))
+
+    blocks[2, "down"] = exact[2, "down"]  # a dense tensor among the blocks
+    layer = quantized_build("gguf", blocks)
+    assert layer.layouts == {"gate_up": "q8", "down": None}
+    assert layer.down_proj.dtype == torch.float32 and layer.down_scales is None
+    assert_same_outputs(layer, dense_build(exact))

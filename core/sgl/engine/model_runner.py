@@ -347,7 +347,13 @@ class ModelRunner:
     def _describe_weights(self) -> str:
         layouts = Counter(getattr(m, "weight_layout", None) or "dense"
                           for m in self.model.modules() if hasattr(m, "weight_layout"))
+        experts = Counter(layout or "dense" for m in self.model.modules()
+                          if isinstance(getattr(m, "layouts", None), dict)
+                          for layout in m.layouts.values())
         held = ", ".join(f"{n} {kind}" for kind, n in sorted(layouts.items()))
+        if experts:  # the stacked experts of mixture-of-experts layers, a projection each
+            held += "; expert projections: " + ", ".join(
+                f"{n} {kind}" for kind, n in sorted(experts.items()))
         return f"quantization {self.quantization}; layers: {held}" if held else \
             f"quantization {self.quantization}"
 

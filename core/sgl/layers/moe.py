@@ -12,6 +12,15 @@ It is laid out to be split later without changing its callers:
 * expert parallelism gives a rank the experts ``[ep_rank * E / ep_size, (ep_rank + 1) * E /
   ep_size)``; the weight loader skips other ranks' experts and the forward pass leaves their
   (token, expert) pairs out, so each rank returns a partial sum to be reduced over the EP group.
+
+Built inside :func:`~sgl.layers.quantized.deferred_weights` (a GGUF file served quantized,
+``--quantization int8``/``int4``), the experts are held as their tensors arrive, as the linear
+layers are (:mod:`sgl.layers.quantized`): each expert's projection is collected on its own
+(quantized blocks stay blocks, and under ``int8``/``int4`` a dense one is rounded), and after
+loading the experts of a projection are stacked in one layout (``q4`` widened to ``q8`` where
+they differ; all dequantized if one arrived dense). ``gate_up_proj`` and ``down_proj`` then hold
+the blocks' integers ``[experts, rows, blocks, bytes]``, ``gate_up_scales`` and
+``down_scales`` their float16 scales, and ``layouts`` says which projection is held how.
 """
 
 from __future__ import annotations
@@ -20,13 +29,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl.kernels import quant
 from sgl.layers.activation import GatedActivation
+from sgl.layers.quantized import (QUANTIZE_MODES, QuantizedTensor, deferred_mode, init_weight,
+                                  quantized_linear, store_weight_rows)
 from sgl.layers.tp import divide, get_tp_group, tp_all_reduce
 
-__all__ = ["SUPPORTED_MOE_SHARDS", "FusedMoE", "select_experts"]
+__all__ = ["PROJECTIONS", "SUPPORTED_MOE_SHARDS", "FusedMoE", "select_experts"]
 
 #: ``shard_id`` values of :meth:`FusedMoE.weight_loader`: the Hugging Face per-expert projections
 SUPPORTED_MOE_SHARDS = ("gate", "up", "down")
+#: the stacked projections of :class:`FusedMoE`
+PROJECTIONS = ("gate_up", "down")
+
+
+class _ExpertWeight(nn.Module):
+    """One expert's projection while a quantizing mode loads it: the holder
+    :func:`~sgl.layers.quantized.store_weight_rows` fills, as it fills a linear layer."""
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype | None,
+                 device: torch.device | str | None) -> None:
+        super().__init__()
+        init_weight(self, rows, cols, dtype, device, self.weight_loader)
+
+    def weight_loader(self, *args: object) -> None:
+        raise RuntimeError("an expert's projection is loaded through FusedMoE.weight_loader")
+
+    def held(self) -> QuantizedTensor | torch.Tensor:
+        if self.weight_layout is None:
+            return self.weight.data
+        return QuantizedTensor(self.weight_layout, self.weight.data, self.weight_scales)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, *,
@@ -83,23 +115,42 @@ class FusedMoE(nn.Module):
         self.act = GatedActivation(activation)
         shape_13 = (self.num_local_experts, 2 * self.partition, hidden_size)
         shape_2 = (self.num_local_experts, hidden_size, self.partition)
-        self.gate_up_proj = nn.Parameter(torch.empty(shape_13, dtype=dtype, device=device),
+        self.dtype = dtype or torch.get_default_dtype()
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        #: ``{"gate_up": layout, "down": layout}``: ``"q4"``, ``"q8"`` or None (dense)
+        self.layouts: dict[str, str | None] = dict.fromkeys(PROJECTIONS)
+        self.mode = deferred_mode()
+        #: quantizing modes: each local expert's projections until they are stacked (a plain
+        #: dict, so that the holders are no submodules and never loaded by name)
+        self.pending: dict[str, list[_ExpertWeight]] | None = None
+        place = device
+        if self.mode is not None:
+            place = "meta"
+            self.pending = {
+                "gate_up": [_ExpertWeight(2 * self.partition, hidden_size, dtype, device)
+                            for _ in range(self.num_local_experts)],
+                "down": [_ExpertWeight(hidden_size, self.partition, dtype, device)
+                         for _ in range(self.num_local_experts)]}
+        self.gate_up_proj = nn.Parameter(torch.empty(shape_13, dtype=dtype, device=place),
                                          requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(shape_2, dtype=dtype, device=device),
+        self.down_proj = nn.Parameter(torch.empty(shape_2, dtype=dtype, device=place),
                                       requires_grad=False)
-        self.gate_up_proj.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.down_proj.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.register_buffer("gate_up_scales", None)
+        self.register_buffer("down_scales", None)
+        for param in (self.gate_up_proj, self.down_proj):
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            param.takes_quantized = True  # type: ignore[attr-defined]
 
     @property
     def local_expert_ids(self) -> range:
         """Global ids of the experts this rank holds."""
         return range(self.expert_start, self.expert_start + self.num_local_experts)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | QuantizedTensor,
                       shard_id: int | str | None = None, expert_id: int | None = None) -> None:
         """Copy one expert's full Hugging Face projection (``gate``/``up``: ``[inter, hidden]``,
-        ``down``: ``[hidden, inter]``) into this rank's slice; other ranks' experts are
-        skipped."""
+        ``down``: ``[hidden, inter]``, dense or a :class:`QuantizedTensor`) into this rank's
+        slice; other ranks' experts are skipped."""
         if shard_id not in SUPPORTED_MOE_SHARDS:
             raise ValueError(f"shard_id must be one of {', '.join(SUPPORTED_MOE_SHARDS)}, "
                              f"got {shard_id!r}")
@@ -114,18 +165,56 @@ class FusedMoE(nn.Module):
         if not 0 <= local < self.num_local_experts:
             return
         size, rank = self.partition, self.tp.rank
-        if shard_id == "down":
-            expected: tuple[int, ...] = (self.hidden_size, self.intermediate_size)
-            source, target = loaded.narrow(1, rank * size, size), param.data[local]
-        else:
-            expected = (self.intermediate_size, self.hidden_size)
-            offset = 0 if shard_id == "gate" else size
-            source = loaded.narrow(0, rank * size, size)
-            target = param.data[local].narrow(0, offset, size)
+        expected: tuple[int, ...] = ((self.hidden_size, self.intermediate_size)
+                                     if shard_id == "down" else
+                                     (self.intermediate_size, self.hidden_size))
         if tuple(loaded.shape) != expected:
             raise ValueError(f"expert {expert_id} {shard_id}_proj: expected shape {expected}, "
                              f"got {tuple(loaded.shape)}")
+        if isinstance(loaded, QuantizedTensor) and (
+                self.pending is None or (shard_id == "down" and size % quant.BLOCK)):
+            loaded = loaded.dequantize(self.dtype)  # held dense, or a split that cuts blocks
+        source = (loaded.narrow(1, rank * size, size) if shard_id == "down"
+                  else loaded.narrow(0, rank * size, size))
+        offset = size if shard_id == "up" else 0
+        if self.pending is not None:
+            holder = self.pending["down" if shard_id == "down" else "gate_up"][local]
+            store_weight_rows(holder, offset, source, f"expert {expert_id} {shard_id}_proj",
+                              quantize_as=QUANTIZE_MODES.get(self.mode or ""))
+            return
+        target = param.data[local] if shard_id == "down" else \
+            param.data[local].narrow(0, offset, size)
         target.copy_(source)
+
+    def process_weights_after_loading(self) -> None:
+        """In a quantizing mode: stack each projection's experts in one layout (see the module
+        docstring)."""
+        if self.pending is None:
+            return
+        for which, holders in self.pending.items():
+            held = [h.held() for h in holders]
+            layouts = {h.layout if isinstance(h, QuantizedTensor) else None for h in held}
+            if None in layouts:  # one dense expert: all dense
+                stacked = torch.stack([h if not isinstance(h, QuantizedTensor)
+                                       else h.dequantize(self.dtype) for h in held])
+                layout, scales = None, None
+            else:
+                layout = "q8" if "q8" in layouts else "q4"
+                blocks = [h.with_layout(layout) for h in held]
+                stacked = torch.stack([b.qweight.contiguous() for b in blocks])
+                scales = torch.stack([b.scales.contiguous() for b in blocks])
+            setattr(self, f"{which}_proj", nn.Parameter(stacked, requires_grad=False))
+            setattr(self, f"{which}_scales", scales)
+            self.layouts[which] = layout
+        self.pending = None
+
+    def _project(self, which: str, x: torch.Tensor, expert: int) -> torch.Tensor:
+        weight = getattr(self, f"{which}_proj")[expert]
+        layout = self.layouts[which]
+        if layout is None:
+            return F.linear(x, weight)
+        return quantized_linear(x, layout, weight, getattr(self, f"{which}_scales")[expert],
+                                None)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """``hidden [T, hidden]``, ``router_logits [T, num_experts]`` -> ``[T, hidden]``."""
@@ -149,8 +238,8 @@ class FusedMoE(nn.Module):
         for expert, count in enumerate(counts[:self.num_local_experts]):
             if count:
                 end = start + count
-                x = F.linear(grouped[start:end], self.gate_up_proj[expert])
-                out[order[start:end]] = F.linear(self.act(x), self.down_proj[expert])
+                x = self._project("gate_up", grouped[start:end], expert)
+                out[order[start:end]] = self._project("down", self.act(x), expert)
                 start = end
         combined = (out.view(tokens, top_k, -1) * weights.to(hidden.dtype).unsqueeze(-1)).sum(1)
         if self.reduce_results and self.tp.size > 1:

@@ -30,6 +30,7 @@ from _gguf_writer import write_gguf
 
 from sgl.engine.batch_builder import BatchSeq, make_forward_batch, release_sequence
 from sgl.engine.model_runner import ModelRunner
+from sgl.layers.moe import FusedMoE
 from sgl.forward_batch import ForwardMode
 from sgl.model_loader import ModelLoadError, load_hf_config, open_weights
 from sgl.model_loader import gguf_archs, gguf_config
@@ -144,6 +145,11 @@ def test_gguf_logits_match_transformers(files: dict, variant: str, qtype: str,
     # a Q4_0 file's token_embd is Q8_0
     assert held == (set() if quantization == "none" else {"q8"} if qtype == "Q8_0"
                     else {"q4", "q8"}), held
+    experts = [m.layouts for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    assert (variant == "qwen2-moe") == bool(experts)
+    for layouts in experts:  # the experts keep the file's blocks too
+        want_layout = None if quantization == "none" else "q8" if qtype == "Q8_0" else "q4"
+        assert layouts == {"gate_up": want_layout, "down": want_layout}, layouts
     for got, want in zip(sgl_logits(runner), expected):
         torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
 
