@@ -23,8 +23,11 @@ def _plugin_name(name: str) -> Any:
         _plugins = create_plugin_manager(PluginSelection.from_args())
     names = _plugins.registries.api_names
     if name not in names:
+        # plugins that failed to load could have registered it; those this machine cannot
+        # run (no GPU) are no news here
         unavailable = "".join(f"; plugin {r.name!r} is unavailable: {r.reason}"
-                              for r in _plugins.records.values() if not r.available)
+                              for r in _plugins.records.values()
+                              if not r.available and not r.machine_limited)
         raise AttributeError(f"module 'sgl' has no attribute {name!r} (no loaded plugin "
                              f"registers it through sgl_register_api_names{unavailable})")
     return names.load(name)

@@ -65,6 +65,9 @@ class PluginRecord:
     reason: str | None = None
     #: where or how the plugin runs, when that needs saying (its module's ``SGL_NOTE``)
     note: str | None = None
+    #: unavailable because of this machine (its module's ``SGL_UNAVAILABLE``: no GPU, a system
+    #: library missing), not because the install is broken
+    machine_limited: bool = False
     explicit: bool = False
     hooks: list[str] = field(default_factory=list)
 
@@ -400,12 +403,11 @@ def create_plugin_manager(selection: PluginSelection | None = None) -> SglPlugin
         # a plugin that says it cannot run on this machine (SGL_UNAVAILABLE: no GPU, no system
         # library) is expected to be so on most machines: said at info level, not on every
         # command; a missing dependency or a broken plugin is a warning
-        expected = False
         try:
             module = _import_target(record.source, record.target)
             record.reason = _missing_requirements(module)
             record.note = getattr(module, "SGL_NOTE", None)
-            expected = record.reason is not None and \
+            record.machine_limited = record.reason is not None and \
                 record.reason == getattr(module, "SGL_UNAVAILABLE", None)
         except Exception as exc:  # a broken plugin must not stop the others
             record.reason = f"{type(exc).__name__}: {exc}"
@@ -415,7 +417,7 @@ def create_plugin_manager(selection: PluginSelection | None = None) -> SglPlugin
             record.available = False
             if record.explicit:
                 raise PluginLoadError(f"plugin {record.name!r} could not be loaded: {record.reason}")
-            logger.log(logging.INFO if expected else logging.WARNING,
+            logger.log(logging.INFO if record.machine_limited else logging.WARNING,
                        "plugin %r is unavailable: %s", record.name, record.reason)
 
     for name, plugin in pm.list_name_plugin():

@@ -644,6 +644,7 @@ def test_plugin_is_listed_unavailable_with_the_fix() -> None:
     assert "flashinfer is not installed" in record.reason
     assert "pip install flashinfer-python" in record.reason
     assert "NVIDIA GPU" in record.reason and "--attention-backend torch" in record.reason
+    assert record.machine_limited  # logged at info level, and no hint for other names
     assert "flashinfer" not in pm.registries.attention
     assert "torch" in pm.registries.attention
     with pytest.raises(ConfigError, match="(?s)no installed plugin provides that attention "
