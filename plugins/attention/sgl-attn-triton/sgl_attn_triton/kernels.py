@@ -47,6 +47,22 @@ INTERPRETED_DECODE_SPLITS = 2
 
 
 @triton.jit
+def _key_scores(q, K, Table, row, stride_table, stride_kt, stride_kh, kv_head, pos, pos_ok, d,
+                scale, softcap, HEAD_DIM: tl.constexpr, SOFTCAP: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """The pool slots of the key positions ``pos`` of request row ``row``, and the scores of
+    ``q`` against their keys: scaled, and soft-capped (``softcap * tanh(s / softcap)``, tanh
+    written with exp: triton has none)."""
+    slot = tl.load(Table + row * stride_table + pos, mask=pos_ok, other=0)
+    k = tl.load(K + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+                mask=pos_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
+    if SOFTCAP:
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+    return slot, s
+
+
+@triton.jit
 def _decode_split(Q, K, V, Table, Rows, SeqLens, MidAcc, MidStats,
                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                   stride_table, stride_mb, stride_mh, stride_sb, stride_sh,
@@ -83,12 +99,8 @@ def _decode_split(Q, K, V, Table, Rows, SeqLens, MidAcc, MidStats,
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < hi
-        slot = tl.load(Table + row * stride_table + pos, mask=pos_ok, other=0)
-        k = tl.load(K + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-                    mask=pos_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
-        if SOFTCAP:  # softcap * tanh(s / softcap), tanh written with exp (no tl.tanh)
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+        slot, s = _key_scores(q, K, Table, row, stride_table, stride_kt, stride_kh, kv_head,
+                              pos, pos_ok, d, scale, softcap, HEAD_DIM, SOFTCAP, PRECISION)
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the block has a visible key
         p = tl.exp(s - m_new[:, None])
@@ -176,12 +188,8 @@ def _extend(Q, K, V, Out, Table, Rows, QStarts, PrefixLens, ExtendLens, Tree, Tr
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < hi
-        slot = tl.load(Table + row * stride_table + pos, mask=pos_ok, other=0)
-        k = tl.load(K + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-                    mask=pos_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
-        if SOFTCAP:
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+        slot, s = _key_scores(q, K, Table, row, stride_table, stride_kt, stride_kh, kv_head,
+                              pos, pos_ok, d, scale, softcap, HEAD_DIM, SOFTCAP, PRECISION)
         visible = pos[None, :] <= q_pos[:, None] + CAUSAL_SLACK
         if WINDOW:
             visible &= q_pos[:, None] - pos[None, :] < window
