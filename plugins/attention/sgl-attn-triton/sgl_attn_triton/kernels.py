@@ -63,6 +63,19 @@ def _key_scores(q, K, Table, row, stride_table, stride_kt, stride_kh, kv_head, p
 
 
 @triton.jit
+def _add_values(acc, l_i, p, alpha, V, slot, stride_vt, stride_vh, kv_head, pos_ok, dv,
+                V_DIM: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """One block of the online softmax: the running sum and accumulator rescaled by ``alpha``
+    (the old maximum against the new), plus the block's weights ``p`` times its values."""
+    v = tl.load(V + slot[:, None] * stride_vt + kv_head * stride_vh + dv[None, :],
+                mask=pos_ok[:, None] & (dv[None, :] < V_DIM), other=0.0)
+    if DOT_F32:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _decode_split(Q, K, V, Table, Rows, SeqLens, MidAcc, MidStats,
                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                   stride_table, stride_mb, stride_mh, stride_sb, stride_sh,
@@ -105,12 +118,8 @@ def _decode_split(Q, K, V, Table, Rows, SeqLens, MidAcc, MidStats,
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the block has a visible key
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(V + slot[:, None] * stride_vt + kv_head * stride_vh + dv[None, :],
-                    mask=pos_ok[:, None] & (dv[None, :] < V_DIM), other=0.0)
-        if DOT_F32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        acc, l_i = _add_values(acc, l_i, p, alpha, V, slot, stride_vt, stride_vh, kv_head,
+                               pos_ok, dv, V_DIM, DOT_F32, PRECISION)
         m_i = m_new
 
     out_heads = seq * stride_mb + heads * stride_mh + split * BLOCK_DV
@@ -207,12 +216,8 @@ def _extend(Q, K, V, Out, Table, Rows, QStarts, PrefixLens, ExtendLens, Tree, Tr
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
-        v = tl.load(V + slot[:, None] * stride_vt + kv_head * stride_vh + dv[None, :],
-                    mask=pos_ok[:, None] & (dv[None, :] < V_DIM), other=0.0)
-        if DOT_F32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        acc, l_i = _add_values(acc, l_i, p, alpha, V, slot, stride_vt, stride_vh, kv_head,
+                               pos_ok, dv, V_DIM, DOT_F32, PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
