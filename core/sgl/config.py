@@ -109,8 +109,8 @@ class ServerSettings:
         "at start-up for its batch size (--device cuda; on CPU see --disable-cpu-graph).")
     cuda_graph_max_bs: int | None = _opt(
         None, "Largest decode batch captured as a CUDA graph at start-up (sizes 1, 2, 4, 8, "
-        "then every 8); larger batches run eagerly. Default: --max-running-requests, at most "
-        "160. --device cuda only.", minimum=1)
+        "then every 8); larger batches run eagerly. Default: 160; never above "
+        "--max-running-requests. --device cuda only.", minimum=1)
     max_total_tokens: int | None = _opt(
         None, "Size of the KV pool in tokens; default: from --mem-fraction-static.", minimum=1)
     mem_fraction_static: float | None = _opt(

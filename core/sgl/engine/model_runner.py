@@ -44,8 +44,8 @@ if TYPE_CHECKING:
     from sgl.parallel.base import RunnerMirror
     from sgl.plugins import Registries
 
-__all__ = ["CUDA_GRAPH_MAX_BS", "QUANTIZATION_CHOICES", "SUPPORTED_DTYPES", "ModelRunner", "auto_cpu_dtype",
-           "resolve_architecture", "resolve_dtype", "resolve_model_class",
+__all__ = ["CUDA_GRAPH_MAX_BS", "QUANTIZATION_CHOICES", "SUPPORTED_DTYPES", "ModelRunner",
+           "auto_cpu_dtype", "resolve_architecture", "resolve_dtype", "resolve_model_class",
            "resolve_quantization", "weights_bytes"]
 
 logger = logging.getLogger(__name__)
@@ -223,8 +223,8 @@ class ModelRunner:
     :param cpu_graphs: on CPU, replay recorded decode forwards (:mod:`sgl.engine.cpu_graph`).
     :param cuda_graphs: on CUDA, capture decode forwards as CUDA graphs at start-up
         (:mod:`sgl.engine.cuda_graph`).
-    :param cuda_graph_max_bs: the largest batch captured; None: ``max_running_requests``, at
-        most :data:`CUDA_GRAPH_MAX_BS`.
+    :param cuda_graph_max_bs: the largest batch captured (at most ``max_running_requests``);
+        None: :data:`CUDA_GRAPH_MAX_BS`.
     """
 
     def __init__(self, *, model_path: str | None = None, dtype: str = "auto",
@@ -296,7 +296,8 @@ class ModelRunner:
                 and not tensor_parallel:
             self.cpu_graphs = CpuGraphRunner(self.model, self.attn_backend)
         elif cuda_graphs and self.device.type == "cuda" and not tensor_parallel:
-            max_bs = cuda_graph_max_bs or min(max_running_requests, CUDA_GRAPH_MAX_BS)
+            # a batch never holds more than max_running_requests sequences
+            max_bs = min(cuda_graph_max_bs or CUDA_GRAPH_MAX_BS, max_running_requests)
             try:
                 self.cuda_graphs = CudaGraphRunner(
                     self.model, self.attn_backend, kv_pool=self.kv_pool,
@@ -357,8 +358,8 @@ class ModelRunner:
         return f"quantization {self.quantization}; layers: {held}" if held else \
             f"quantization {self.quantization}"
 
-    def _pool_size(self, max_total_tokens: int | None, mem_fraction: float | None, per_token: int,
-                   cap: int) -> int:
+    def _pool_size(self, max_total_tokens: int | None, mem_fraction: float | None,
+                   per_token: int, cap: int) -> int:
         if max_total_tokens is not None:
             if max_total_tokens < 1:
                 raise ValueError(f"max_total_tokens must be positive, got {max_total_tokens}")
