@@ -10,7 +10,10 @@ run their torch code where it hands them None.
 The level is the best the library finds on this CPU, capped by ``SGL_CPU_ISA`` (one of the
 levels; ``sgl serve --cpu-isa`` sets it for the server) and by ``SGL_CPU_KERNELS=0``
 (``none``); :func:`set_isa` changes it in a running process (the tests run every level the CPU
-has this way). Without the plugin (not installed, built without its compiled part,
+has this way). With ``SGL_CPU_EMULATE=1`` (or :func:`set_isa`'s ``emulate``) a cap above the
+CPU's level runs that level's kernels with their instructions done in software, where the library
+can (:meth:`~sgl.kernels.library.KernelLibrary.emulated_levels`): correct and several times
+slower, so that the tests check every level's kernels on any CPU. Without the plugin (not installed, built without its compiled part,
 ``--disable-plugin kernels-cpu``), or at ``none``, :func:`load` returns None.
 
 The kernels split their work over :func:`set_threads` threads of their own, and the matmuls run
@@ -37,9 +40,10 @@ if TYPE_CHECKING:
     from sgl.plugins import SglPluginManager
 
 __all__ = ["DTYPES", "ISA_LEVELS", "KERNEL_LEVELS", "argmax_rows", "cpu_isa", "describe_isa",
-           "detected_isa", "effective_isa", "fits", "isa_at_least", "kernel_threads", "load",
-           "pack_bf16_weight", "pack_f32_weight", "recording", "requested_isa", "set_isa",
-           "set_threads", "use_plugins"]
+           "detected_isa", "effective_isa", "emulated_isa_levels", "emulation_requested", "fits",
+           "isa_at_least", "isa_emulated", "kernel_threads", "load", "pack_bf16_weight",
+           "pack_f32_weight", "recording", "requested_isa", "set_isa", "set_threads",
+           "use_plugins"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,7 @@ _level = "none"  # the level _loaded runs at
 _tried = False
 _threads = 1
 _isa_cap: str | None = None  # set_isa's level; None: SGL_CPU_ISA / SGL_CPU_KERNELS decide
+_emulate: bool | None = None  # set_isa's emulate; None: SGL_CPU_EMULATE decides
 _plugins: SglPluginManager | None = None  # use_plugins'; None: the installed plugins
 _library: KernelLibrary | None = None  # the plugin's library, whatever the level
 _library_tried = False
@@ -118,6 +123,21 @@ def requested_isa() -> str:
     return _check_level(os.environ.get("SGL_CPU_ISA", "") or "auto", "SGL_CPU_ISA")
 
 
+def emulation_requested() -> bool:
+    """Whether a cap above the CPU's level may be emulated: :func:`set_isa`'s ``emulate``, else
+    ``SGL_CPU_EMULATE=1``."""
+    if _emulate is not None:
+        return _emulate
+    return os.environ.get("SGL_CPU_EMULATE", "0") == "1"
+
+
+def emulated_isa_levels() -> tuple[str, ...]:
+    """The levels above the CPU's that the kernel library can run in software (none without a
+    library)."""
+    library = _find_library()
+    return tuple(library.emulated_levels()) if library is not None else ()
+
+
 def isa_at_least(level: str, floor: str) -> bool:
     """Whether ``level`` includes ``floor`` (both names of :data:`ISA_LEVELS`)."""
     return ISA_LEVELS.index(level) <= ISA_LEVELS.index(floor)
@@ -128,9 +148,18 @@ def effective_isa(requested: str) -> str:
     if requested == "none":
         return "none"
     detected = detected_isa()
+    if (requested != "auto" and requested != detected and emulation_requested()
+            and requested in emulated_isa_levels()):
+        return requested  # above the CPU's level, in software
     if requested == "auto" or isa_at_least(requested, detected):
         return detected  # never above what the CPU has
     return requested
+
+
+def isa_emulated() -> bool:
+    """Whether the level in use (:func:`cpu_isa`) runs emulated, above what the CPU has."""
+    level = cpu_isa()
+    return level in KERNEL_LEVELS and not isa_at_least(detected_isa(), level)
 
 
 def cpu_isa() -> str:
@@ -147,20 +176,24 @@ def describe_isa() -> str:
         return f"none ({_library_missing})"
     detected, capped = library.detect_isa(), effective_isa(requested_isa())
     parts = [f"CPU has {detected}"]
-    if capped != detected:
+    if isa_emulated():
+        parts.append("emulated in software: correct, several times slower, for tests")
+    elif capped != detected:
         parts.append(f"capped at {capped}")
     parts.append(library.describe() if level in KERNEL_LEVELS else "torch operators only")
     return f"{level} ({', '.join(parts)})"
 
 
-def set_isa(level: str) -> str:
+def set_isa(level: str, emulate: bool | None = None) -> str:
     """Run the kernels at ``level`` (a name of :data:`ISA_LEVELS`, or ``auto``: the CPU's best
-    or ``SGL_CPU_ISA``'s) from now on, never above what the CPU has; returns the level in use
+    or ``SGL_CPU_ISA``'s) from now on, never above what the CPU has unless ``emulate`` (None:
+    ``SGL_CPU_EMULATE`` decides) and the library can emulate it; returns the level in use
     (:func:`cpu_isa`). Weights packed before keep the layout of their level."""
-    global _isa_cap, _tried
+    global _isa_cap, _emulate, _tried
     level = _check_level(level, "cpu isa")
     with _lock:
         _isa_cap = None if level == "auto" else level
+        _emulate = emulate
         _tried = False
     return cpu_isa()
 
@@ -225,8 +258,13 @@ def load() -> KernelLibrary | None:
         library = _find_library() if level in KERNEL_LEVELS else None
         _loaded, _level = None, "none"
         if library is not None and level in library.levels:
-            library.set_level(level)
+            emulated = not isa_at_least(library.detect_isa(), level)
+            library.set_level(level, emulated=emulated)
             _loaded, _level = library, level
+            if emulated:
+                logger.warning("sgl's CPU kernels run at %s emulated in software (this CPU has "
+                               "%s): correct, several times slower; meant for tests", level,
+                               library.detect_isa())
         _tried = True
         return _loaded
 

@@ -97,8 +97,14 @@ class KernelLibrary(abc.ABC):
         where it runs none of the library's)."""
 
     @abc.abstractmethod
-    def set_level(self, level: str) -> None:
-        """Run the kernels of ``level`` (one of :attr:`levels`) from now on."""
+    def set_level(self, level: str, emulated: bool = False) -> None:
+        """Run the kernels of ``level`` (one of :attr:`levels`) from now on; ``emulated``: a
+        level of :meth:`emulated_levels`, run in software."""
+
+    def emulated_levels(self) -> tuple[str, ...]:
+        """The levels above :meth:`detect_isa` the library can run with their instructions done
+        in software: correct and slow, for testing a level's kernels on a CPU without it."""
+        return ()
 
     @abc.abstractmethod
     def set_threads(self, threads: int) -> int:

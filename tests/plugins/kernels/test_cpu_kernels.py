@@ -80,14 +80,14 @@ def test_bf16_dot_and_widened_matmuls_agree(avx512_isa: str, n: int, k: int, row
     try:
         for level, dot in ([("avx512", False), ("avx512_bf16", True)]
                            if cpu.isa_at_least(avx512_isa, "avx512_bf16") else [("avx512", False)]):
-            kernels.set_level(level, dot)
+            kernels.set_level(level, cpu.isa_emulated(), dot_products=dot)
             with cpu.recording() as tape:
                 y = sgl_ops.linear_bf16(x, packed, n, bias)
             assert tape.names == ["sgl_linear_bf16_avx512"]
             assert int(tape.calls[0, 10]) == int(dot)  # the kernel's dp argument
             torch.testing.assert_close(y.float(), expected, rtol=0.02, atol=0.05)
     finally:
-        kernels.set_level(avx512_isa)
+        kernels.set_level(avx512_isa, cpu.isa_emulated())
 
 
 @pytest.mark.parametrize("n,k", [(49152, 576), (960, 576), (100, 40)])

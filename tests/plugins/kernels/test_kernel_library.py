@@ -4,6 +4,7 @@ their pure-torch references, visible to torch's profiler."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -316,8 +317,9 @@ AVX512_ONLY = re.compile(r"%zmm|%k[0-7]\b|%[xy]mm(1[6-9]|2[0-9]|3[01])\b|\{1to|v
 
 
 def test_the_avx2_level_holds_no_avx512_instruction(tmp_path) -> None:
-    """The kernels of the avx2 level (kernels_avx2.c) and the code every level runs (the
-    quantized kernels, the pool, the dispatch of calls) must run on a CPU without AVX-512:
+    """The kernels of the avx2 level (kernels_avx2.c), the code every level runs (the
+    quantized kernels, the pool, the dispatch of calls) and the emulated AVX-512 kernels must
+    run on a CPU without AVX-512:
     compiled as setup.py compiles them, their object code holds no AVX-512 register or
     instruction. (The suite runs them on this CPU, which has AVX-512 and so would not fault;
     this checks what an AVX2-only CPU would be given.)"""
@@ -333,13 +335,71 @@ def test_the_avx2_level_holds_no_avx512_instruction(tmp_path) -> None:
     flags = next(ast.literal_eval(node.value) for node in ast.walk(setup_py)
                  if isinstance(node, ast.Assign)
                  and any(getattr(t, "id", "") == "C_FLAGS" for t in node.targets))
-    for source in ("kernels_avx2.c", "kernels_quant_avx2.c", "pool.c", "run_op.c"):
+    # the emulated copy of the AVX-512 kernels (only where SIMDe is here, else it compiles to an
+    # empty table) runs on AVX2 CPUs too; -O0 for it only to compile it in seconds, not a minute
+    # (the instruction set comes from its target pragma, not from the optimisation level)
+    emulated = Path("/usr/include/simde/x86/avx512.h").exists()
+    sources = ["kernels_avx2.c", "kernels_quant_avx2.c", "pool.c", "run_op.c",
+               "kernels_avx512_emulated.c"]
+    for source in sources:
         obj = tmp_path / f"{source}.o"
-        subprocess.run([tools["gcc"], *flags, "-I", str(plugin / "csrc"), "-c",
+        extra = ["-O0"] if source == "kernels_avx512_emulated.c" else []
+        subprocess.run([tools["gcc"], *flags, *extra, "-I", str(plugin / "csrc"), "-c",
                         str(plugin / "csrc" / source), "-o", str(obj)], check=True)
         code = subprocess.run([tools["objdump"], "-d", str(obj)], check=True,
                               capture_output=True, text=True).stdout
-        if source.startswith("kernels"):  # the disassembly is real code
-            assert "vfmadd" in code
+        if source.startswith("kernels") and (emulated or "emulated" not in source):
+            assert "vfmadd" in code  # the disassembly is real code
         found = sorted({m.group(0) for m in AVX512_ONLY.finditer(code)})
         assert not found, f"{source} holds AVX-512 code: {found}"
+
+
+def _emulated_level() -> str:
+    """The lowest level above this CPU's that the library emulates (the test is skipped, and
+    so reported, where it emulates none)."""
+    emulated = cpu.emulated_isa_levels()
+    if not emulated:
+        pytest.skip("this build of sgl-kernels-cpu emulates no level above this CPU's "
+                    f"({cpu.describe_isa()}): it was built without SIMDe's headers (Debian's "
+                    "libsimde-dev), or the CPU has every level")
+    return emulated[-1]
+
+
+def test_a_level_above_the_cpu_runs_emulated_only_when_asked() -> None:
+    """A cap above the CPU's level runs the CPU's own level, unless emulation is asked for;
+    then the level's kernels run in software, say so, and compute what torch computes (on a CPU
+    without the level, its compiled kernel would stop the process with an illegal
+    instruction)."""
+    level = _emulated_level()
+    torch.manual_seed(3)
+    weight, x = torch.randn(96, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    try:
+        assert cpu.set_isa(level, emulate=False) == cpu.detected_isa()
+        assert not cpu.isa_emulated()
+        assert cpu.set_isa(level, emulate=True) == level
+        assert cpu.isa_emulated()
+        assert "emulated in software" in cpu.describe_isa()
+        packed = cpu.pack_bf16_weight(weight)
+        with cpu.recording() as tape:
+            y = torch.ops.sgl.linear_bf16(x, packed, 96, None)
+        assert tape.names == ["sgl_linear_bf16_amx" if level == "amx"
+                              else "sgl_linear_bf16_avx512"]
+        torch.testing.assert_close(y.float(), x.float() @ weight.float().T, rtol=0.02,
+                                   atol=0.05)
+    finally:
+        cpu.set_isa("auto", emulate=None)
+    assert not cpu.isa_emulated()
+
+
+def test_sgl_cpu_emulate_reaches_the_cli() -> None:
+    level = _emulated_level()
+    env = {"SGL_CPU_ISA": level, "SGL_CPU_EMULATE": "1"}
+    out = subprocess.run([sys.executable, "-m", "sgl", "plugins"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith(f"CPU kernels: {level} (") and "emulated in software" in line
+    out = subprocess.run([sys.executable, "-m", "sgl", "plugins"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "SGL_CPU_ISA": level,
+                                                      "SGL_CPU_EMULATE": "0"})
+    assert out.stdout.strip().splitlines()[-1].startswith(f"CPU kernels: {cpu.detected_isa()} (")

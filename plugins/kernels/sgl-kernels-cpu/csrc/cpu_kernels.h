@@ -48,6 +48,11 @@ typedef struct {
 /* The version of the kernels (sgl_kernels_cpu.library.VERSION) where they were compiled for
    x86-64, 0 elsewhere (every call then fails). */
 int sgl_kernels_version(void);
+/* Whether this build has the AVX-512 levels' kernels in software (kernels_avx512_emulated.c). */
+int sgl_emulation_available(void);
+/* Run the AVX-512 levels' kernels in software (on) or as compiled for the CPU (off); 0 when
+   asked for emulation this build lacks. */
+int sgl_set_emulation(int on);
 /* Use `threads` threads (the caller included) from now on; returns the number in use. */
 int sgl_set_threads(int threads);
 /* Run one call: the kernel's return code (0 for success). */

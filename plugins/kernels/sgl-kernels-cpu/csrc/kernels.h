@@ -108,4 +108,23 @@ int sgl_extend_attention_avx2(const void *q, int64_t q_stride, const void *k_poo
                               int64_t Dv, float scale, float softcap, int64_t window, int dtype,
                               const int32_t *tree_bits);
 
+/* The kernels of kernels_avx512.c, as run_op.c calls them: compiled for the CPU
+ * (sgl_avx512_kernels_native) and again with the instructions in software
+ * (sgl_avx512_kernels_emulated, kernels_avx512_emulated.c: every entry NULL where the build
+ * had no SIMDe). */
+typedef struct {
+    __typeof__(sgl_linear_bf16_amx) *linear_bf16_amx;
+    __typeof__(sgl_linear_bf16_avx512) *linear_bf16_avx512;
+    __typeof__(sgl_linear_f32) *linear_f32;
+    __typeof__(sgl_rmsnorm) *rmsnorm;
+    __typeof__(sgl_silu_mul) *silu_mul;
+    __typeof__(sgl_rotary) *rotary;
+    __typeof__(sgl_argmax_f32) *argmax_f32;
+    __typeof__(sgl_decode_attention) *decode_attention;
+    __typeof__(sgl_extend_attention) *extend_attention;
+} sgl_avx512_kernels;
+
+extern const sgl_avx512_kernels sgl_avx512_kernels_native;
+extern const sgl_avx512_kernels sgl_avx512_kernels_emulated;
+
 #endif

@@ -18,12 +18,22 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__)
+#if defined(SGL_EMULATE_ISA)
+/* kernels_avx512_emulated.c: the instructions in software (isa_emulation.h), on AVX2 */
+#include "isa_emulation.h"
+
+#define AMX_TARGET
+#define AVX512_TARGET
+#define AVX512_BF16_TARGET
+#elif defined(__x86_64__)
 #include <immintrin.h>
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512vl,avx512bw")))
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define AVX512_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#endif
+
+#if defined(__x86_64__)
 
 /* Linux keeps AMX tile data off until the process asks for it (arch_prctl): sgl/kernels/cpu.py
  * asks before it picks the AMX level. */
@@ -1170,5 +1180,10 @@ AVX512_TARGET int sgl_extend_attention(
                                 tree_bits);
 }
 
+/* what run_op.c calls at the AVX-512 levels (in the emulated copy: sgl_avx512_kernels_emulated) */
+const sgl_avx512_kernels sgl_avx512_kernels_native = {
+    sgl_linear_bf16_amx, sgl_linear_bf16_avx512, sgl_linear_f32, sgl_rmsnorm, sgl_silu_mul,
+    sgl_rotary, sgl_argmax_f32, sgl_decode_attention, sgl_extend_attention,
+};
 
 #endif

@@ -11,7 +11,18 @@
 
 #if defined(__x86_64__)
 
-int sgl_kernels_version(void) { return 8; }
+int sgl_kernels_version(void) { return 9; }
+
+/* the AVX-512 levels' kernels in use: compiled for the CPU, or emulated (sgl_set_emulation) */
+static const sgl_avx512_kernels *avx512 = &sgl_avx512_kernels_native;
+
+int sgl_emulation_available(void) { return sgl_avx512_kernels_emulated.linear_f32 != NULL; }
+
+int sgl_set_emulation(int on) {
+    if (on && !sgl_emulation_available()) return 0;
+    avx512 = on ? &sgl_avx512_kernels_emulated : &sgl_avx512_kernels_native;
+    return 1;
+}
 
 /* Embedding lookup: row t of out (row stride o_stride elements) = row ids[t] of w [vocab, H]
    (row stride w_stride), `es`-byte elements. -1 (nothing written) when an id is outside
@@ -39,44 +50,44 @@ int sgl_run_op(const sgl_op *op) {
     switch (op->kind) {
     case SGL_OP_LINEAR_BF16_AMX:
     case SGL_OP_LINEAR_BF16_AVX2:
-        return (op->kind == SGL_OP_LINEAR_BF16_AMX ? sgl_linear_bf16_amx : sgl_linear_bf16_avx2)(
+        return (op->kind == SGL_OP_LINEAR_BF16_AMX ? avx512->linear_bf16_amx : sgl_linear_bf16_avx2)(
             P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8));
     case SGL_OP_LINEAR_BF16_AVX512:
-        return sgl_linear_bf16_avx512(P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8),
+        return avx512->linear_bf16_avx512(P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8),
                                       (int)a[9]);
     case SGL_OP_LINEAR_F32:
     case SGL_OP_LINEAR_F32_AVX2:
-        return (op->kind == SGL_OP_LINEAR_F32 ? sgl_linear_f32 : sgl_linear_f32_avx2)(
+        return (op->kind == SGL_OP_LINEAR_F32 ? avx512->linear_f32 : sgl_linear_f32_avx2)(
             P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], P(8));
     case SGL_OP_RMSNORM:
     case SGL_OP_RMSNORM_AVX2:
-        return (op->kind == SGL_OP_RMSNORM ? sgl_rmsnorm : sgl_rmsnorm_avx2)(
+        return (op->kind == SGL_OP_RMSNORM ? avx512->rmsnorm : sgl_rmsnorm_avx2)(
             P(0), a[1], P(2), a[3], P(4), a[5], P(6), P(7), a[8], a[9], a[10], a[11],
             f32_bits(a[12]), (int)a[13]);
     case SGL_OP_SILU_MUL:
     case SGL_OP_SILU_MUL_AVX2:
-        return (op->kind == SGL_OP_SILU_MUL ? sgl_silu_mul : sgl_silu_mul_avx2)(
+        return (op->kind == SGL_OP_SILU_MUL ? avx512->silu_mul : sgl_silu_mul_avx2)(
             P(0), a[1], P(2), a[3], a[4], a[5], (int)a[6]);
     case SGL_OP_ROTARY:
     case SGL_OP_ROTARY_AVX2:
-        return (op->kind == SGL_OP_ROTARY ? sgl_rotary : sgl_rotary_avx2)(
+        return (op->kind == SGL_OP_ROTARY ? avx512->rotary : sgl_rotary_avx2)(
             P(0), a[1], P(2), a[3], P(4), a[5], P(6), a[7], a[8], a[9], a[10], (int)a[11]);
     case SGL_OP_EMBEDDING:
         return sgl_embedding(P(0), a[1], a[2], P(3), a[4], P(5), a[6], a[7], a[8]);
     case SGL_OP_DECODE_ATTENTION:
     case SGL_OP_DECODE_ATTENTION_AVX2:
-        return (op->kind == SGL_OP_DECODE_ATTENTION ? sgl_decode_attention
+        return (op->kind == SGL_OP_DECODE_ATTENTION ? avx512->decode_attention
                                                     : sgl_decode_attention_avx2)(
             P(0), a[1], a[2], P(3), a[4], P(5), a[6], P(7), P(8), P(9), a[10], P(11), P(12),
             P(13), P(14), a[15], a[16], a[17], a[18], a[19], a[20], f32_bits(a[21]),
             f32_bits(a[22]), a[23], (int)a[24], (int)a[25]);
     case SGL_OP_ARGMAX_F32:
     case SGL_OP_ARGMAX_F32_AVX2:
-        return (op->kind == SGL_OP_ARGMAX_F32 ? sgl_argmax_f32 : sgl_argmax_f32_avx2)(
+        return (op->kind == SGL_OP_ARGMAX_F32 ? avx512->argmax_f32 : sgl_argmax_f32_avx2)(
             P(0), a[1], a[2], a[3], P(4));
     case SGL_OP_EXTEND_ATTENTION:
     case SGL_OP_EXTEND_ATTENTION_AVX2:
-        return (op->kind == SGL_OP_EXTEND_ATTENTION ? sgl_extend_attention
+        return (op->kind == SGL_OP_EXTEND_ATTENTION ? avx512->extend_attention
                                                     : sgl_extend_attention_avx2)(
             P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), P(8), P(9), a[10], P(11), a[12],
             a[13], a[14], a[15], a[16], f32_bits(a[17]), f32_bits(a[18]), a[19], (int)a[20],
@@ -102,6 +113,8 @@ int64_t sgl_replay(const sgl_op *ops, int64_t n) {
 
 #else
 int sgl_kernels_version(void) { return 0; }
+int sgl_emulation_available(void) { return 0; }
+int sgl_set_emulation(int on) { return !on; }
 int sgl_set_threads(int threads) { (void)threads; return 1; }
 int sgl_run_op(const sgl_op *op) { (void)op; return -100; }
 int64_t sgl_replay(const sgl_op *ops, int64_t n) { (void)ops; return n > 0 ? 1 : 0; }

@@ -29,7 +29,13 @@ enum Level { AMX = 0, AVX512_BF16 = 1, AVX512 = 2, AVX2 = 3 };
 Level g_level = AVX512;
 bool g_bf16_dot_matmul = false;  // the bfloat16 matmul without AMX on vdpbf16ps (AMD)
 
-void set_level(std::string level, bool bf16_dot_matmul) {
+// `emulated`: the AVX-512 levels' kernels in software (kernels_avx512_emulated.c), for tests
+// of those levels on a CPU without them.
+void set_level(std::string level, bool bf16_dot_matmul, bool emulated) {
+  TORCH_CHECK_VALUE(!emulated || sgl_emulation_available(),
+                    "sgl_cpu::set_level: this build of sgl-kernels-cpu cannot emulate the "
+                    "AVX-512 levels (it was compiled without SIMDe's headers: install Debian's "
+                    "libsimde-dev and reinstall the plugin)");
   if (level == "amx") {
     g_level = AMX;
   } else if (level == "avx512_bf16") {
@@ -43,7 +49,10 @@ void set_level(std::string level, bool bf16_dot_matmul) {
                       "' (expected amx, avx512_bf16, avx512 or avx2)");
   }
   g_bf16_dot_matmul = bf16_dot_matmul && g_level == AVX512_BF16;
+  sgl_set_emulation(emulated && g_level != AVX2);
 }
+
+bool emulation() { return sgl_emulation_available() != 0; }
 
 std::string level() {
   switch (g_level) {
@@ -512,7 +521,8 @@ Tensor extend_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_p
 
 TORCH_LIBRARY(sgl_cpu, m) {
   m.def("version() -> int", &version);
-  m.def("set_level(str level, bool bf16_dot_matmul) -> ()", &set_level);
+  m.def("set_level(str level, bool bf16_dot_matmul, bool emulated) -> ()", &set_level);
+  m.def("emulation() -> bool", &emulation);
   m.def("level() -> str", &level);
   m.def("set_threads(int threads) -> int", &set_threads);
   m.def("record_begin() -> ()", &record_begin);

@@ -33,7 +33,7 @@ KERNEL_NAMES = {1: "sgl_linear_bf16_amx", 2: "sgl_linear_f32", 3: "sgl_rmsnorm",
                 18: "sgl_extend_attention_avx2", 19: "sgl_linear_quant_avx2",
                 20: "sgl_embedding_quant"}
 #: what ``sgl_kernels_version`` of a build of this source returns
-VERSION = 8
+VERSION = 9
 
 _lock = threading.Lock()
 _loaded_path: Path | None = None
@@ -84,13 +84,23 @@ class CpuKernelLibrary(KernelLibrary):
     def detect_isa(self) -> str:
         return isa.detect_isa()
 
-    def set_level(self, level: str, dot_products: bool | None = None) -> None:
-        """Run the kernels of ``level``; ``dot_products`` chooses the bfloat16 matmul without
-        AMX (``vdpbf16ps`` rather than widened FMAs; default: :meth:`bf16_dot_matmul`)."""
+    def set_level(self, level: str, emulated: bool = False,
+                  dot_products: bool | None = None) -> None:
+        """Run the kernels of ``level``, in software where ``emulated``; ``dot_products``
+        chooses the bfloat16 matmul without AMX (``vdpbf16ps`` rather than widened FMAs;
+        default: :meth:`bf16_dot_matmul`)."""
         if dot_products is None:
             dot_products = self.bf16_dot_matmul(level)
-        self._ops.set_level(level, dot_products)
+        self._ops.set_level(level, dot_products, emulated)
         self.isa = level
+
+    def emulated_levels(self) -> tuple[str, ...]:
+        """The levels above the CPU's, where the build has them in software
+        (``csrc/kernels_avx512_emulated.c``, compiled for AVX2: only on a CPU with AVX2)."""
+        detected = self.detect_isa()
+        if detected not in self.levels or not self._ops.emulation():
+            return ()
+        return self.levels[:self.levels.index(detected)]
 
     @staticmethod
     def bf16_dot_matmul(level: str) -> bool:

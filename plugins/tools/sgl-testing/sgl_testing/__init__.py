@@ -15,8 +15,12 @@ Fixtures:
   or not; the fixture's value is the level. ``kernel_isa`` -- likewise, only at the levels where
   sgl's kernels run; ``avx512_isa`` -- only at those with the AVX-512 kernels (not ``avx2``).
   ``model_isa`` -- ``cpu_isa`` at module scope, for a model loaded once per
-  level. The report header names the levels tested and those this CPU lacks, and the
-  summary counts the tests passed at each.
+  level. ``cpu_isa``, ``kernel_isa`` and ``avx512_isa`` also run at the levels above the CPU's
+  that the kernel library emulates in software (:func:`sgl.kernels.cpu.emulated_isa_levels`;
+  test ids ``<level>-emulated``; ``SGL_CPU_EMULATE=0`` leaves them out), so every level's
+  kernels are checked on any CPU; the model-parity tests (``model_isa``) run at the CPU's own
+  levels only. The report header names the levels tested, those emulated and those left out,
+  and the summary counts the tests passed at each.
 
 And :class:`ServerProcess`, which runs ``sgl serve`` on a free loopback port for a test.
 """
@@ -181,20 +185,40 @@ def restore_kernel_threads() -> Iterator[None]:
 
 #: the levels with the AVX-512 kernels (``avx512_isa``); at ``avx2`` their AVX2 versions run
 AVX512_LEVELS = ("amx", "avx512_bf16", "avx512")
-#: the fixtures that run a test once per level: which levels (None: all), and their scope
-LEVEL_FIXTURES = {"cpu_isa": (None, "function"), "kernel_isa": ("kernels", "function"),
-                  "avx512_isa": ("avx512", "function"), "model_isa": (None, "module")}
+#: the fixtures that run a test once per level: which levels (None: all), their scope, and
+#: whether they add the emulated levels
+LEVEL_FIXTURES = {"cpu_isa": (None, "function", True),
+                  "kernel_isa": ("kernels", "function", True),
+                  "avx512_isa": ("avx512", "function", True),
+                  "model_isa": (None, "module", False)}
 
 
-def isa_levels_to_test(kernels_only: bool = False, avx512_only: bool = False) -> list[str]:
-    """The levels of :data:`sgl.kernels.cpu.ISA_LEVELS` this process can run (the CPU's best,
-    capped by ``SGL_CPU_ISA``, and all below it); with ``kernels_only`` only those where sgl's
-    kernels run, and none of those where the library cannot be built; with ``avx512_only`` only
-    those of :data:`AVX512_LEVELS`."""
+def emulated_levels_to_test() -> list[str]:
+    """The levels above the CPU's that the tests run emulated (see the module docstring): those
+    the kernel library emulates, up to ``SGL_CPU_ISA``'s cap; none with ``SGL_CPU_EMULATE=0``."""
     from sgl.kernels import cpu
 
-    top = cpu.effective_isa(cpu.requested_isa())
+    if os.environ.get("SGL_CPU_EMULATE") == "0":
+        return []
+    cap = cpu.requested_isa()
+    return [lv for lv in cpu.emulated_isa_levels()
+            if cap == "auto" or cpu.isa_at_least(cap, lv)]
+
+
+def isa_levels_to_test(kernels_only: bool = False, avx512_only: bool = False,
+                       emulated: bool = False) -> list[str]:
+    """The levels of :data:`sgl.kernels.cpu.ISA_LEVELS` this process can run (the CPU's best,
+    capped by ``SGL_CPU_ISA``, and all below it; with ``emulated`` also those of
+    :func:`emulated_levels_to_test`); with ``kernels_only`` only those where sgl's kernels run,
+    and none of those where the library cannot be built; with ``avx512_only`` only those of
+    :data:`AVX512_LEVELS`."""
+    from sgl.kernels import cpu
+
+    detected, cap = cpu.detected_isa(), cpu.requested_isa()
+    top = detected if cap == "auto" or cpu.isa_at_least(cap, detected) else cap
     levels = list(cpu.ISA_LEVELS[cpu.ISA_LEVELS.index(top):])
+    if emulated:
+        levels = [lv for lv in emulated_levels_to_test() if lv not in levels] + levels
     if top in cpu.KERNEL_LEVELS and cpu.cpu_isa() == "none":  # the library cannot be built
         levels = [lv for lv in levels if lv not in cpu.KERNEL_LEVELS]
     if avx512_only:
@@ -203,9 +227,12 @@ def isa_levels_to_test(kernels_only: bool = False, avx512_only: bool = False) ->
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    for name, (which, scope) in LEVEL_FIXTURES.items():
+    for name, (which, scope, emulated) in LEVEL_FIXTURES.items():
         if name in metafunc.fixturenames:
-            levels: list[Any] = list(isa_levels_to_test(which == "kernels", which == "avx512"))
+            emulated_levels = emulated_levels_to_test() if emulated else []
+            levels: list[Any] = [
+                pytest.param(lv, id=f"{lv}-emulated") if lv in emulated_levels else lv
+                for lv in isa_levels_to_test(which == "kernels", which == "avx512", emulated)]
             if not levels:  # reported as a level not run, never counted as passing
                 from sgl.kernels import cpu
 
@@ -221,13 +248,14 @@ def _at_isa(request: pytest.FixtureRequest) -> Iterator[str]:
 
     before = cpu.requested_isa()
     level = request.param
-    got = cpu.set_isa(level)
+    emulated = level in cpu.emulated_isa_levels()
+    got = cpu.set_isa(level, emulate=emulated)
     if got != level:
         raise RuntimeError(f"could not run the CPU kernels at {level} (got {got})")
     try:
         yield level
     finally:
-        cpu.set_isa(before)
+        cpu.set_isa(before, emulate=None)
 
 
 @pytest.fixture
@@ -258,9 +286,10 @@ def model_isa(request: pytest.FixtureRequest) -> Iterator[str]:
 def pytest_report_header(config: pytest.Config) -> str:
     from sgl.kernels import cpu
 
-    tested = isa_levels_to_test()
-    lacking = [lv for lv in cpu.ISA_LEVELS if lv not in tested]
-    return (f"sgl CPU ISA levels tested: {', '.join(tested)}; not on this CPU or capped: "
+    tested, emulated = isa_levels_to_test(), emulated_levels_to_test()
+    lacking = [lv for lv in cpu.ISA_LEVELS if lv not in tested and lv not in emulated]
+    return (f"sgl CPU ISA levels tested: {', '.join(tested)}; emulated in software (kernel "
+            f"and replay tests): {', '.join(emulated) or '-'}; not on this CPU or capped: "
             f"{', '.join(lacking) or '-'} (CPU: {cpu.describe_isa()})")
 
 
@@ -271,7 +300,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             level = next((callspec.params[k] for k in LEVEL_FIXTURES if k in callspec.params),
                          None)
             if level is not None:
-                item.user_properties.append(("sgl_isa", level))
+                emulated = "-emulated" in callspec.id
+                item.user_properties.append(("sgl_isa", f"{level} emulated" if emulated
+                                             else level))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -283,7 +314,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if counts:
         from sgl.kernels import cpu
 
-        line = ", ".join(f"{lv} {counts[lv]}" for lv in cpu.ISA_LEVELS if lv in counts)
+        names = [f"{lv} emulated" for lv in cpu.ISA_LEVELS] + list(cpu.ISA_LEVELS)
+        line = ", ".join(f"{lv} {counts[lv]}" for lv in names if lv in counts)
         terminalreporter.write_line(f"sgl CPU ISA levels, tests passed at each: {line}")
 
 
