@@ -18,7 +18,8 @@ from setuptools import setup
 # kernels_avx512_emulated.c: kernels_avx512.c again with its instructions in software, where
 # SIMDe's headers are found (Debian's libsimde-dev), for the tests of those levels on any CPU
 SOURCES_C = ["csrc/pool.c", "csrc/run_op.c", "csrc/kernels_avx512.c", "csrc/kernels_avx2.c",
-             "csrc/kernels_quant_avx2.c", "csrc/kernels_avx512_emulated.c"]
+             "csrc/kernels_quant_avx2.c", "csrc/kernels_quant_avx512.c",
+             "csrc/kernels_avx512_emulated.c"]
 HEADERS = ["csrc/cpu_kernels.h", "csrc/kernels.h", "csrc/jobs.h", "csrc/vec_avx2.h",
            "csrc/isa_emulation.h"]
 # -ffp-contract=off: a * b + c stays two roundings, as in torch; -fno-wrapv undoes the -fwrapv of

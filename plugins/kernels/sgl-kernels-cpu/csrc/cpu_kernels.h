@@ -36,6 +36,8 @@ enum {
     /* the quantized matmuls and embedding lookup (kernels_quant_avx2.c), at every level */
     SGL_OP_LINEAR_QUANT_AVX2 = 19,
     SGL_OP_EMBEDDING_QUANT = 20,
+    /* the quantized matmuls on AVX-512 (kernels_quant_avx512.c), the arguments of 19 */
+    SGL_OP_LINEAR_QUANT_AVX512 = 21,
 };
 
 #define SGL_OP_ARGS 26

@@ -30,6 +30,7 @@
 #define sgl_argmax_f32 sgl_argmax_f32_emulated
 #define sgl_decode_attention sgl_decode_attention_emulated
 #define sgl_extend_attention sgl_extend_attention_emulated
+#define sgl_linear_quant_avx512 sgl_linear_quant_avx512_emulated
 #define sgl_avx512_kernels_native sgl_avx512_kernels_emulated
 
 /* -- AVX-512 intrinsics this SIMDe release does not have ------------------------------------ */
@@ -115,6 +116,28 @@ static inline simde__mmask16 emu_mm512_cmp_epi32_mask(simde__m512i x, simde__m51
     return m;
 }
 
+/* 16 uint8 / int8 lanes widened to int32 */
+static inline simde__m512i emu_mm512_cvtepu8_epi32(simde__m128i v) {
+    simde__m128i_private a = simde__m128i_to_private(v);
+    simde__m512i_private r;
+    for (int i = 0; i < 16; i++) r.i32[i] = a.u8[i];
+    return simde__m512i_from_private(r);
+}
+
+static inline simde__m512i emu_mm512_cvtepi8_epi32(simde__m128i v) {
+    simde__m128i_private a = simde__m128i_to_private(v);
+    simde__m512i_private r;
+    for (int i = 0; i < 16; i++) r.i32[i] = a.i8[i];
+    return simde__m512i_from_private(r);
+}
+
+static inline simde__m512 emu_mm512_cvtepi32_ps(simde__m512i v) {
+    simde__m512i_private a = simde__m512i_to_private(v);
+    simde__m512_private r;
+    for (int i = 0; i < 16; i++) r.f32[i] = (float)a.i32[i];
+    return simde__m512_from_private(r);
+}
+
 /* the reductions pair lanes as gcc's headers do: halves, then quarters, ... */
 static inline float emu_mm512_reduce_add_ps(simde__m512 v) {
     simde__m512_private a = simde__m512_to_private(v);
@@ -157,6 +180,12 @@ static inline float emu_mm512_reduce_max_ps(simde__m512 v) {
 #define _mm512_reduce_add_ps(v) emu_mm512_reduce_add_ps(v)
 #define _mm512_reduce_max_ps(v) emu_mm512_reduce_max_ps(v)
 #define _mm512_shuffle_f32x4(a, b, imm) simde_mm512_shuffle_f32x4((a), (b), (imm))
+#undef _mm512_cvtepu8_epi32
+#undef _mm512_cvtepi8_epi32
+#undef _mm512_cvtepi32_ps
+#define _mm512_cvtepu8_epi32(v) emu_mm512_cvtepu8_epi32(v)
+#define _mm512_cvtepi8_epi32(v) emu_mm512_cvtepi8_epi32(v)
+#define _mm512_cvtepi32_ps(v) emu_mm512_cvtepi32_ps(v)
 
 /* -- AMX: eight tiles of up to 16 rows of 64 bytes, per thread ------------------------------- */
 

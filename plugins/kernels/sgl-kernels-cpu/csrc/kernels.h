@@ -48,6 +48,9 @@ void sgl_f32_panel_avx2(const float *x, int64_t ldx, const float *panel, float *
 int sgl_linear_quant_avx2(const void *x, int64_t ldx, const uint8_t *qw, const uint16_t *sc,
                           void *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                           const float *bias, int dtype, int bits, int round_x);
+int sgl_linear_quant_avx512(const void *x, int64_t ldx, const uint8_t *qw, const uint16_t *sc,
+                            void *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                            const float *bias, int dtype, int bits, int round_x);
 int sgl_embedding_quant(const uint8_t *qw, const uint16_t *sc, int64_t vocab, int64_t K,
                         const int64_t *ids, int64_t T, void *out, int64_t o_stride, int dtype,
                         int bits);
@@ -108,7 +111,7 @@ int sgl_extend_attention_avx2(const void *q, int64_t q_stride, const void *k_poo
                               int64_t Dv, float scale, float softcap, int64_t window, int dtype,
                               const int32_t *tree_bits);
 
-/* The kernels of kernels_avx512.c, as run_op.c calls them: compiled for the CPU
+/* The kernels of kernels_avx512.c and kernels_quant_avx512.c, as run_op.c calls them: compiled for the CPU
  * (sgl_avx512_kernels_native) and again with the instructions in software
  * (sgl_avx512_kernels_emulated, kernels_avx512_emulated.c: every entry NULL where the build
  * had no SIMDe). */
@@ -122,6 +125,7 @@ typedef struct {
     __typeof__(sgl_argmax_f32) *argmax_f32;
     __typeof__(sgl_decode_attention) *decode_attention;
     __typeof__(sgl_extend_attention) *extend_attention;
+    __typeof__(sgl_linear_quant_avx512) *linear_quant;
 } sgl_avx512_kernels;
 
 extern const sgl_avx512_kernels sgl_avx512_kernels_native;

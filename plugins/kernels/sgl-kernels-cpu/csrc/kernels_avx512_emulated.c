@@ -1,4 +1,4 @@
-/* kernels_avx512.c compiled a second time, with its AMX, AVX512-BF16 and AVX-512 instructions
+/* kernels_avx512.c and kernels_quant_avx512.c compiled a second time, with its AMX, AVX512-BF16 and AVX-512 instructions
  * done in software (isa_emulation.h, on SIMDe), for CPUs that lack them: the tests run each
  * level's kernels on any x86-64 CPU with AVX2 (sgl_cpu::set_emulation). Built for AVX2 + FMA,
  * so SIMDe implements the 512-bit operations with 256-bit ones; called only where the CPU has
@@ -9,6 +9,7 @@
 #define SGL_EMULATE_ISA 1
 #include "isa_emulation.h"
 #include "kernels_avx512.c"
+#include "kernels_quant_avx512.c"
 #endif
 #endif
 

@@ -222,7 +222,8 @@ Tensor linear_f32(const Tensor& x, const Tensor& packed, int64_t n, const OptTen
   return linear("sgl::linear_f32", x, packed, n, bias, at::kFloat);
 }
 
-// The quantized matmuls (layouts in sgl/kernels/quant.py): the same AVX2 kernel at every level.
+// The quantized matmuls (layouts in sgl/kernels/quant.py): AVX-512 at its levels (for the decode
+// shapes; it hands more rows to the AVX2 kernel itself), AVX2 at avx2.
 Tensor linear_quant(const char* op, const Tensor& x, const Tensor& qweight, const Tensor& scales,
                     const OptTensor& bias, int bits, bool round_x) {
   check_rows(op, "x", x);
@@ -244,7 +245,7 @@ Tensor linear_quant(const char* op, const Tensor& x, const Tensor& qweight, cons
   }
   Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-  Call call(SGL_OP_LINEAR_QUANT_AVX2);
+  Call call(at_level(SGL_OP_LINEAR_QUANT_AVX512, SGL_OP_LINEAR_QUANT_AVX2));
   call << ptr(x) << x.stride(0) << ptr(qweight) << ptr(scales) << ptr(y) << n << m << n << k
        << ptr(bias) << dtype_code(x) << bits << (round_x ? 1 : 0);
   TORCH_CHECK(run(call, {x, qweight, scales, bias}, {y}) == 0, op,
