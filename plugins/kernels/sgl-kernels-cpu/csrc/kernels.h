@@ -48,6 +48,10 @@ void sgl_f32_panel_avx2(const float *x, int64_t ldx, const float *panel, float *
 int sgl_linear_quant_avx2(const void *x, int64_t ldx, const uint8_t *qw, const uint16_t *sc,
                           void *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                           const float *bias, int dtype, int bits, int round_x);
+/* x [M, K] fp32 rounded per block of 32 to int8 (kernels_quant_avx2.c): xq [M, K], and per row
+   and block dx = max|x| / 127 and dx * sum(q) into xd, xs [M, K/32] */
+void sgl_round_x_blocks(const float *xf, int64_t ldx, int64_t M, int64_t KB, int8_t *xq,
+                        float *xd, float *xs);
 int sgl_linear_quant_avx512(const void *x, int64_t ldx, const uint8_t *qw, const uint16_t *sc,
                             void *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                             const float *bias, int dtype, int bits, int round_x);

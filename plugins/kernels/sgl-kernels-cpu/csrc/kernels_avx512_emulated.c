@@ -1,8 +1,9 @@
-/* kernels_avx512.c and kernels_quant_avx512.c compiled a second time, with its AMX, AVX512-BF16 and AVX-512 instructions
- * done in software (isa_emulation.h, on SIMDe), for CPUs that lack them: the tests run each
- * level's kernels on any x86-64 CPU with AVX2 (sgl_cpu::set_emulation). Built for AVX2 + FMA,
- * so SIMDe implements the 512-bit operations with 256-bit ones; called only where the CPU has
- * those. Where SIMDe's headers are not found the table is empty and no level is emulated. */
+/* kernels_avx512.c and kernels_quant_avx512.c compiled a second time, with their AMX,
+ * AVX512-BF16, AVX512-VNNI and AVX-512 instructions done in software (isa_emulation.h, on
+ * SIMDe), for CPUs that lack them: the tests run each level's kernels on any x86-64 CPU with
+ * AVX2 (sgl_cpu::set_level's `emulated`). Built for AVX2 + FMA, so SIMDe implements the
+ * 512-bit operations with 256-bit ones; called only where the CPU has those. Where SIMDe's
+ * headers are not found the table is empty and no level is emulated. */
 #if defined(__x86_64__) && defined(__has_include)
 #if __has_include(<simde/x86/avx512.h>)
 #pragma GCC target("avx2,fma,f16c")

@@ -16,7 +16,7 @@
  *
  * Columns (pairs, or panels of 32) are shared out over the pool's threads.
  *
- * With round_x (any M) each block of each row of x is first rounded to int8 (round_x_blocks,
+ * With round_x (any M) each block of each row of x is first rounded to int8 (sgl_round_x_blocks,
  * llama.cpp's Q8 activations) and the products are integers: vpmaddubsw / vpmaddwd per block,
  * scaled by d * dx, plus m * dx * sum(q); 1-2 rows take 4 columns at a time, 3-4 rows 2, and
  * the columns are shared out in groups of 4.
@@ -139,8 +139,8 @@ AVX2_TARGET INLINE void quant_column(const linear_quant_job *j, int64_t n, const
    nearest-even(x * (127 / max|x|)), clamped to +-127 (all zero when max|x| is 0); xd = dx and
    xs = dx * sum(q), per row and block. The reference (sgl.kernels.ops) computes the same
    float32 operations in the same order, so the integers agree exactly. */
-AVX2_TARGET static void round_x_blocks(const float *xf, int64_t ldx, int64_t M, int64_t KB,
-                                       int8_t *xq, float *xd, float *xs) {
+AVX2_TARGET void sgl_round_x_blocks(const float *xf, int64_t ldx, int64_t M, int64_t KB,
+                                    int8_t *xq, float *xd, float *xs) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t r = 0; r < M; r++)
         for (int64_t kb = 0; kb < KB; kb++) {
@@ -411,8 +411,8 @@ AVX2_TARGET static void linear_quant_panels(void *ctx, int64_t np_begin, int64_t
 /* x [M, K] (row stride ldx; dtype 1: bfloat16, 0: float32), qw and sc the q4 (bits 4) or q8
    (bits 8) weight [N, K/32, 16 or 32] and its float16 (d, m) [N, K/32, 2], y [M, N] (row stride
    ldy, x's dtype), bias float32 [N] or NULL; K a multiple of 32. round_x: x is first rounded
-   per block to int8 (round_x_blocks) and the products are integer ones, at any M. -1: no memory
-   for x's copies; -2: bits is neither 4 nor 8. */
+   per block to int8 (sgl_round_x_blocks) and the products are integer ones, at any M. -1: no
+   memory for x's copies; -2: bits is neither 4 nor 8. */
 AVX2_TARGET int sgl_linear_quant_avx2(const void *x, int64_t ldx, const uint8_t *qw,
                                       const uint16_t *sc, void *y, int64_t ldy, int64_t M,
                                       int64_t N, int64_t K, const float *bias, int dtype,
@@ -438,7 +438,7 @@ AVX2_TARGET int sgl_linear_quant_avx2(const void *x, int64_t ldx, const uint8_t 
     if (round_x) {
         float *xd = (float *)(buf + copy_bytes), *xs = xd + M * KB;
         int8_t *xq = (int8_t *)(xs + M * KB);
-        round_x_blocks(xf, ldx, M, KB, xq, xd, xs);
+        sgl_round_x_blocks(xf, ldx, M, KB, xq, xd, xs);
         job.xq = xq;
         job.xd = xd;
         job.xs = xs;

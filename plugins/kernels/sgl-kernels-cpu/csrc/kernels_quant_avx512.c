@@ -1,23 +1,37 @@
 /* The quantized matmuls (sgl::linear_q4, sgl::linear_q8) on AVX-512, for the amx, avx512_bf16
- * and avx512 levels, below Q512_TILE_ROWS rows: the decode shapes, where the AVX2 kernel's
- * widening of each block (4 vectors of 8) is the bulk of the work on a CPU with 16 lanes.
+ * and avx512 levels: below Q512_TILE_ROWS rows (the decode shapes, where the AVX2 kernel's
+ * widening of each block, 4 vectors of 8, is the bulk of the work on a CPU with 16 lanes), and
+ * with round_x on a CPU with AVX512-VNNI.
  *
  * The arguments, layouts and results are those of sgl_linear_quant_avx2 (kernels_quant_avx2.c):
  * y[M, N] = x[M, K] . W^T (+ bias), W = d q + m per block of 32 values along K, x read as fp32
  * (a bfloat16 x is widened once into scratch), float32 sums rounded once to x's dtype. Each
  * block is widened to two vectors of 16 (values 0-15, 16-31: a q4 block's low and high
  * nibbles) once for the tile's rows; 1-4 rows keep one chain of sums per vector. From
- * Q512_TILE_ROWS rows, and with round_x, the AVX2 kernel runs (its widened panels and integer
- * products).
+ * Q512_TILE_ROWS rows without round_x the AVX2 kernel runs (its widened panels).
+ *
+ * With round_x, x is rounded per block to int8 as the AVX2 kernel rounds it (sgl_round_x_blocks)
+ * and, where the CPU has AVX512-VNNI, each block's products go through one 256-bit vpdpbusd
+ * (32 products of an unsigned and a signed byte, summed by fours into 8 int32 lanes, exact)
+ * where the AVX2 kernel takes vpmaddubsw and vpmaddwd; the rest is the AVX2 kernel's: d * dx
+ * per block in float32 plus m * dx * sum(q), its tiles (1-2 rows 4 columns side by side, 3-4
+ * rows 2, more rows 1). 256 bits, not 512: on Zen 4 a 512-bit vpdpbusd runs as two halves, and
+ * two blocks per vector measured slower there (their scales must be spread over the lanes).
+ * Without VNNI round_x goes to the AVX2 kernel.
  */
 #if defined(SGL_EMULATE_ISA)
 #include "isa_emulation.h"
 
 #define QUANT512_TARGET
+#define VNNI512_TARGET
+#define HAS_VNNI() 1
 #elif defined(__x86_64__)
 #include <immintrin.h>
 
 #define QUANT512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c")))
+#define VNNI512_TARGET \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#define HAS_VNNI() __builtin_cpu_supports("avx512vnni")
 #endif
 
 #include "jobs.h"
@@ -128,19 +142,202 @@ QUANT512_TARGET static void q512_pairs(void *ctx, int64_t p_begin, int64_t p_end
     }
 }
 
+/* -- round_x: integer products with VNNI ------------------------------------------------------ */
+
+typedef struct {
+    const uint8_t *qw;
+    const uint16_t *sc;
+    void *y;
+    const float *bias;
+    int64_t ldy, M, N, KB;
+    int dtype, bits;
+    const int8_t *xq; /* x rounded per block: int8 [M, K] */
+    const float *xd, *xs; /* per row and block: dx, dx * sum(q) */
+} q512_i8_job;
+
+/* the 32 integers of one block as bytes in value order (q4: 0..15, q8: signed) */
+VNNI512_TARGET Q512_INLINE __m256i q512_block_ints(const uint8_t *q, const int BITS) {
+    if (BITS == 8) return _mm256_loadu_si256((const __m256i *)q);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)q), low4 = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(raw, low4));
+}
+
+/* the exact integer dot product of one block's weight integers w with x's int8 xv, as 8 lanes:
+   one vpdpbusd (unsigned by signed bytes, summed by fours) where AVX2 takes vpmaddubsw and
+   vpmaddwd; q8's signed weights give their absolute value, and their sign to x */
+VNNI512_TARGET Q512_INLINE __m256 q512_block_dot(__m256i w, __m256i xv, const int BITS) {
+    if (BITS == 8) {
+        xv = _mm256_sign_epi8(xv, w);
+        w = _mm256_sign_epi8(w, w);
+    }
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv));
+}
+
+/* d and m of 8 consecutive blocks from their interleaved float16 (d, m) pairs */
+VNNI512_TARGET Q512_INLINE void q512_scales8(const uint16_t *sc, __m256 *d, __m256 *m) {
+    const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sc));       /* blocks 0-3 */
+    const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 8))); /* blocks 4-7 */
+    /* in-lane shuffles give blocks 0 1 4 5 | 2 3 6 7; the 64-bit permute puts them in order */
+    *d = _mm256_castpd_ps(_mm256_permute4x64_pd(
+        _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0))), 0xD8));
+    *m = _mm256_castpd_ps(_mm256_permute4x64_pd(
+        _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))), 0xD8));
+}
+
+/* y[r0 .. r0 + ROWS, n .. n + COLS] from the rounded x, as the AVX2 kernel's quant_tile_i8
+   computes it: per block the exact integer products, scaled by d * dx in float32; the scales
+   of 8 blocks widened and multiplied at once, their m * dx * sum(q) terms summed as a vector
+   into the same sums (only the total of the lanes counts) */
+VNNI512_TARGET Q512_INLINE void q512_tile_i8(const q512_i8_job *j, int64_t r0, int64_t n,
+                                             const int BITS, const int ROWS, const int COLS) {
+    const int64_t KB = j->KB, qb = BITS == 4 ? 16 : 32, K = KB * 32;
+    __m256 acc[8][4];
+    #pragma GCC unroll 8
+    for (int r = 0; r < ROWS; r++)
+        #pragma GCC unroll 4
+        for (int c = 0; c < COLS; c++) acc[r][c] = _mm256_setzero_ps();
+    const int8_t *xq = j->xq + r0 * K;
+    const float *xd = j->xd + r0 * KB, *xs = j->xs + r0 * KB;
+    const uint8_t *q = j->qw + n * KB * qb;
+    const uint16_t *sc = j->sc + n * KB * 2;
+    int64_t kb = 0;
+    for (; kb + 8 <= KB; kb += 8) {
+        float ds[8][4][8]; /* d * dx per row, column and block of the group */
+        #pragma GCC unroll 4
+        for (int c = 0; c < COLS; c++) {
+            __m256 d, m;
+            q512_scales8(sc + (c * KB + kb) * 2, &d, &m);
+            #pragma GCC unroll 8
+            for (int r = 0; r < ROWS; r++) {
+                _mm256_storeu_ps(ds[r][c], _mm256_mul_ps(d, _mm256_loadu_ps(xd + r * KB + kb)));
+                acc[r][c] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs + r * KB + kb), acc[r][c]);
+            }
+        }
+        #pragma GCC unroll 8
+        for (int b = 0; b < 8; b++) {
+            __m256i w[4];
+            #pragma GCC unroll 4
+            for (int c = 0; c < COLS; c++) w[c] = q512_block_ints(q + (c * KB + kb + b) * qb, BITS);
+            #pragma GCC unroll 8
+            for (int r = 0; r < ROWS; r++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K +
+                                                                        (kb + b) * 32));
+                #pragma GCC unroll 4
+                for (int c = 0; c < COLS; c++)
+                    acc[r][c] = _mm256_fmadd_ps(q512_block_dot(w[c], xv, BITS),
+                                                _mm256_broadcast_ss(&ds[r][c][b]), acc[r][c]);
+            }
+        }
+    }
+    for (; kb < KB; kb++) { /* the last blocks, one at a time */
+        #pragma GCC unroll 4
+        for (int c = 0; c < COLS; c++) {
+            const __m256i w = q512_block_ints(q + (c * KB + kb) * qb, BITS);
+            const float d = _cvtsh_ss(sc[(c * KB + kb) * 2]);
+            const float m = _cvtsh_ss(sc[(c * KB + kb) * 2 + 1]);
+            #pragma GCC unroll 8
+            for (int r = 0; r < ROWS; r++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + kb * 32));
+                const __m256 sum = _mm256_fmadd_ps(q512_block_dot(w, xv, BITS),
+                                                   _mm256_set1_ps(d * xd[r * KB + kb]),
+                                                   acc[r][c]);
+                /* m * dx * sum(q) in lane 0 */
+                acc[r][c] = _mm256_add_ps(sum, _mm256_setr_ps(m * xs[r * KB + kb], 0, 0, 0, 0,
+                                                              0, 0, 0));
+            }
+        }
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < ROWS; r++)
+        #pragma GCC unroll 4
+        for (int c = 0; c < COLS; c++) {
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]),
+                                  _mm256_extractf128_ps(acc[r][c], 1));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_add_ss(h, _mm_movehdup_ps(h));
+            const float out = _mm_cvtss_f32(h) + (j->bias ? j->bias[n + c] : 0.0f);
+            const int64_t at = (r0 + r) * j->ldy + n + c;
+            if (j->dtype) ((uint16_t *)j->y)[at] = q512_bf16_of(out);
+            else ((float *)j->y)[at] = out;
+        }
+}
+
+/* y[:, n .. n + cols] (cols 4, or the last 1-3): 1-2 rows 4 columns at a time, 3-4 rows 2,
+   more rows in tiles of up to 8 rows x 1 column */
+VNNI512_TARGET Q512_INLINE void q512_columns_i8(const q512_i8_job *j, int64_t n, int64_t cols,
+                                                const int BITS) {
+    if (cols == 4 && j->M <= 2) {
+        if (j->M == 1) q512_tile_i8(j, 0, n, BITS, 1, 4);
+        else q512_tile_i8(j, 0, n, BITS, 2, 4);
+        return;
+    }
+    if (cols == 4 && j->M <= 4) {
+        for (int64_t c = 0; c < 4; c += 2) {
+            if (j->M == 3) q512_tile_i8(j, 0, n + c, BITS, 3, 2);
+            else q512_tile_i8(j, 0, n + c, BITS, 4, 2);
+        }
+        return;
+    }
+    for (int64_t c = 0; c < cols; c++) {
+        int64_t r = 0;
+        for (; j->M - r >= 8; r += 8) q512_tile_i8(j, r, n + c, BITS, 8, 1);
+        switch (j->M - r) {
+        case 7: q512_tile_i8(j, r, n + c, BITS, 7, 1); break;
+        case 6: q512_tile_i8(j, r, n + c, BITS, 6, 1); break;
+        case 5: q512_tile_i8(j, r, n + c, BITS, 5, 1); break;
+        case 4: q512_tile_i8(j, r, n + c, BITS, 4, 1); break;
+        case 3: q512_tile_i8(j, r, n + c, BITS, 3, 1); break;
+        case 2: q512_tile_i8(j, r, n + c, BITS, 2, 1); break;
+        case 1: q512_tile_i8(j, r, n + c, BITS, 1, 1); break;
+        default: break;
+        }
+    }
+}
+
+/* the columns of quads (groups of 4) q_begin .. q_end */
+VNNI512_TARGET static void q512_i8_quads(void *ctx, int64_t q_begin, int64_t q_end) {
+    const q512_i8_job *j = ctx;
+    for (int64_t g = q_begin; g < q_end; g++) {
+        const int64_t n = 4 * g, cols = j->N - n < 4 ? j->N - n : 4;
+        if (j->bits == 4) q512_columns_i8(j, n, cols, 4);
+        else q512_columns_i8(j, n, cols, 8);
+    }
+}
+
+/* x (fp32, row stride ldx) rounded per block and multiplied with VNNI; -1: no memory */
+VNNI512_TARGET static int q512_linear_i8(const float *xf, int64_t ldx, const uint8_t *qw,
+                                         const uint16_t *sc, void *y, int64_t ldy, int64_t M,
+                                         int64_t N, int64_t K, const float *bias, int dtype,
+                                         int bits, char *buf) {
+    const int64_t KB = K / 32;
+    float *xd = (float *)buf, *xs = xd + M * KB;
+    int8_t *xq = (int8_t *)(xs + M * KB);
+    sgl_round_x_blocks(xf, ldx, M, KB, xq, xd, xs);
+    q512_i8_job job = {qw, sc, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs};
+    const int64_t quads = (N + 3) / 4;
+    sgl_parallel_for(q512_i8_quads, &job, quads, chunk_of(quads));
+    return 0;
+}
+
 /* The arguments and return codes of sgl_linear_quant_avx2 (kernels_quant_avx2.c). */
 QUANT512_TARGET int sgl_linear_quant_avx512(const void *x, int64_t ldx, const uint8_t *qw,
                                             const uint16_t *sc, void *y, int64_t ldy, int64_t M,
                                             int64_t N, int64_t K, const float *bias, int dtype,
                                             int bits, int round_x) {
     if (bits != 4 && bits != 8) return -2;
-    if (round_x || M >= Q512_TILE_ROWS)
+    const int vnni = round_x && HAS_VNNI();
+    if ((round_x && !vnni) || (!round_x && M >= Q512_TILE_ROWS))
         return sgl_linear_quant_avx2(x, ldx, qw, sc, y, ldy, M, N, K, bias, dtype, bits,
                                      round_x);
     const float *xf = x;
+    const int64_t KB = K / 32;
+    /* fp32 copy of a bfloat16 x, then (round_x) the int8 blocks and their dx, dx * sum */
+    const size_t copy_bytes = dtype ? (size_t)(M * K) * 4 : 0;
+    const size_t round_bytes = round_x ? (size_t)(M * K) + (size_t)(2 * M * KB) * 4 + 64 : 0;
+    char *buf = (dtype || round_x) ? sgl_scratch(1, copy_bytes + round_bytes) : NULL;
+    if ((dtype || round_x) && !buf) return -1;
     if (dtype) { /* bfloat16 x widened once: a bfloat16 is the top half of its float32 */
-        float *copy = sgl_scratch(1, (size_t)(M * K) * 4);
-        if (!copy) return -1;
+        float *copy = (float *)buf;
         for (int64_t r = 0; r < M; r++) {
             const uint16_t *row = (const uint16_t *)x + r * ldx;
             for (int64_t k = 0; k < K; k += 16) {
@@ -152,6 +349,9 @@ QUANT512_TARGET int sgl_linear_quant_avx512(const void *x, int64_t ldx, const ui
         xf = copy;
         ldx = K;
     }
+    if (round_x)
+        return q512_linear_i8(xf, ldx, qw, sc, y, ldy, M, N, K, bias, dtype, bits,
+                              buf + copy_bytes);
     q512_job job = {xf, qw, sc, y, bias, ldx, ldy, M, N, K / 32, dtype, bits};
     const int64_t pairs = (N + 1) / 2;
     sgl_parallel_for(q512_pairs, &job, pairs, chunk_of(pairs));
