@@ -3,7 +3,8 @@
 Every linear layer's shape (30 layers: q, k, v, o, gate, up, down; then the LM head) for a
 range of row counts, in float32 and bfloat16, and with the weights quantized (``q4``, ``q8``:
 ``sgl::linear_q4`` / ``linear_q8`` on float32 rows, torch on the dequantized float32 weight;
-``q4x``, ``q8x``: the same with ``round_x``, the rows rounded to int8 per block),
+``q4x``, ``q8x``: the same with ``round_x``, the rows rounded to int8 per block; ``q4b``,
+``q8b``: on bfloat16 rows, torch on the dequantized weight in bfloat16),
 at the instruction-set level this process runs
 (``SGL_CPU_ISA``; cap torch alike with ``MKL_ENABLE_INSTRUCTIONS`` and ``ONEDNN_MAX_CPU_ISA``).
 Each side on 1 and on 2 threads (the kernels' own threads with torch on one; torch's threads);
@@ -43,14 +44,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,4,8,32,64,128,256,1024")
     parser.add_argument("--dtypes", default="float32,bfloat16",
-                        help="comma-separated: float32, bfloat16, q4, q8, q4x, q8x")
+                        help="comma-separated: float32, bfloat16, q4, q8, q4x, q8x, q4b, q8b")
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     rounded = {f"{fmt}x": fmt for fmt in quant.FORMATS}
-    unknown = set(args.dtypes.split(",")) - {"float32", "bfloat16", *quant.FORMATS, *rounded}
+    bf16_rows = {f"{fmt}b": fmt for fmt in quant.FORMATS}
+    unknown = set(args.dtypes.split(",")) - {"float32", "bfloat16", *quant.FORMATS, *rounded,
+                                             *bf16_rows}
     if unknown:
         parser.error(f"--dtypes: unknown {', '.join(sorted(unknown))} (float32, bfloat16, "
-                     f"{', '.join([*quant.FORMATS, *rounded])})")
+                     f"{', '.join([*quant.FORMATS, *rounded, *bf16_rows])})")
     kernels = cpu.load()
     if kernels is None:
         print(f"no kernel library at this level: {cpu.describe_isa()}", file=sys.stderr)
@@ -58,12 +61,13 @@ def main() -> int:
     print(f"level {cpu.describe_isa()}; ms for {len(SHAPES)} matmuls")
     for name in args.dtypes.split(","):
         weights = {}
-        if name in quant.FORMATS or name in rounded:
-            dtype, fmt = torch.float32, rounded.get(name, name)
+        if name in quant.FORMATS or name in rounded or name in bf16_rows:
+            dtype = torch.bfloat16 if name in bf16_rows else torch.float32
+            fmt = rounded.get(name, bf16_rows.get(name, name))
             quantized = {"q4": torch.ops.sgl.linear_q4, "q8": torch.ops.sgl.linear_q8}[fmt]
             for n, k in set(SHAPES):
                 packed = quant.quantize(fmt, torch.randn(n, k))
-                weights[(n, k)] = (quant.dequantize(fmt, *packed), packed)
+                weights[(n, k)] = (quant.dequantize(fmt, *packed).to(dtype), packed)
 
             def op(x, packed, n, bias, quantized=quantized, round_x=name in rounded):
                 return quantized(x, *packed, bias, round_x)

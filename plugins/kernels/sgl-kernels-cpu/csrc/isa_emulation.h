@@ -31,6 +31,7 @@
 #define sgl_decode_attention sgl_decode_attention_emulated
 #define sgl_extend_attention sgl_extend_attention_emulated
 #define sgl_linear_quant_avx512 sgl_linear_quant_avx512_emulated
+#define sgl_bf16_panel_avx512 sgl_bf16_panel_avx512_emulated
 #define sgl_avx512_kernels_native sgl_avx512_kernels_emulated
 
 /* -- AVX-512 intrinsics this SIMDe release does not have ------------------------------------ */

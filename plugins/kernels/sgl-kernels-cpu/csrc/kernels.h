@@ -48,13 +48,16 @@ void sgl_f32_panel_avx2(const float *x, int64_t ldx, const float *panel, float *
 int sgl_linear_quant_avx2(const void *x, int64_t ldx, const uint8_t *qw, const uint16_t *sc,
                           void *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                           const float *bias, int dtype, int bits, int round_x);
+void sgl_bf16_panel_avx512(const uint16_t *x, int64_t ldx, const float *xf, int64_t ldxf,
+                           const uint16_t *panel, uint16_t *y, int64_t ldy, int64_t M,
+                           int64_t cols, int64_t K, const float *bias, int dp);
 /* x [M, K] fp32 rounded per block of 32 to int8 (kernels_quant_avx2.c): xq [M, K], and per row
    and block dx = max|x| / 127 and dx * sum(q) into xd, xs [M, K/32] */
 void sgl_round_x_blocks(const float *xf, int64_t ldx, int64_t M, int64_t KB, int8_t *xq,
                         float *xd, float *xs);
 int sgl_linear_quant_avx512(const void *x, int64_t ldx, const uint8_t *qw, const uint16_t *sc,
                             void *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
-                            const float *bias, int dtype, int bits, int round_x);
+                            const float *bias, int dtype, int bits, int round_x, int bf16_dot);
 int sgl_embedding_quant(const uint8_t *qw, const uint16_t *sc, int64_t vocab, int64_t K,
                         const int64_t *ids, int64_t T, void *out, int64_t o_stride, int dtype,
                         int bits);

@@ -969,6 +969,19 @@ AVX512_TARGET int sgl_linear_bf16_avx512(const uint16_t *x, int64_t ldx, const u
     return 0;
 }
 
+/* One 32-column panel of the product, on the calling thread: y[M, cols] = x . W^T (+ bias) for
+   a panel in the packed layout above ([K/32][2][16][16][2]; the quantized matmuls widen their
+   blocks into one, kernels_quant_avx512.c). dp: x (row stride ldx, K a multiple of 32) through
+   vdpbf16ps; else xf, x widened to fp32 (row stride ldxf). */
+AVX512_TARGET void sgl_bf16_panel_avx512(const uint16_t *x, int64_t ldx, const float *xf,
+                                         int64_t ldxf, const uint16_t *panel, uint16_t *y,
+                                         int64_t ldy, int64_t M, int64_t cols, int64_t K,
+                                         const float *bias, int dp) {
+    linear_job job = {x, panel, y, dp ? ldx : ldxf, ldy, M, cols, K, bias, xf};
+    if (dp) linear_bf16_dp_range(&job, 0, 1);
+    else linear_bf16_widen_range(&job, 0, 1);
+}
+
 /* -- paged extend (prefill) attention ---------------------------------------------------------
  * Sequence b has prefix_lens[b] cached tokens and extend_lens[b] new ones, whose queries are the
  * rows q_starts[b] .. + extend_lens[b] of q; the keys and values of all of them (the new ones

@@ -94,11 +94,11 @@ int sgl_run_op(const sgl_op *op) {
             a[13], a[14], a[15], a[16], f32_bits(a[17]), f32_bits(a[18]), a[19], (int)a[20],
             P(21));
     case SGL_OP_LINEAR_QUANT_AVX2:
+        return sgl_linear_quant_avx2(P(0), a[1], P(2), P(3), P(4), a[5], a[6], a[7], a[8], P(9),
+                                     (int)a[10], (int)a[11], (int)a[12]);
     case SGL_OP_LINEAR_QUANT_AVX512:
-        return (op->kind == SGL_OP_LINEAR_QUANT_AVX512 ? avx512->linear_quant
-                                                       : sgl_linear_quant_avx2)(
-            P(0), a[1], P(2), P(3), P(4), a[5], a[6], a[7], a[8], P(9), (int)a[10], (int)a[11],
-            (int)a[12]);
+        return avx512->linear_quant(P(0), a[1], P(2), P(3), P(4), a[5], a[6], a[7], a[8], P(9),
+                                    (int)a[10], (int)a[11], (int)a[12], (int)a[13]);
     case SGL_OP_EMBEDDING_QUANT:
         return sgl_embedding_quant(P(0), P(1), a[2], a[3], P(4), a[5], P(6), a[7], (int)a[8],
                                    (int)a[9]);

@@ -246,8 +246,10 @@ Tensor linear_quant(const char* op, const Tensor& x, const Tensor& qweight, cons
   Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   Call call(at_level(SGL_OP_LINEAR_QUANT_AVX512, SGL_OP_LINEAR_QUANT_AVX2));
+  // the AVX-512 kernel's last argument: the level has AVX512-BF16 (vdpbf16ps for bfloat16 rows)
   call << ptr(x) << x.stride(0) << ptr(qweight) << ptr(scales) << ptr(y) << n << m << n << k
-       << ptr(bias) << dtype_code(x) << bits << (round_x ? 1 : 0);
+       << ptr(bias) << dtype_code(x) << bits << (round_x ? 1 : 0)
+       << (g_level == AMX || g_level == AVX512_BF16 ? 1 : 0);
   TORCH_CHECK(run(call, {x, qweight, scales, bias}, {y}) == 0, op,
               ": no memory for the input's copy");
   return y;
