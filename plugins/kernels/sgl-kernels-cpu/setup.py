@@ -22,7 +22,7 @@ SOURCES_C = ["csrc/pool.c", "csrc/run_op.c", "csrc/kernels_avx512.c", "csrc/kern
 # under a minute (-O2 takes 3-4 minutes of SIMDe's inlining) and runs the tests about as fast
 SOURCES_EMULATED = ["csrc/kernels_avx512_emulated.c"]
 HEADERS = ["csrc/cpu_kernels.h", "csrc/kernels.h", "csrc/jobs.h", "csrc/vec_avx2.h",
-           "csrc/isa_emulation.h"]
+           "csrc/isa_emulation.h", "csrc/quant_round_x.h"]
 # -ffp-contract=off: a * b + c stays two roundings, as in torch; -fno-wrapv undoes the -fwrapv of
 # Python's own CFLAGS (defined signed overflow slows the loops down)
 # (-Wno-psabi: the emulated copy passes 512-bit vectors without AVX-512, which gcc notes)
