@@ -41,6 +41,7 @@
 #include "jobs.h"
 #include "kernels.h"
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -60,6 +61,7 @@ typedef struct {
     const float *bias;
     int64_t ldx, ldxf, ldy, M, N, KB;
     int bits, dp;
+    atomic_int no_memory; /* a thread found no memory for its panel */
 } q512_panel_job;
 
 /* one block's 32 values d q + m rounded to bfloat16 (ties to even; the weights are finite), as
@@ -122,7 +124,10 @@ PANEL512_TARGET static void q512_panels(void *ctx, int64_t np_begin, int64_t np_
     const q512_panel_job *j = ctx;
     const int64_t KB = j->KB, qb = j->bits == 4 ? 16 : 32;
     uint16_t *panel = sgl_scratch(0, (size_t)(KB * 1024) * 2);
-    if (!panel) return; /* checked by the caller, which sized the scratch first */
+    if (!panel) {
+        atomic_store(&((q512_panel_job *)ctx)->no_memory, 1);
+        return;
+    }
     for (int64_t np = np_begin; np < np_end; np++) {
         const int64_t n0 = 32 * np, cols = j->N - n0 < 32 ? j->N - n0 : 32;
         for (int64_t kb = 0; kb < KB; kb++)
@@ -152,7 +157,6 @@ PANEL512_TARGET static int q512_linear_panels(const uint16_t *x, int64_t ldx, co
                                               int64_t M, int64_t N, int64_t K, const float *bias,
                                               int bits, int dp) {
     const int64_t KB = K / 32;
-    if (!sgl_scratch(0, (size_t)(KB * 1024) * 2)) return -1; /* this thread's panel */
     float *xf = NULL;
     if (!dp) { /* widened once for all the panels: a bfloat16 is the top half of its float32 */
         xf = sgl_scratch(1, (size_t)(M * K) * 4);
@@ -164,10 +168,10 @@ PANEL512_TARGET static int q512_linear_panels(const uint16_t *x, int64_t ldx, co
                 _mm512_storeu_ps(xf + r * K + k, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
             }
     }
-    q512_panel_job job = {x, xf, qw, sc, y, bias, ldx, K, ldy, M, N, KB, bits, dp};
+    q512_panel_job job = {x, xf, qw, sc, y, bias, ldx, K, ldy, M, N, KB, bits, dp, 0};
     const int64_t panels = (N + 31) / 32;
     sgl_parallel_for(q512_panels, &job, panels, chunk_of(panels));
-    return 0;
+    return atomic_load(&job.no_memory) ? -1 : 0;
 }
 
 /* -- round_x: integer products with VNNI (quant_round_x.h) ---------------------------------- */

@@ -251,7 +251,7 @@ Tensor linear_quant(const char* op, const Tensor& x, const Tensor& qweight, cons
        << ptr(bias) << dtype_code(x) << bits << (round_x ? 1 : 0)
        << (g_level == AMX || g_level == AVX512_BF16 ? 1 : 0);
   TORCH_CHECK(run(call, {x, qweight, scales, bias}, {y}) == 0, op,
-              ": no memory for the input's copy");
+              ": no memory for its buffers (the input's copy, a widened panel)");
   return y;
 }
 
