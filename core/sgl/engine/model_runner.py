@@ -202,8 +202,8 @@ class ModelRunner:
     :param dtype: ``"auto"`` (:func:`auto_cpu_dtype` on CPU), ``"float32"``, ``"bfloat16"`` or
         ``"float16"``.
     :param quantization: one of :data:`QUANTIZATION_CHOICES` (:func:`resolve_quantization`).
-    :param int8_activations: let the 4-bit matmuls of small decode steps round activations
-        to int8 (:data:`sgl.layers.quantized.ROUND_X_MAX_ROWS`).
+    :param int8_activations: let the 4-bit matmuls of decode steps round activations to
+        int8 where the kernels are faster so (:func:`sgl.kernels.cpu.round_x_faster`).
     :param attention_backend: a name registered by an attention plugin (``"torch"``).
     :param registries: the plugin manager's registries (models, attention backends).
     :param plugin_manager: asked through ``sgl_resolve_model_arch`` when no registered class

@@ -286,6 +286,13 @@ def kernel_threads() -> int:
     return _threads
 
 
+def round_x_faster(rows: int) -> bool:
+    """Whether the kernels multiply a 4-bit weight by ``rows`` rows faster with ``round_x``
+    (see :meth:`KernelLibrary.round_x_faster`); False without the kernels."""
+    library = load()
+    return library is not None and library.round_x_faster(rows)
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` of ``[B, V]`` logits (first maximum), through the kernel for CPU
     float32 rows: torch's CPU argmax over a 49k vocabulary takes 0.2-0.3 ms per row, the kernel

@@ -143,6 +143,12 @@ class KernelLibrary(abc.ABC):
         """Whether the attention kernels take heads of this shape."""
         return False
 
+    def round_x_faster(self, rows: int) -> bool:
+        """Whether a 4-bit quantized matmul of ``rows`` rows is faster with ``round_x`` (x
+        rounded to int8 per block, integer products) than exact, at the level in use: where it
+        is, ``--int8-activations`` rounds decode steps of that many sequences."""
+        return False
+
     def describe(self) -> str:
         """A few words for logs: what the library is and where it was built."""
         return type(self).__name__

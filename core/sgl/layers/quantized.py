@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from sgl.kernels import ops, quant
+from sgl.kernels import cpu, ops, quant
 
-__all__ = ["QUANTIZATION_MODES", "QUANTIZE_MODES", "ROUND_X_MAX_ROWS", "QuantizedTensor",
+__all__ = ["QUANTIZATION_MODES", "QUANTIZE_MODES", "QuantizedTensor",
            "decode_step", "deferred_weights",
            "deferred_mode", "dense_rows", "quantized_linear", "store_weight_rows"]
 
@@ -113,32 +113,30 @@ class QuantizedTensor:
 
 # -- building a model whose weights are decided by what arrives --------------------------------
 
-#: up to this many rows (in a :func:`decode_step`) a 4-bit matmul rounds ``x`` to int8 per
-#: block of 32 (``round_x`` of ``sgl::linear_q4``, what llama.cpp does with every matmul) and
-#: multiplies integers: for one
-#: SmolLM2 forward's matmuls on one AVX2 thread 8.5 against 13.4 ms at 1 row, 11.6 against
-#: 16.1 at 2, 15.6 against 18.7 at 3, even at 4 (docs/benchmarks.md, "Quantized matmuls").
-#: Each value of ``x`` moves by at most ``max|x| / 254`` of its block, and since rounding is not
-#: continuous, a tiny difference upstream (a prefix-cache hit sums in another order) can become
-#: a visible one: hence opt-in (``--int8-activations``). The 8-bit layout gains too little from
-#: it to give up exactness.
-ROUND_X_MAX_ROWS = 3
+# With ``--int8-activations`` a 4-bit matmul in a :func:`decode_step` rounds ``x`` to int8 per
+# block of 32 (``round_x`` of ``sgl::linear_q4``, what llama.cpp does with every matmul) and
+# multiplies integers, at the numbers of rows where the kernels say that is faster
+# (:func:`sgl.kernels.cpu.round_x_faster`: few rows on every level, and from 8 rows on CPUs
+# with AVX512-VNNI). Each value of ``x`` moves by at most ``max|x| / 254`` of its block, and
+# since rounding is not continuous, a tiny difference upstream (a prefix-cache hit sums in
+# another order) can become a visible one: hence opt-in. The 8-bit layout gains too little from
+# it to give up exactness.
 
 
-_deferred: tuple[str, int] | None = None  # (mode, round_x_rows)
+_deferred: tuple[str, bool] | None = None  # (mode, round_x)
 
 
 @contextlib.contextmanager
 def deferred_weights(mode: str, *, round_x: bool = False) -> Iterator[None]:
     """Build models inside this to let their weights be held as they arrive (see the module
     docstring); ``mode`` is one of :data:`QUANTIZATION_MODES`. ``round_x``: the layers' 4-bit
-    matmuls round few rows of x to int8 in decode steps (:data:`ROUND_X_MAX_ROWS`,
-    ``--int8-activations``); False keeps every product exact."""
+    matmuls round x to int8 in decode steps where that is faster (``--int8-activations``, see
+    above); False keeps every product exact."""
     global _deferred
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"unknown quantization mode {mode!r} "
                          f"(expected one of {', '.join(QUANTIZATION_MODES)})")
-    previous, _deferred = _deferred, (mode, ROUND_X_MAX_ROWS if round_x else 0)
+    previous, _deferred = _deferred, (mode, round_x)
     try:
         yield
     finally:
@@ -232,8 +230,8 @@ def init_weight(module: nn.Module, rows: int, cols: int, dtype: torch.dtype | No
     module.weight_dtype = dtype or torch.get_default_dtype()
     module.weight_device = torch.device(device) if device is not None else torch.device("cpu")
     module.weight_mode = deferred_mode()
-    #: up to this many rows its 4-bit matmuls round x (0: never)
-    module.round_x_rows = 0 if _deferred is None else _deferred[1]
+    #: its 4-bit matmuls round x in decode steps where that is faster (--int8-activations)
+    module.round_x = False if _deferred is None else _deferred[1]
     place = "meta" if module.weight_mode is not None else device
     module.weight = nn.Parameter(torch.empty((rows, cols), dtype=dtype, device=place),
                                  requires_grad=False)
@@ -260,9 +258,9 @@ _decode_step = False
 @contextlib.contextmanager
 def decode_step(active: bool = True) -> Iterator[None]:
     """Mark the forward pass run inside as a decode step (the model runner does). Only there
-    do the 4-bit matmuls round few rows of x (:data:`ROUND_X_MAX_ROWS`): a prefill of one to
-    three new tokens (a prompt mostly in the prefix cache) stays exact, so a request's first
-    token does not depend on what the cache held."""
+    do the 4-bit matmuls of ``--int8-activations`` round x: a prefill (even of a few new tokens
+    of a prompt mostly in the prefix cache) stays exact, so a request's first token does not
+    depend on what the cache held."""
     global _decode_step
     previous, _decode_step = _decode_step, active
     try:
@@ -273,11 +271,11 @@ def decode_step(active: bool = True) -> Iterator[None]:
 
 def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
                      scales: torch.Tensor, bias32: torch.Tensor | None, *,
-                     round_x_rows: int = 0) -> torch.Tensor:
+                     round_x: bool = False) -> torch.Tensor:
     """``x @ W^T + bias`` for ``x [..., K]`` and a quantized ``W``: the kernel operator for
-    float32 and bfloat16 ``x`` on CPU (``round_x`` in a :func:`decode_step` for up to
-    ``round_x_rows`` rows of a 4-bit weight, see :data:`ROUND_X_MAX_ROWS`), the reference
-    (dequantize, then multiply) otherwise."""
+    float32 and bfloat16 ``x`` on CPU (with ``round_x``, a 4-bit weight in a
+    :func:`decode_step` rounds x where :func:`sgl.kernels.cpu.round_x_faster` says so), the
+    reference (dequantize, then multiply) otherwise."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -285,7 +283,8 @@ def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
         if layout == "q4":
             out = torch.ops.sgl.linear_q4(x2, qweight, scales, bias32,
-                                          _decode_step and 0 < rows <= round_x_rows)
+                                          round_x and _decode_step
+                                          and cpu.round_x_faster(rows))
         else:
             out = torch.ops.sgl.linear_q8(x2, qweight, scales, bias32)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])

@@ -180,15 +180,220 @@ PANEL512_TARGET static int q512_linear_panels(const uint16_t *x, int64_t ldx, co
 #define ROUND_X_VNNI 1 /* one vpdpbusd per block */
 #include "quant_round_x.h"
 
-/* x (fp32, row stride ldx) rounded per block and multiplied with VNNI; -1: no memory */
-VNNI512_TARGET static int q512_linear_i8(const float *xf, int64_t ldx, const uint8_t *qw,
+/* -- round_x, many rows: 16 columns in the lanes of 512-bit vpdpbusd ------------------------ */
+
+#define I8G_ROWS 8 /* from this many rows; also the tile's rows */
+
+typedef struct {
+    const uint8_t *qw;
+    const uint16_t *sc;
+    void *y;
+    const float *bias;
+    int64_t ldy, M, N, KB;
+    int dtype, bits;
+    const int8_t *xq;     /* x rounded per block: int8 [M, K] */
+    const float *xd, *xs; /* per row and block: dx, dx * sum(q) */
+    atomic_int no_memory;
+} i8g_job;
+
+/* dwords p0 .. p3 (4 bytes each) of the 16 columns' 16-byte rows src[c] (stride bytes apart),
+   transposed: dword i of column c goes to dword c of out[i] */
+VNNI512_TARGET Q512_INLINE void i8g_transpose16x4(const uint8_t *src, int64_t stride,
+                                                  int64_t cols, __m512i out[4]) {
+    __m128i row[16];
+    #pragma GCC unroll 16
+    for (int c = 0; c < 16; c++)
+        row[c] = c < cols ? _mm_loadu_si128((const __m128i *)(src + c * stride))
+                          : _mm_setzero_si128();
+    __m512i z[4]; /* z[g]'s 128-bit lane l: column 4 l + g */
+    #pragma GCC unroll 4
+    for (int g = 0; g < 4; g++)
+        z[g] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(
+            _mm512_castsi128_si512(row[g]), row[4 + g], 1), row[8 + g], 2), row[12 + g], 3);
+    /* 4 x 4 transposes in each lane: dword g of lane l then holds column 4 l + g */
+    const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    out[0] = _mm512_unpacklo_epi64(t0, t2);
+    out[1] = _mm512_unpackhi_epi64(t0, t2);
+    out[2] = _mm512_unpacklo_epi64(t1, t3);
+    out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* the 16 columns n0 .. n0 + cols of every block, in vpdpbusd's layout: w[kb][i], lane c holds
+   the block's values 4i .. 4i + 3 of column n0 + c as unsigned bytes (q4: 0..15; q8: q + 128),
+   d[kb] and m[kb] the columns' float32 scales (q8: m - 128 d, which takes the 128 back) */
+VNNI512_TARGET static void i8g_pack(const i8g_job *j, int64_t n0, int64_t cols, __m512i *w,
+                                    float *d, float *m) {
+    const int64_t KB = j->KB, qb = j->bits == 4 ? 16 : 32;
+    const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t kb = 0; kb < KB; kb++) {
+        const uint8_t *src = j->qw + (n0 * KB + kb) * qb;
+        __m512i *dst = w + kb * 8;
+        __m512i t[4];
+        i8g_transpose16x4(src, KB * qb, cols, t);
+        if (j->bits == 4) { /* byte b: value b (low nibble) and b + 16 (high) */
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                dst[i] = _mm512_and_si512(t[i], low);
+                dst[4 + i] = _mm512_and_si512(_mm512_srli_epi16(t[i], 4), low);
+            }
+        } else {
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) dst[i] = _mm512_xor_si512(t[i], flip);
+            i8g_transpose16x4(src + 16, KB * qb, cols, t);
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) dst[4 + i] = _mm512_xor_si512(t[i], flip);
+        }
+        for (int64_t c = 0; c < 16; c++) {
+            const uint16_t *s = j->sc + ((n0 + c) * KB + kb) * 2;
+            const float dc = c < cols ? _cvtsh_ss(s[0]) : 0.0f;
+            const float mc = c < cols ? _cvtsh_ss(s[1]) : 0.0f;
+            d[kb * 16 + c] = dc;
+            m[kb * 16 + c] = j->bits == 4 ? mc : mc - 128.0f * dc;
+        }
+    }
+}
+
+/* y[r0 .. r0 + ROWS, n0 .. n0 + cols]: per block, each row's 4-byte groups broadcast into
+   vpdpbusd with the 8 weight vectors (exact int32 sums), then scaled by d dx in float32, and
+   m dx sum(q) added */
+VNNI512_TARGET Q512_INLINE void i8g_tile(const i8g_job *j, const __m512i *w, const float *d,
+                                         const float *m, int64_t r0, int64_t n0, int64_t cols,
+                                         const int ROWS) {
+    const int64_t KB = j->KB, K = KB * 32;
+    const int8_t *xq = j->xq + r0 * K;
+    const float *xd = j->xd + r0 * KB, *xs = j->xs + r0 * KB;
+    __m512 acc[I8G_ROWS];
+    #pragma GCC unroll 8
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < KB; kb++) {
+        __m512i sum[I8G_ROWS];
+        #pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++) sum[r] = _mm512_setzero_si512();
+        #pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            const __m512i wi = _mm512_load_si512((const void *)(w + kb * 8 + i));
+            #pragma GCC unroll 8
+            for (int r = 0; r < ROWS; r++) {
+                int32_t four;
+                memcpy(&four, xq + r * K + kb * 32 + 4 * i, 4);
+                sum[r] = _mm512_dpbusd_epi32(sum[r], wi, _mm512_set1_epi32(four));
+            }
+        }
+        const __m512 dv = _mm512_load_ps(d + kb * 16), mv = _mm512_load_ps(m + kb * 16);
+        #pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++) {
+            const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * KB + kb]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * KB + kb]), acc[r]);
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+    const __m512 bias = j->bias ? _mm512_maskz_loadu_ps(keep, j->bias + n0) : _mm512_setzero_ps();
+    #pragma GCC unroll 8
+    for (int r = 0; r < ROWS; r++) {
+        const __m512 v = _mm512_add_ps(acc[r], bias);
+        const int64_t at = (r0 + r) * j->ldy + n0;
+        if (!j->dtype) {
+            _mm512_mask_storeu_ps((float *)j->y + at, keep, v);
+            continue;
+        }
+        /* to bfloat16, ties to even (the sums of finite weights; a NaN stays a NaN) */
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i h = _mm512_srli_epi32(
+            _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        h = _mm512_mask_mov_epi32(h, nan, _mm512_srli_epi32(
+            _mm512_or_si512(u, _mm512_set1_epi32(0x400000)), 16));
+        _mm256_mask_storeu_epi16((uint16_t *)j->y + at, keep, _mm512_cvtepi32_epi16(h));
+    }
+}
+
+/* the groups of 16 columns g_begin .. g_end: each packed into this thread's scratch, then
+   multiplied by all the rows, 8 at a time */
+VNNI512_TARGET static void i8g_groups(void *ctx, int64_t g_begin, int64_t g_end) {
+    i8g_job *j = ctx;
+    const int64_t KB = j->KB;
+    char *buf = sgl_scratch(0, (size_t)(KB * 8) * 64 + (size_t)(KB * 32) * 4 + 64);
+    if (!buf) {
+        atomic_store(&j->no_memory, 1);
+        return;
+    }
+    __m512i *w = (__m512i *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
+    float *d = (float *)(w + KB * 8), *m = d + KB * 16;
+    for (int64_t g = g_begin; g < g_end; g++) {
+        const int64_t n0 = 16 * g, cols = j->N - n0 < 16 ? j->N - n0 : 16;
+        i8g_pack(j, n0, cols, w, d, m);
+        int64_t r = 0;
+        for (; j->M - r >= 8; r += 8) i8g_tile(j, w, d, m, r, n0, cols, 8);
+        switch (j->M - r) {
+        case 7: i8g_tile(j, w, d, m, r, n0, cols, 7); break;
+        case 6: i8g_tile(j, w, d, m, r, n0, cols, 6); break;
+        case 5: i8g_tile(j, w, d, m, r, n0, cols, 5); break;
+        case 4: i8g_tile(j, w, d, m, r, n0, cols, 4); break;
+        case 3: i8g_tile(j, w, d, m, r, n0, cols, 3); break;
+        case 2: i8g_tile(j, w, d, m, r, n0, cols, 2); break;
+        case 1: i8g_tile(j, w, d, m, r, n0, cols, 1); break;
+        default: break;
+        }
+    }
+}
+
+typedef struct {
+    const void *x; /* float32 or bfloat16 rows */
+    int64_t ldx, KB;
+    int dtype;
+    int8_t *xq;
+    float *xd, *xs;
+} i8_round_job;
+
+/* rows r_begin .. r_end of x rounded per block (sgl_round_x_blocks), a bfloat16 row widened to
+   float32 8 blocks at a time on the stack (a bfloat16 is the top half of its float32) */
+VNNI512_TARGET static void i8_round_rows(void *ctx, int64_t r_begin, int64_t r_end) {
+    const i8_round_job *j = ctx;
+    const int64_t KB = j->KB;
+    for (int64_t r = r_begin; r < r_end; r++) {
+        int8_t *xq = j->xq + r * KB * 32;
+        float *xd = j->xd + r * KB, *xs = j->xs + r * KB;
+        if (!j->dtype) {
+            sgl_round_x_blocks((const float *)j->x + r * j->ldx, KB * 32, 1, KB, xq, xd, xs);
+            continue;
+        }
+        const uint16_t *row = (const uint16_t *)j->x + r * j->ldx;
+        float wide[8 * 32];
+        for (int64_t kb = 0; kb < KB; kb += 8) {
+            const int64_t n = KB - kb < 8 ? KB - kb : 8;
+            for (int64_t k = 0; k < n * 32; k += 16) {
+                const __m512i h = _mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256((const __m256i *)(row + kb * 32 + k)));
+                _mm512_storeu_ps(wide + k, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+            }
+            sgl_round_x_blocks(wide, n * 32, 1, n, xq + kb * 32, xd + kb, xs + kb);
+        }
+    }
+}
+
+/* x rounded per block (over the pool's threads from I8G_ROWS rows) and multiplied with VNNI:
+   few rows by quant_round_x.h's tiles, more by the 16-column groups; -1: no memory */
+VNNI512_TARGET static int q512_linear_i8(const void *x, int64_t ldx, const uint8_t *qw,
                                          const uint16_t *sc, void *y, int64_t ldy, int64_t M,
                                          int64_t N, int64_t K, const float *bias, int dtype,
-                                         int bits, char *buf) {
+                                         int bits) {
     const int64_t KB = K / 32;
+    char *buf = sgl_scratch(1, (size_t)(M * K) + (size_t)(2 * M * KB) * 4 + 64);
+    if (!buf) return -1;
     float *xd = (float *)buf, *xs = xd + M * KB;
     int8_t *xq = (int8_t *)(xs + M * KB);
-    sgl_round_x_blocks(xf, ldx, M, KB, xq, xd, xs);
+    i8_round_job round = {x, ldx, KB, dtype, xq, xd, xs};
+    if (M >= I8G_ROWS) {
+        sgl_parallel_for(i8_round_rows, &round, M, chunk_of(M));
+        i8g_job job = {qw, sc, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs, 0};
+        const int64_t groups = (N + 15) / 16;
+        sgl_parallel_for(i8g_groups, &job, groups, chunk_of(groups));
+        return atomic_load(&job.no_memory) ? -1 : 0;
+    }
+    i8_round_rows(&round, 0, M);
     quant_i8_job job = {qw, sc, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs};
     const int64_t quads = (N + 3) / 4;
     sgl_parallel_for(i8_quads, &job, quads, chunk_of(quads));
@@ -207,27 +412,7 @@ PANEL512_TARGET int sgl_linear_quant_avx512(const void *x, int64_t ldx, const ui
     if (!round_x || !HAS_VNNI())
         return sgl_linear_quant_avx2(x, ldx, qw, sc, y, ldy, M, N, K, bias, dtype, bits,
                                      round_x);
-    const float *xf = x;
-    const int64_t KB = K / 32;
-    /* fp32 copy of a bfloat16 x, then the int8 blocks and their dx, dx * sum */
-    const size_t copy_bytes = dtype ? (size_t)(M * K) * 4 : 0;
-    const size_t round_bytes = (size_t)(M * K) + (size_t)(2 * M * KB) * 4 + 64;
-    char *buf = sgl_scratch(1, copy_bytes + round_bytes);
-    if (!buf) return -1;
-    if (dtype) { /* a bfloat16 is the top half of its float32 */
-        float *copy = (float *)buf;
-        for (int64_t r = 0; r < M; r++) {
-            const uint16_t *row = (const uint16_t *)x + r * ldx;
-            for (int64_t k = 0; k < K; k += 16) {
-                const __m512i h = _mm512_cvtepu16_epi32(
-                    _mm256_loadu_si256((const __m256i *)(row + k)));
-                _mm512_storeu_ps(copy + r * K + k, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
-            }
-        }
-        xf = copy;
-        ldx = K;
-    }
-    return q512_linear_i8(xf, ldx, qw, sc, y, ldy, M, N, K, bias, dtype, bits, buf + copy_bytes);
+    return q512_linear_i8(x, ldx, qw, sc, y, ldy, M, N, K, bias, dtype, bits);
 }
 
 #endif

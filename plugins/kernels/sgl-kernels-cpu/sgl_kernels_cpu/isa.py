@@ -8,7 +8,7 @@ import platform
 
 import torch
 
-__all__ = ["cpu_vendor", "detect_isa"]
+__all__ = ["cpu_vendor", "detect_isa", "has_feature"]
 
 
 #: the features the levels need: each one's key in torch's ``_get_cpu_capability()`` (those
@@ -19,6 +19,7 @@ _FEATURES = {"avx2": (("avx2",), "avx2"), "fma": (("fma3", "fma"), "fma"),
              "avx512_f": (("avx512_f",), "avx512f"), "avx512_bw": (("avx512_bw",), "avx512bw"),
              "avx512_vl": (("avx512_vl",), "avx512vl"), "avx512_dq": (("avx512_dq",), "avx512dq"),
              "avx512_bf16": (("avx512_bf16",), "avx512_bf16"),
+             "avx512_vnni": (("avx512_vnni",), "avx512_vnni"),
              "amx_bf16": (("amx_bf16",), "amx_bf16"), "amx_tile": (("amx_tile",), "amx_tile")}
 
 
@@ -77,6 +78,12 @@ def cpu_vendor() -> str:
     except OSError:
         pass
     return ""
+
+
+@functools.cache
+def has_feature(feature: str) -> bool:
+    """Whether the CPU has ``feature`` (a key of :data:`_FEATURES`, e.g. ``avx512_vnni``)."""
+    return _cpu_flags()[feature]
 
 
 @functools.cache

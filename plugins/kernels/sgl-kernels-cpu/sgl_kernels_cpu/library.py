@@ -80,6 +80,7 @@ class CpuKernelLibrary(KernelLibrary):
         self.path = _load()
         self._ops = torch.ops.sgl_cpu
         self.isa = "none"  # set_level's
+        self._int8_gemm = False
 
     def detect_isa(self) -> str:
         return isa.detect_isa()
@@ -93,6 +94,9 @@ class CpuKernelLibrary(KernelLibrary):
             dot_products = self.bf16_dot_matmul(level)
         self._ops.set_level(level, dot_products, emulated)
         self.isa = level
+        # the 16-column vpdpbusd tiles of kernels_quant_avx512.c (emulated: in software too)
+        self._int8_gemm = level in ("amx", "avx512_bf16", "avx512") and (
+            emulated or isa.has_feature("avx512_vnni"))
 
     def emulated_levels(self) -> tuple[str, ...]:
         """The levels above the CPU's, where the build has them in software
@@ -150,6 +154,21 @@ class CpuKernelLibrary(KernelLibrary):
         if self.isa == "avx2":  # 8 lanes: ahead of SDPA only on two or more threads
             return cpu.kernel_threads() >= 2
         return dtype == torch.float32 or (self.isa != "amx" and cpu.kernel_threads() >= 2)
+
+    #: up to this many rows the AVX2 kernel's integer tiles beat its exact ones: for one SmolLM2
+    #: forward's matmuls on one AVX2 thread 8.5 against 13.4 ms at 1 row, 11.6 against 16.1
+    #: at 2, 15.6 against 18.7 at 3, even at 4 (docs/benchmarks.md, "Quantized matmuls")
+    ROUND_X_FEW_ROWS = 3
+    #: from this many rows, with AVX512-VNNI, the 16-column vpdpbusd tiles: on Zen 4 (2
+    #: threads) 23-27 ms at 32 rows against the exact kernel's 35-42 and the dense bfloat16
+    #: weight's 24-27 (docs/benchmarks.md, "Quantized matmuls on AVX-512")
+    ROUND_X_MANY_ROWS = 8
+
+    def round_x_faster(self, rows: int) -> bool:
+        if self.isa == "none" or rows < 1:
+            return False
+        return rows <= self.ROUND_X_FEW_ROWS or (self._int8_gemm
+                                                 and rows >= self.ROUND_X_MANY_ROWS)
 
     def decode_attention_fits(self, num_heads: int, num_kv_heads: int, head_dim: int,
                               v_dim: int) -> bool:
