@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/quantized_weights.py
     .venv/bin/python benchmarks/quantized_weights.py --configs gguf:float32,none:bfloat16 --batch-sizes 1
 
-Each configuration (``quantization:dtype``, ``:int8x`` appended for ``--int8-activations``) is
+Each configuration (``quantization:dtype``; ``:int8x`` appended for ``--int8-activations on``,
+``:exact`` for ``off``, nothing for the default ``auto``) is
 one ``sgl.Engine``, started alone, so its scheduler process holds only that model. Reported per configuration:
 
 * ``weights MiB``: ``weights_bytes`` of the scheduler's info (parameters, buffers and the CPU
@@ -34,11 +35,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs",
-                   default="none:bfloat16,gguf:bfloat16,gguf:float32,gguf:float32:int8x,"
-                           "none:float32",
-                   help="comma-separated quantization:dtype[:int8x]; the first is the baseline "
-                        "(quantization: none or gguf; dtype: float32 or bfloat16; int8x: "
-                        "--int8-activations)")
+                   default="none:bfloat16,gguf:bfloat16,gguf:bfloat16:exact,gguf:float32,"
+                           "gguf:float32:int8x,none:float32",
+                   help="comma-separated quantization:dtype[:int8x|:exact]; the first is the "
+                        "baseline (quantization: none or gguf; dtype: float32 or bfloat16; "
+                        "int8x: --int8-activations on, exact: off; default: auto)")
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     p.add_argument("--reps", type=int, default=3)
@@ -55,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--configs takes quantization:dtype pairs and --batch-sizes integers")
     for config in args.configs:
         if len(config) not in (2, 3) or config[0] not in ("none", "gguf") \
-                or config[1] not in ("float32", "bfloat16") or config[2:] not in ((), ("int8x",)):
+                or config[1] not in ("float32", "bfloat16") \
+                or config[2:] not in ((), ("int8x",), ("exact",)):
             p.error(f"--configs: bad entry {':'.join(config)!r}; e.g. gguf:float32 or "
                     "gguf:float32:int8x")
     if min(args.batch_sizes) < 1 or args.tokens < 2:
@@ -81,11 +83,11 @@ def decode_rate(engine: Any, batch: int, tokens: int) -> float:
 
 
 def measure(quantization: str, dtype: str, args: argparse.Namespace,
-            int8x: bool = False) -> dict[str, Any]:
+            int8_activations: str = "auto") -> dict[str, Any]:
     import sgl
 
     settings: dict[str, Any] = {"quantization": quantization, "dtype": dtype,
-                                "int8_activations": int8x,
+                                "int8_activations": int8_activations,
                                 "log_level": "warning", "disable_radix_cache": True,
                                 "max_total_tokens": args.max_total_tokens}
     if args.kernel_threads:
@@ -111,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     results = {}
     for config in tqdm(args.configs, desc="configurations", unit="engine"):
-        results[config] = measure(config[0], config[1], args, int8x=len(config) == 3)
+        mode = {(): "auto", ("int8x",): "on", ("exact",): "off"}[config[2:]]
+        results[config] = measure(config[0], config[1], args, int8_activations=mode)
     base = results[args.configs[0]]
     head = ["configuration", "weights MiB", "x", "RSS MiB"]
     head += [f"decode b{b} tok/s" for b in args.batch_sizes] + [

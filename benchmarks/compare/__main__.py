@@ -104,9 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sgl-dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"],
                    help="sgl serve --dtype (default bfloat16, the peers' dtype; auto: sgl's "
                         "default on this CPU)")
-    p.add_argument("--sgl-int8-activations", action="store_true",
-                   help="sgl serve --int8-activations for sgl-gguf (rounded activations in "
-                        "small decode steps, as llama.cpp)")
+    p.add_argument("--sgl-int8-activations", choices=["auto", "on", "off"], default=None,
+                   help="sgl serve --int8-activations for sgl-gguf (activations rounded to "
+                        "int8 in decode steps, as llama.cpp; default: sgl's, auto)")
     p.add_argument("--vllm-cpus", default="0-1",
                    help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default 0-1: both cores)")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
@@ -198,7 +198,8 @@ def server_spec(name: str, args: argparse.Namespace, peers: Peers, port: int) ->
         model = peers.hf_folder if name == "sgl" else bundled_model_path()
         return sgl_spec(model, port, threads=args.sgl_threads, dtype=args.sgl_dtype,
                         max_running=max(64, max_c), name=name,
-                        int8_activations=name == "sgl-gguf" and args.sgl_int8_activations)
+                        int8_activations=args.sgl_int8_activations if name == "sgl-gguf"
+                        else None)
     if name == "vllm":
         spec = vllm_spec(peers, peers.hf_folder, port, cpus=args.vllm_cpus,
                          kv_gib=args.vllm_kv_gib)

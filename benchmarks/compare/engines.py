@@ -119,7 +119,7 @@ _DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32", "auto": "dtype auto"}
 
 def sgl_spec(model: Path, port: int, *, threads: int | None, max_running: int,
              dtype: str = "bfloat16", name: str = "sgl",
-             int8_activations: bool = False) -> ServerSpec:
+             int8_activations: str | None = None) -> ServerSpec:
     """``sgl serve`` of ``model``: a Hugging Face folder (served dense) or a GGUF file (served
     with its quantized blocks, sgl's default; ``name`` ``sgl-gguf``)."""
     command = [sys.executable, "-m", "sgl", "serve", "--model-path", str(model),
@@ -127,12 +127,13 @@ def sgl_spec(model: Path, port: int, *, threads: int | None, max_running: int,
                "--max-running-requests", str(max_running), "--log-level", "warning"]
     if threads:
         command += ["--num-threads", str(threads)]
-    if int8_activations:
-        command.append("--int8-activations")
+    if int8_activations:  # else sgl's default (auto)
+        command += ["--int8-activations", int8_activations]
     gguf = str(model).endswith(".gguf")
+    rounding = f"int8 activations {int8_activations}, " if int8_activations else ""
     return ServerSpec(name, "sgl, GGUF Q4_1 quantized" if gguf else "sgl", command,
                       settings=f"{'Q4_1/Q8_0 weights, ' if gguf else ''}"
-                               f"{'int8 activations, ' if int8_activations else ''}"
+                               f"{rounding}"
                                f"{_DTYPE_NAMES.get(dtype, dtype)}, {threads or 'default'} "
                                f"scheduler thread(s), "
                                f"max {max_running} running requests, radix cache on")

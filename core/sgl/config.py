@@ -80,14 +80,14 @@ class ServerSettings:
         "int8 / int4: a Hugging Face checkpoint's linear weights rounded to 8-/4-bit blocks "
         "of 32 at load (weight-only; the embedding and LM head to 8 bits). gguf: as auto, but "
         "only for a GGUF file.")
-    int8_activations: bool = _opt(
-        False, "In decode steps, round the activations to int8 per block of 32 before each "
-        "4-bit quantized matmul and multiply integers, as llama.cpp does with every matmul, "
-        "where that is faster: up to 3 sequences (about 1.6x faster matmuls at batch 1), and "
-        "from 8 on CPUs with AVX512-VNNI (about 1.5x at 32: then as fast as bfloat16 weights). "
-        "The logits move by about 0.5 and the output then depends on the batch size and on "
-        "prefix-cache hits (the same request can decode differently). Off: every product "
-        "exact.")
+    int8_activations: Literal["auto", "on", "off"] = _opt(
+        "auto", "Round the activations to int8 per block of 32 before each 4-bit quantized "
+        "matmul of a decode step and multiply integers, as llama.cpp does with every matmul. "
+        "auto: in steps of 8 or more sequences, on CPUs whose kernels are faster so "
+        "(AVX512-VNNI: 1.1x bfloat16 weights at batch 32, where exact products give 0.8x); "
+        "on: also in steps of 1-3 sequences (about 1.6x faster matmuls at batch 1); off: every "
+        "product exact. Rounding moves the logits by about 0.5, so the output then depends on "
+        "the batch size (auto: on the load) and on prefix-cache hits.")
     num_threads: int | None = _opt(
         None, "torch intra-op threads of the scheduler; default: 1 where sgl's CPU kernels run "
         "(they need it), else one less than the usable cores (the process's CPU affinity).",

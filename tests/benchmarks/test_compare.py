@@ -148,10 +148,11 @@ def test_sgl_gguf_serves_the_bundled_file_quantized() -> None:
     assert "--quantization" not in gguf.command  # sgl's default: the file's blocks
     assert gguf.settings.startswith("Q4_1/Q8_0 weights, dtype auto,")
     assert dense.command[dense.command.index("--model-path") + 1] == "/models/smollm2"
-    args = parse_args(["--engines", "sgl,sgl-gguf", "--sgl-int8-activations"])
+    args = parse_args(["--engines", "sgl,sgl-gguf", "--sgl-int8-activations", "on"])
     dense, gguf = (server_spec(name, args, peers, 30000) for name in ("sgl", "sgl-gguf"))
-    assert "--int8-activations" in gguf.command and "--int8-activations" not in dense.command
-    assert "int8 activations" in gguf.settings
+    at = gguf.command.index("--int8-activations")
+    assert gguf.command[at + 1] == "on" and "--int8-activations" not in dense.command
+    assert "int8 activations on" in gguf.settings
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ file served with ``--quantization none``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -146,7 +147,7 @@ def test_a_4_bit_matmul_rounds_x_in_decode_steps_where_the_kernels_are_faster(
     level, and from 8 at the AVX-512 levels on a CPU with AVX512-VNNI (or emulated); outside a
     decode step, and for a q8 layer, it stays exact; a layer built without round_x (the
     default) never rounds."""
-    with deferred_weights("gguf", round_x=True):
+    with deferred_weights("gguf", int8_activations="on"):
         q4, q8 = RowParallelLinear(96, 40), RowParallelLinear(96, 40)
     with deferred_weights("gguf"):
         exact_q4 = RowParallelLinear(96, 40)
@@ -266,7 +267,8 @@ def runner(quantization: str, dtype: str = "float32", **kwargs: Any) -> ModelRun
 @pytest.fixture(scope="module")
 def smollm2() -> dict[str, ModelRunner]:
     return {"gguf": runner("auto"), "none": runner("none"),
-            "int8x": runner("auto", int8_activations=True)}
+            "int8x": runner("auto", int8_activations="on"),
+            "exact": runner("auto", int8_activations="off")}
 
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
@@ -392,25 +394,51 @@ def test_int8_activations_round_x_within_a_stated_tolerance(
         assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
+@pytest.mark.parametrize("served", ["int8x", "gguf", "exact"])
 def test_int8_activations_in_a_batch_of_8_within_the_same_tolerance(
-        smollm2: dict[str, ModelRunner]) -> None:
+        smollm2: dict[str, ModelRunner], served: str) -> None:
     """Eight sequences decoded together: from 8 rows, on a CPU with AVX512-VNNI, the 4-bit
-    matmuls round x through the 16-column vpdpbusd tiles (elsewhere they stay exact at 8 rows,
-    see :func:`sgl.kernels.cpu.round_x_faster`); the logits stay within the one-sequence
-    test's 3.0 of none's, and the greedy picks agree where none's best two are 0.25 apart."""
+    matmuls of ``on`` and of the default ``auto`` round x through the 16-column vpdpbusd tiles
+    (elsewhere they stay exact at 8 rows, see :func:`sgl.kernels.cpu.round_x_faster`), those of
+    ``off`` never; the logits stay within the one-sequence test's 3.0 of none's, and the greedy
+    picks agree where none's best two are 0.25 apart. Four sequences: ``auto`` stays exact."""
     prompts = chat_prompts() * 2
     _, tokens = greedy(smollm2["none"], prompts, 12)
-    got, want = forced_batch(smollm2["int8x"], prompts, tokens), forced_batch(
+    got, want = forced_batch(smollm2[served], prompts, tokens), forced_batch(
         smollm2["none"], prompts, tokens)
     assert (got - want).abs().max() <= 3.0
     decode_steps = (got[1:] - want[1:]).abs().max()
-    if cpu.round_x_faster(len(prompts)):
+    if served != "exact" and cpu.round_x_faster(len(prompts)):
         assert decode_steps > 1e-3  # x was rounded
     else:
         assert decode_steps < 1e-2  # exact: only the order of the sums differs
     top2 = want.topk(2, dim=-1).values
     clear = (top2[..., 0] - top2[..., 1]) >= 0.25
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    if served == "gguf":
+        half = [t[:6] for t in tokens[:4]]
+        assert (forced_batch(smollm2["gguf"], prompts[:4], half)
+                - forced_batch(smollm2["none"], prompts[:4], half)).abs().max() < 1e-2
+
+
+def test_the_start_up_log_says_when_activations_are_rounded(
+        smollm2: dict[str, ModelRunner], caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="sgl.engine.model_runner"):
+        smollm2["gguf"]._log_int8_activations("auto")
+        smollm2["int8x"]._log_int8_activations("on")
+    auto, on = (r.getMessage() for r in caplog.records)
+    if cpu.round_x_faster(8):
+        assert auto.startswith("int8 activations auto: decode steps of 8 or more sequences")
+        assert "--int8-activations off keeps every product exact" in auto
+    else:
+        assert auto.startswith("int8 activations auto: the CPU kernels are not faster so")
+    assert on.startswith("int8 activations on: decode steps round activations")
+
+
+def test_int8_activations_names_its_values() -> None:
+    with pytest.raises(ValueError, match="unknown int8_activations 'yes'.*auto, on, off"):
+        with deferred_weights("gguf", int8_activations="yes"):
+            pass
 
 
 # -- --quantization int8 / int4 on a Hugging Face checkpoint ----------------------------------

@@ -24,7 +24,7 @@ from sgl.engine.memory import kv_pool_bytes
 from sgl.kernels import cpu
 from sgl.kvcache.pool import KVPool, ReqToTokenPool
 from sgl.layers.attention import Attention
-from sgl.layers.quantized import decode_step, deferred_weights
+from sgl.layers.quantized import AUTO_ROUND_X_ROWS, decode_step, deferred_weights
 from sgl.layers.tp import get_tp_group, tp_min
 from sgl.model_loader import (
     ModelLoadError,
@@ -202,8 +202,8 @@ class ModelRunner:
     :param dtype: ``"auto"`` (:func:`auto_cpu_dtype` on CPU), ``"float32"``, ``"bfloat16"`` or
         ``"float16"``.
     :param quantization: one of :data:`QUANTIZATION_CHOICES` (:func:`resolve_quantization`).
-    :param int8_activations: let the 4-bit matmuls of decode steps round activations to
-        int8 where the kernels are faster so (:func:`sgl.kernels.cpu.round_x_faster`).
+    :param int8_activations: when the 4-bit matmuls of decode steps round activations to
+        int8: ``auto``, ``on`` or ``off`` (:data:`sgl.layers.quantized.INT8_ACTIVATIONS`).
     :param attention_backend: a name registered by an attention plugin (``"torch"``).
     :param registries: the plugin manager's registries (models, attention backends).
     :param plugin_manager: asked through ``sgl_resolve_model_arch`` when no registered class
@@ -228,7 +228,7 @@ class ModelRunner:
     """
 
     def __init__(self, *, model_path: str | None = None, dtype: str = "auto",
-                 quantization: str = "auto", int8_activations: bool = False,
+                 quantization: str = "auto", int8_activations: str = "auto",
                  attention_backend: str = "torch",
                  registries: Registries,
                  plugin_manager: Any = None, max_total_tokens: int | None = None,
@@ -258,7 +258,7 @@ class ModelRunner:
         with contextlib.ExitStack() as stack:
             if self.quantization != "none":
                 stack.enter_context(deferred_weights(self.quantization,
-                                                     round_x=int8_activations))
+                                                     int8_activations=int8_activations))
             self.model: BaseCausalLM = model_cls(self.hf_config, dtype=self.dtype,
                                                  device=self.device)
         self.model.eval()
@@ -266,6 +266,7 @@ class ModelRunner:
         self.weights_bytes = weights_bytes(self.model)
         logger.info("weights: %.1f MiB (%s)", self.weights_bytes / 2**20,
                     self._describe_weights())
+        self._log_int8_activations(int8_activations)
 
         num_layers, kv_heads, head_dim = _kv_layout(self.model, self.hf_config)
         per_token = KVPool.bytes_per_token(num_layers=num_layers, num_kv_heads=kv_heads,
@@ -344,6 +345,26 @@ class ModelRunner:
             process = getattr(module, "process_weights_after_loading", None)
             if callable(process):
                 process()
+
+    def _log_int8_activations(self, mode: str) -> None:
+        """Say whether decode steps round activations to int8 (``--int8-activations``), where
+        the model has 4-bit layers and the kernels run them."""
+        rows = {getattr(m, "round_x_rows", 0) for m in self.model.modules()
+                if getattr(m, "weight_layout", None) == "q4"}
+        rows.discard(0)
+        if not rows or self.device.type != "cpu":
+            return
+        first = min(rows)
+        if not any(cpu.round_x_faster(n) for n in (first, max(first, AUTO_ROUND_X_ROWS))):
+            logger.info("int8 activations %s: the CPU kernels are not faster so at %s; every "
+                        "quantized product exact", mode, cpu.describe_isa())
+        elif first >= AUTO_ROUND_X_ROWS:
+            logger.info("int8 activations auto: decode steps of %d or more sequences round "
+                        "activations to int8 before 4-bit matmuls (faster than exact on this "
+                        "CPU); --int8-activations off keeps every product exact", first)
+        else:
+            logger.info("int8 activations on: decode steps round activations to int8 before "
+                        "4-bit matmuls where the kernels are faster so")
 
     def _describe_weights(self) -> str:
         layouts = Counter(getattr(m, "weight_layout", None) or "dense"

@@ -29,7 +29,8 @@ from torch import nn
 
 from sgl.kernels import cpu, ops, quant
 
-__all__ = ["QUANTIZATION_MODES", "QUANTIZE_MODES", "QuantizedTensor",
+__all__ = ["AUTO_ROUND_X_ROWS", "INT8_ACTIVATIONS", "QUANTIZATION_MODES", "QUANTIZE_MODES",
+           "QuantizedTensor",
            "decode_step", "deferred_weights",
            "deferred_mode", "dense_rows", "quantized_linear", "store_weight_rows"]
 
@@ -113,30 +114,40 @@ class QuantizedTensor:
 
 # -- building a model whose weights are decided by what arrives --------------------------------
 
-# With ``--int8-activations`` a 4-bit matmul in a :func:`decode_step` rounds ``x`` to int8 per
-# block of 32 (``round_x`` of ``sgl::linear_q4``, what llama.cpp does with every matmul) and
-# multiplies integers, at the numbers of rows where the kernels say that is faster
-# (:func:`sgl.kernels.cpu.round_x_faster`: few rows on every level, and from 8 rows on CPUs
-# with AVX512-VNNI). Each value of ``x`` moves by at most ``max|x| / 254`` of its block, and
-# since rounding is not continuous, a tiny difference upstream (a prefix-cache hit sums in
-# another order) can become a visible one: hence opt-in. The 8-bit layout gains too little from
-# it to give up exactness.
+#: ``--int8-activations`` values: with ``on`` a 4-bit matmul in a :func:`decode_step` rounds
+#: ``x`` to int8 per block of 32 (``round_x`` of ``sgl::linear_q4``, what llama.cpp does with
+#: every matmul) and multiplies integers, at the numbers of rows where the kernels are faster so
+#: (:func:`sgl.kernels.cpu.round_x_faster`: few rows on every level, and from 8 rows on CPUs
+#: with AVX512-VNNI); ``auto`` (the default) only from :data:`AUTO_ROUND_X_ROWS` rows, where
+#: throughput is at stake (one sequence is fast enough exact); ``off`` never. Each value of
+#: ``x`` moves by at most ``max|x| / 254`` of its block, and since rounding is not continuous, a
+#: tiny difference upstream (a prefix-cache hit sums in another order) can become a visible
+#: one. The 8-bit layout gains too little from it to give up exactness.
+INT8_ACTIVATIONS = ("auto", "on", "off")
+#: the fewest rows ``--int8-activations auto`` rounds: decode batches of 8 on Zen 4 went from
+#: 0.95x to 1.25x the bfloat16 weights' tokens/s, batches of 32 from 0.80x to 1.11x
+#: (docs/benchmarks.md, "Quantized matmuls on AVX-512")
+AUTO_ROUND_X_ROWS = 8
 
 
-_deferred: tuple[str, bool] | None = None  # (mode, round_x)
+_deferred: tuple[str, str] | None = None  # (mode, int8 activations)
+_ROUND_X_ROWS = {"on": 1, "auto": AUTO_ROUND_X_ROWS, "off": 0}
 
 
 @contextlib.contextmanager
-def deferred_weights(mode: str, *, round_x: bool = False) -> Iterator[None]:
+def deferred_weights(mode: str, *, int8_activations: str = "off") -> Iterator[None]:
     """Build models inside this to let their weights be held as they arrive (see the module
-    docstring); ``mode`` is one of :data:`QUANTIZATION_MODES`. ``round_x``: the layers' 4-bit
-    matmuls round x to int8 in decode steps where that is faster (``--int8-activations``, see
-    above); False keeps every product exact."""
+    docstring); ``mode`` is one of :data:`QUANTIZATION_MODES`. ``int8_activations``: when the
+    layers' 4-bit matmuls round x to int8 in decode steps (:data:`INT8_ACTIVATIONS`); ``off``
+    keeps every product exact."""
     global _deferred
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"unknown quantization mode {mode!r} "
                          f"(expected one of {', '.join(QUANTIZATION_MODES)})")
-    previous, _deferred = _deferred, (mode, round_x)
+    if int8_activations not in INT8_ACTIVATIONS:
+        raise ValueError(f"unknown int8_activations {int8_activations!r} "
+                         f"(expected one of {', '.join(INT8_ACTIVATIONS)})")
+    previous, _deferred = _deferred, (mode, int8_activations)
     try:
         yield
     finally:
@@ -230,8 +241,9 @@ def init_weight(module: nn.Module, rows: int, cols: int, dtype: torch.dtype | No
     module.weight_dtype = dtype or torch.get_default_dtype()
     module.weight_device = torch.device(device) if device is not None else torch.device("cpu")
     module.weight_mode = deferred_mode()
-    #: its 4-bit matmuls round x in decode steps where that is faster (--int8-activations)
-    module.round_x = False if _deferred is None else _deferred[1]
+    #: the fewest rows of a decode step its 4-bit matmuls round x at (--int8-activations;
+    #: where the kernels are faster so); 0: never
+    module.round_x_rows = 0 if _deferred is None else _ROUND_X_ROWS[_deferred[1]]
     place = "meta" if module.weight_mode is not None else device
     module.weight = nn.Parameter(torch.empty((rows, cols), dtype=dtype, device=place),
                                  requires_grad=False)
@@ -271,11 +283,11 @@ def decode_step(active: bool = True) -> Iterator[None]:
 
 def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
                      scales: torch.Tensor, bias32: torch.Tensor | None, *,
-                     round_x: bool = False) -> torch.Tensor:
+                     round_x_rows: int = 0) -> torch.Tensor:
     """``x @ W^T + bias`` for ``x [..., K]`` and a quantized ``W``: the kernel operator for
-    float32 and bfloat16 ``x`` on CPU (with ``round_x``, a 4-bit weight in a
-    :func:`decode_step` rounds x where :func:`sgl.kernels.cpu.round_x_faster` says so), the
-    reference (dequantize, then multiply) otherwise."""
+    float32 and bfloat16 ``x`` on CPU (a 4-bit weight in a :func:`decode_step` rounds x from
+    ``round_x_rows`` rows, where :func:`sgl.kernels.cpu.round_x_faster` says it is faster; 0:
+    never), the reference (dequantize, then multiply) otherwise."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -283,7 +295,7 @@ def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
         if layout == "q4":
             out = torch.ops.sgl.linear_q4(x2, qweight, scales, bias32,
-                                          round_x and _decode_step
+                                          _decode_step and 0 < round_x_rows <= rows
                                           and cpu.round_x_faster(rows))
         else:
             out = torch.ops.sgl.linear_q8(x2, qweight, scales, bias32)

@@ -146,18 +146,27 @@ AVX2_TARGET void sgl_round_x_blocks(const float *xf, int64_t ldx, int64_t M, int
             int sum = 0;
             if (amax > 0.0f) {
                 const __m256 id = _mm256_set1_ps(127.0f / amax);
+                __m256i qi[4];
                 for (int i = 0; i < 4; i++) {
                     __m256 t = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * i), id),
                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                     t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-127.0f)),
                                       _mm256_set1_ps(127.0f));
-                    int32_t lanes[8];
-                    _mm256_storeu_si256((__m256i *)lanes, _mm256_cvtps_epi32(t));
-                    for (int k = 0; k < 8; k++) {
-                        q[8 * i + k] = (int8_t)lanes[k];
-                        sum += lanes[k];
-                    }
+                    qi[i] = _mm256_cvtps_epi32(t);
                 }
+                /* the 32 int8 in order: packs interleave the 128-bit lanes (dwords of 4 values:
+                   0-3 of qi[0], of qi[1], qi[2], qi[3], then their 4-7), the permute undoes it */
+                const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                                         _mm256_packs_epi32(qi[2], qi[3]));
+                _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(
+                    bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+                const __m256i s = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]),
+                                                   _mm256_add_epi32(qi[2], qi[3]));
+                __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s),
+                                          _mm256_extracti128_si256(s, 1));
+                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+                sum = _mm_cvtsi128_si32(h);
             } else {
                 memset(q, 0, 32);
             }

@@ -244,12 +244,34 @@ VNNI512_TARGET static void i8g_pack(const i8g_job *j, int64_t n0, int64_t cols, 
             #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) dst[4 + i] = _mm512_xor_si512(t[i], flip);
         }
-        for (int64_t c = 0; c < 16; c++) {
-            const uint16_t *s = j->sc + ((n0 + c) * KB + kb) * 2;
-            const float dc = c < cols ? _cvtsh_ss(s[0]) : 0.0f;
-            const float mc = c < cols ? _cvtsh_ss(s[1]) : 0.0f;
-            d[kb * 16 + c] = dc;
-            m[kb * 16 + c] = j->bits == 4 ? mc : mc - 128.0f * dc;
+    }
+    /* the scales: each column's (d, m) pairs of 16 blocks as dwords, transposed to a block's
+       16 columns, then widened */
+    for (int64_t kb0 = 0; kb0 < KB; kb0 += 16) {
+        const int64_t n = KB - kb0 < 16 ? KB - kb0 : 16;
+        const __mmask16 blocks = (__mmask16)((1u << n) - 1);
+        __m512i pairs[16];
+        #pragma GCC unroll 16
+        for (int c = 0; c < 16; c++)
+            pairs[c] = c < cols ? _mm512_castps_si512(_mm512_maskz_loadu_ps(
+                                      blocks, j->sc + ((n0 + c) * KB + kb0) * 2))
+                                : _mm512_setzero_si512();
+        q512_transpose16(pairs);
+        for (int64_t b = 0; b < n; b++) {
+            const __m256i dh = _mm512_cvtepi32_epi16(pairs[b]);
+            const __m256i mh = _mm512_cvtepi32_epi16(_mm512_srli_epi32(pairs[b], 16));
+            float *db = d + (kb0 + b) * 16, *mb = m + (kb0 + b) * 16;
+            #pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const __m256 dv = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(dh, 1)
+                                                    : _mm256_castsi256_si128(dh));
+                __m256 mv = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(mh, 1)
+                                              : _mm256_castsi256_si128(mh));
+                if (j->bits == 8) /* m - 128 d: 128 d is exact, one rounding */
+                    mv = _mm256_fnmadd_ps(_mm256_set1_ps(128.0f), dv, mv);
+                _mm256_store_ps(db + 8 * h, dv);
+                _mm256_store_ps(mb + 8 * h, mv);
+            }
         }
     }
 }
