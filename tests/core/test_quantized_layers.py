@@ -140,38 +140,40 @@ def test_int8_and_int4_round_dense_weights_at_load(mode: str, layout: str) -> No
     torch.testing.assert_close(layer(x), x @ expected.t(), rtol=1e-5, atol=1e-5)
 
 
-def test_a_4_bit_matmul_rounds_x_in_decode_steps_where_the_kernels_are_faster(
+def test_quantized_matmuls_round_x_in_decode_steps_where_the_kernels_are_faster(
         kernel_isa: str) -> None:
-    """Built with round_x, in a decode step, a q4 layer multiplies x rounded to int8 per block
-    (the round_x reference) at the rows where the kernels say that is faster: up to 3 at every
-    level, and from 8 at the AVX-512 levels on a CPU with AVX512-VNNI (or emulated); outside a
-    decode step, and for a q8 layer, it stays exact; a layer built without round_x (the
-    default) never rounds."""
+    """In a decode step, layers multiply x rounded to int8 per block (the round_x reference)
+    at the rows where the kernels say that is faster (up to 3 at every level, and from 8 at the
+    AVX-512 levels on a CPU with AVX512-VNNI, or emulated): a q4 layer of
+    ``--int8-activations on`` at both, of ``auto`` from 8 only, a q8 layer of ``on`` from 8
+    only; outside a decode step, and with ``off``, every product is exact."""
     with deferred_weights("gguf", int8_activations="on"):
         q4, q8 = RowParallelLinear(96, 40), RowParallelLinear(96, 40)
-    with deferred_weights("gguf"):
+    with deferred_weights("gguf", int8_activations="auto"):
+        auto_q4 = RowParallelLinear(96, 40)
+    with deferred_weights("gguf", int8_activations="off"):
         exact_q4 = RowParallelLinear(96, 40)
-    for layer, seed in ((q4, 14), (q8, 15), (exact_q4, 14)):
+    for layer, seed in ((q4, 14), (q8, 15), (auto_q4, 14), (exact_q4, 14)):
         load(layer, blocks("q8" if layer is q8 else "q4", 40, 96, seed))
     from sgl_kernels_cpu import isa
 
     vnni = kernel_isa != "avx2" and (cpu.isa_emulated() or isa.has_feature("avx512_vnni"))
     for rows in (1, 2, 3, 4, 7, 8, 9, 32):
         x = inputs(rows, 96)
-        round_x = rows <= 3 or (vnni and rows >= 8)
-        assert cpu.round_x_faster(rows) == round_x, rows
+        many = vnni and rows >= 8
+        assert cpu.round_x_faster(rows) == (rows <= 3 or many), rows
         with decode_step():
-            torch.testing.assert_close(
-                q4(x), ops.linear_q4(x, q4.weight, q4.weight_scales, None, round_x),
-                rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(q8(x), x @ dense_rows(q8).t(), rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(exact_q4(x), x @ dense_rows(q4).t(), rtol=1e-5,
+            for layer, op, round_x in ((q4, ops.linear_q4, rows <= 3 or many),
+                                       (auto_q4, ops.linear_q4, many),
+                                       (q8, ops.linear_q8, many),
+                                       (exact_q4, ops.linear_q4, False)):
+                want = op(x, layer.weight, layer.weight_scales, None, round_x)
+                torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+                if round_x:  # it did round
+                    assert (want - x @ dense_rows(layer).t()).abs().max() > 1e-4
+        for layer in (q4, q8, auto_q4):
+            torch.testing.assert_close(layer(x), x @ dense_rows(layer).t(), rtol=1e-5,
                                        atol=1e-5)
-        torch.testing.assert_close(q4(x), x @ dense_rows(q4).t(), rtol=1e-5, atol=1e-5)
-        if round_x:
-            with decode_step():
-                rounded = q4(x)
-            assert (rounded - x @ dense_rows(q4).t()).abs().max() > 1e-4  # x was rounded
 
 
 @pytest.mark.usefixtures("tp_rank_1_of_2")

@@ -122,7 +122,9 @@ class QuantizedTensor:
 #: throughput is at stake (one sequence is fast enough exact); ``off`` never. Each value of
 #: ``x`` moves by at most ``max|x| / 254`` of its block, and since rounding is not continuous, a
 #: tiny difference upstream (a prefix-cache hit sums in another order) can become a visible
-#: one. The 8-bit layout gains too little from it to give up exactness.
+#: one. The 8-bit layout (an embedding used as the LM head, Q8_0 and Q6_K weights) rounds only
+#: from :data:`AUTO_ROUND_X_ROWS` rows, under ``on`` too: with few rows it gains too little to
+#: give up exactness.
 INT8_ACTIVATIONS = ("auto", "on", "off")
 #: the fewest rows ``--int8-activations auto`` rounds: decode batches of 8 on Zen 4 went from
 #: 0.95x to 1.25x the bfloat16 weights' tokens/s, batches of 32 from 0.80x to 1.11x
@@ -293,12 +295,12 @@ def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-        if layout == "q4":
-            out = torch.ops.sgl.linear_q4(x2, qweight, scales, bias32,
-                                          _decode_step and 0 < round_x_rows <= rows
-                                          and cpu.round_x_faster(rows))
-        else:
-            out = torch.ops.sgl.linear_q8(x2, qweight, scales, bias32)
+        # the 8-bit layout rounds only the many rows of the integer tiles (see INT8_ACTIVATIONS)
+        first = round_x_rows if layout == "q4" else max(round_x_rows, AUTO_ROUND_X_ROWS)
+        round_x = (_decode_step and 0 < round_x_rows and first <= rows
+                   and cpu.round_x_faster(rows))
+        op = torch.ops.sgl.linear_q4 if layout == "q4" else torch.ops.sgl.linear_q8
+        out = op(x2, qweight, scales, bias32, round_x)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
     op: Any = ops.linear_q4 if layout == "q4" else ops.linear_q8
     out = op(x2, qweight, scales, bias32)
