@@ -43,9 +43,15 @@ class Harness:
     """A Scheduler in this process; the test plays the server's side of the sockets."""
 
     def __init__(self, tmp: Path, pm: SglPluginManager | None = None, **overrides: Any) -> None:
+        # The tests built on this harness compare outputs token for token across batch
+        # compositions (with and without the cache, speculation, retraction), so every product
+        # must be exact at any batch size: int8 activations (the default "auto" rounds decode
+        # steps of 8 or more sequences where the kernels are faster) would make them differ by
+        # design. tests/core/test_quantized_layers.py covers the rounded products.
         settings = load_settings(env={}, cli={
             "dtype": "float32", "max_total_tokens": POOL_TOKENS, "max_running_requests": 48,
-            "chunked_prefill_size": 512, "num_threads": 1, **overrides})
+            "chunked_prefill_size": 512, "num_threads": 1, "int8_activations": "off",
+            **overrides})
         self.ctx = zmq.Context()
         endpoints = {"requests": f"ipc://{tmp}/req", "outputs": f"ipc://{tmp}/out"}
         self.push = self.ctx.socket(zmq.PUSH)
