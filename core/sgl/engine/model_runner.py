@@ -33,6 +33,7 @@ from sgl.model_loader import (
     open_weights,
     resolve_model_path,
 )
+from sgl.model_loader.compressed_tensors import QUANT_METHOD, check_compressed_tensors
 from sgl.parallel.base import GroupFailure
 
 if TYPE_CHECKING:
@@ -88,10 +89,13 @@ def auto_cpu_dtype() -> tuple[torch.dtype, str]:
                            "instructions")
 
 
-#: ``--quantization`` values: ``auto`` (a GGUF file's blocks as they are, a Hugging Face
-#: checkpoint dense), ``none`` (dense), ``gguf`` (GGUF only), ``int8``/``int4`` (a Hugging Face
-#: checkpoint's linear weights rounded to 8-/4-bit blocks at load)
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
+#: ``--quantization`` values: ``auto`` (a GGUF file's blocks and a compressed-tensors
+#: checkpoint's packed integers as they are, another Hugging Face checkpoint dense), ``none``
+#: (dense), ``gguf`` / ``compressed-tensors`` (that kind of checkpoint only), ``int8``/``int4``
+#: (a dense Hugging Face checkpoint's linear weights rounded to 8-/4-bit blocks at load)
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "compressed-tensors", "int8", "int4")
+#: the modes whose checkpoints arrive quantized (the weight readers keep their blocks)
+STORED_QUANTIZED = ("gguf", "compressed-tensors")
 
 
 def resolve_quantization(name: str, path: Path, config: PretrainedConfig) -> str:
@@ -110,13 +114,24 @@ def resolve_quantization(name: str, path: Path, config: PretrainedConfig) -> str
         return "none" if name == "none" else "gguf"
     if name == "gguf":
         raise ValueError(f"--quantization gguf needs a .gguf file, not {path}")
-    method = (getattr(config, "quantization_config", None) or {})
-    method = method.get("quant_method") if isinstance(method, dict) else getattr(
-        method, "quant_method", None)
+    quant = getattr(config, "quantization_config", None) or {}
+    if not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
+    method = quant.get("quant_method")
+    if method == QUANT_METHOD:
+        check_compressed_tensors(quant, path.name)
+        if name in ("int8", "int4"):
+            raise ValueError(f"--quantization {name} rounds a dense checkpoint's weights; "
+                             f"{path.name} is already quantized (compressed-tensors): serve it "
+                             "as it is (auto) or dequantized (none)")
+        return "none" if name == "none" else QUANT_METHOD
+    if name == QUANT_METHOD:
+        raise ValueError(f"--quantization {QUANT_METHOD} needs a compressed-tensors checkpoint; "
+                         f"{path.name} is {method or 'dense'}")
     if method and name != "none":
         raise ValueError(f"{path.name} is a {method} checkpoint; sgl cannot load {method} "
-                         "weights yet (GGUF files and --quantization int8/int4 on a dense "
-                         "checkpoint are what it runs quantized)")
+                         "weights yet (it runs GGUF files, compressed-tensors W4A16/W8A16 "
+                         "checkpoints, and --quantization int8/int4 on a dense checkpoint)")
     return "none" if name == "auto" else name
 
 
@@ -335,7 +350,7 @@ class ModelRunner:
         from tqdm.auto import tqdm
 
         source = open_weights(self.model_path, self.dtype,
-                              quantized=self.quantization == "gguf")
+                              quantized=self.quantization in STORED_QUANTIZED)
         stream = tqdm(source, total=len(source), desc="Loading weights", unit="tensor",
                       disable=not show_progress)
         self.model.load_weights((name, t.to(self.device)) for name, t in stream)

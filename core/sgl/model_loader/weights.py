@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from sgl.model_loader.compressed_tensors import CompressedTensorsWeights, compressed_tensors_config
 from sgl.model_loader.gguf_weights import GGUFWeights
 from sgl.model_loader.paths import is_gguf, resolve_model_path
 from sgl.model_loader.safetensors_weights import SafetensorsWeights
@@ -22,8 +23,9 @@ def open_weights(path: str | Path | None, dtype: torch.dtype = torch.float32, *,
 
     :param path: as for :func:`~sgl.model_loader.resolve_model_path` (None: the bundled model).
     :param dtype: floating-point tensors are cast to this dtype.
-    :param quantized: a GGUF file's quantized blocks come as they are
-        (:class:`~sgl.layers.quantized.QuantizedTensor`) where sgl runs them.
+    :param quantized: a GGUF file's quantized blocks, and a compressed-tensors checkpoint's
+        packed integers, come as :class:`~sgl.layers.quantized.QuantizedTensor` where sgl runs
+        them (else dequantized).
     :raises ModelLoadError: missing path, no weights, corrupt file.
     """
     resolved = resolve_model_path(path)
@@ -31,6 +33,8 @@ def open_weights(path: str | Path | None, dtype: torch.dtype = torch.float32, *,
         return GGUFWeights(resolved, dtype, quantized=quantized)
     if not any(resolved.glob("*.safetensors")) and torch_bin_files(resolved):
         return TorchBinWeights(resolved, dtype)
+    if compressed_tensors_config(resolved) is not None:
+        return CompressedTensorsWeights(resolved, dtype, quantized=quantized)
     return SafetensorsWeights(resolved, dtype)
 
 
