@@ -115,7 +115,9 @@ def test_packed_weights_arrive_as_the_values_compressed_tensors_decompresses(
     name, path = checkpoint
     want = decompressed(path)
     layout = LAYOUTS[name]
-    held = dict(open_weights(path, torch.bfloat16, quantized=True))
+    source = open_weights(path, torch.bfloat16, quantized=True)
+    held = dict(source)
+    assert len(source) == len(held)  # the progress bar's total: one tensor per layer
     dense = dict(open_weights(path, torch.bfloat16, quantized=False))
     assert sorted(n for n in held if n in want) == sorted(want)
     assert "model.embed_tokens.weight" in held and "lm_head.weight" in held

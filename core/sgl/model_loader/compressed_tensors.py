@@ -110,21 +110,23 @@ class CompressedTensorsWeights(SafetensorsWeights):
     def __init__(self, path: Path, dtype: torch.dtype, *, quantized: bool) -> None:
         super().__init__(path, dtype)
         self.quantized = quantized
+        self._where: dict[str, Path] | None = None
+
+    def where(self) -> dict[str, Path]:
+        """Every tensor's name and the shard that holds it (a layer's parts may be split)."""
+        if self._where is None:
+            self._where = {}
+            for file in self.files:
+                with self._open(file) as handle:
+                    self._where.update(dict.fromkeys(handle.keys(), file))
+        return self._where
 
     def __len__(self) -> int:
-        return sum(1 for name in self._names() if not _is_part(name)
+        return sum(1 for name in self.where() if not _is_part(name)
                    or name.endswith(".weight_packed"))
 
-    def _names(self) -> Iterator[str]:
-        for file in self.files:
-            with self._open(file) as handle:
-                yield from handle.keys()
-
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        where = {}
-        for file in self.files:
-            with self._open(file) as handle:
-                where.update(dict.fromkeys(handle.keys(), file))
+        where = self.where()
         handles: dict[Path, Any] = {}
         try:
             for name, file in where.items():
