@@ -205,3 +205,39 @@ def test_quantization_modes_of_compressed_tensors_checkpoints(tmp_path: Path) ->
                                       "config_groups": {"group_0": bad}}
         with pytest.raises(ValueError, match=what.replace("(", r"\(")):
             resolve_quantization("auto", tmp_path, config)
+
+
+@pytest.mark.slow
+def test_sgl_serve_runs_a_w4a16_checkpoint(tmp_path: Path) -> None:
+    """``sgl serve`` on a W4A16 folder: the start-up log and ``/get_server_info`` say
+    ``compressed-tensors``, the weights take less than the dense model's, and greedy tokens
+    equal transformers' on the folder (float32, exact products)."""
+    import httpx
+    from sgl_testing import ServerProcess
+    from transformers import AutoModelForCausalLM
+
+    from sgl.model_loader import load_tokenizer
+
+    path = write_checkpoint(tmp_path / "w4a16", 4, 32, True)
+    load_tokenizer(None).save_pretrained(path)  # the scheduler loads one (stop strings)
+    prompt = [1, 17, 42, 99, 5, 200, 31]
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                  min_new_tokens=8)[0, len(prompt):].tolist()
+    log = tmp_path / "server.log"
+    server = ServerProcess("--model-path", str(path), "--dtype", "float32",
+                           "--int8-activations", "off", "--max-total-tokens", "512",
+                           "--context-length", "128", log_path=log)
+    try:
+        info = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()
+        out = httpx.post(f"{server.base_url}/generate", timeout=60, json={
+            "input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                      "ignore_eos": True}}).json()
+    finally:
+        server.stop()
+    assert info["quantization"] == "compressed-tensors"
+    dense_bytes = sum(p.numel() * 4 for p in reference.parameters())
+    assert info["weights_bytes"] < dense_bytes / 2
+    assert "quantization compressed-tensors" in log.read_text()
+    assert out["output_ids"] == want
