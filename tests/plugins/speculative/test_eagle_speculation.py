@@ -387,9 +387,12 @@ def test_a_failing_head_costs_drafts_never_requests(target: Path, heads: dict[st
                                                    plain16: Harness, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture) -> None:
-    """The head failing to catch up (a fault injected into its observe every third step, the
-    only fake here: a real head does not fail on demand) drops the requests' drafting state;
-    their outputs are those without speculation, and the head drafts again afterwards."""
+    """The head failing to catch up (a fault injected into every third of its first 30
+    observes, the only fake here: a real head does not fail on demand) drops the requests'
+    drafting state; their outputs are those without speculation, and the head drafts again
+    afterwards. (A fault every third observe for good could fall into step with the
+    draft-verify cycle, as the requests' arrival over the socket sets it, and leave no draft
+    accepted at all.)"""
     from sgl_spec_eagle.drafter import EagleDrafter
 
     calls = {"n": 0}
@@ -397,7 +400,7 @@ def test_a_failing_head_costs_drafts_never_requests(target: Path, heads: dict[st
 
     def flaky(self, states):
         calls["n"] += 1
-        if calls["n"] % 3 == 0:
+        if calls["n"] <= 30 and calls["n"] % 3 == 0:
             raise RuntimeError("injected fault")
         return original(self, states)
 
