@@ -22,7 +22,7 @@ from sgl.engine.batch_builder import BatchSeq, make_forward_batch, release_seque
 from sgl.engine.model_runner import ModelRunner, resolve_quantization
 from sgl.forward_batch import ForwardMode
 from sgl.layers.quantized import QuantizedTensor
-from sgl.model_loader import load_hf_config, open_weights
+from sgl.model_loader import bundled_model_path, load_hf_config, open_weights
 from sgl.plugins import create_plugin_manager
 
 #: (bits, group size (0: per output channel), symmetric) of each scheme tested
@@ -193,6 +193,8 @@ def test_quantization_modes_of_compressed_tensors_checkpoints(tmp_path: Path) ->
         resolve_quantization("int4", tmp_path, config)
     with pytest.raises(ValueError, match="needs a compressed-tensors checkpoint"):
         resolve_quantization("compressed-tensors", tmp_path, LlamaConfig())
+    with pytest.raises(ValueError, match="is a GGUF file"):
+        resolve_quantization("compressed-tensors", bundled_model_path(), LlamaConfig())
     refused = {
         "quantized activations": {**scheme, "input_activations": {"num_bits": 8,
                                                                   "type": "int"}},

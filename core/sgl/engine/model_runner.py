@@ -111,6 +111,9 @@ def resolve_quantization(name: str, path: Path, config: PretrainedConfig) -> str
             raise ValueError(f"--quantization {name} rounds a Hugging Face checkpoint's weights; "
                              f"{path.name} is a GGUF file, served with its own blocks (auto) or "
                              "dequantized (none)")
+        if name == QUANT_METHOD:
+            raise ValueError(f"--quantization {QUANT_METHOD} needs a compressed-tensors "
+                             f"checkpoint; {path.name} is a GGUF file (auto or gguf)")
         return "none" if name == "none" else "gguf"
     if name == "gguf":
         raise ValueError(f"--quantization gguf needs a .gguf file, not {path}")
