@@ -243,3 +243,73 @@ def test_sgl_serve_runs_a_w4a16_checkpoint(tmp_path: Path) -> None:
     assert info["weights_bytes"] < dense_bytes / 2
     assert "quantization compressed-tensors" in log.read_text()
     assert out["output_ids"] == want
+
+
+def test_a_qwen2_moe_checkpoint_holds_its_experts_as_blocks(tmp_path: Path) -> None:
+    """A tiny Qwen2-MoE (transformers writes its experts one by one, as published MoE
+    checkpoints have them) whose linear weights, experts included, compressed-tensors'
+    ``PackedQuantizationCompressor`` compresses W4A16 in groups of 32, the router gates and LM
+    head left dense as llm-compressor's recipes leave them: the stacked experts are held as
+    ``q4`` and the logits equal transformers' on the decompressed weights."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                            moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                            num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=128, tie_word_embeddings=False)
+    Qwen2MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "reference" / "config.json").write_text((tmp_path / "config.json").read_text())
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                            group_size=32)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
+    ignore = ("lm_head", "mlp.gate", "shared_expert_gate")
+    dense = load_file(str(tmp_path / "model.safetensors"))
+    stored, decompressed_weights = {}, {}
+    for name, tensor in dense.items():
+        prefix = name.removesuffix(".weight")
+        if tensor.dim() != 2 or "embed_tokens" in name or prefix.endswith(ignore):
+            stored[name] = tensor
+            continue
+        grouped = tensor.float().view(tensor.shape[0], -1, 32)
+        scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+        parts = PackedQuantizationCompressor.compress(
+            {"weight": tensor, "weight_scale": scale.to(tensor.dtype),
+             "weight_zero_point": zero}, scheme)
+        stored.update({f"{prefix}.{k}": v for k, v in parts.items()})
+        widened = {k: v.float() if v.is_floating_point() else v for k, v in parts.items()}
+        decompressed_weights[name] = PackedQuantizationCompressor.decompress(
+            widened, scheme)["weight"]
+    save_file(stored, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    quant = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore),
+                               format="pack-quantized").model_dump()
+    config_file = tmp_path / "config.json"
+    written = json.loads(config_file.read_text())
+    written["quantization_config"] = {**quant, "quant_method": "compressed-tensors"}
+    config_file.write_text(json.dumps(written))
+
+    pm = create_plugin_manager()
+    served = ModelRunner(model_path=str(tmp_path), dtype="float32", int8_activations="off",
+                         registries=pm.registries, plugin_manager=pm, max_total_tokens=512,
+                         max_running_requests=2, show_progress=False)
+    assert served.quantization == "compressed-tensors"
+    moe = next(m for m in served.model.modules() if isinstance(getattr(m, "layouts", None), dict))
+    assert moe.layouts == {"gate_up": "q4", "down": "q4"}
+    save_file({**{k: v.float() for k, v in dense.items()}, **decompressed_weights},
+              str(tmp_path / "reference" / "model.safetensors"), metadata={"format": "pt"})
+    reference = Qwen2MoeForCausalLM.from_pretrained(str(tmp_path / "reference"),
+                                                    dtype=torch.float32)
+    prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        want = reference.eval()(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(logits_of(served, prompt), want, rtol=0, atol=1e-4)
