@@ -313,3 +313,23 @@ def test_a_qwen2_moe_checkpoint_holds_its_experts_as_blocks(tmp_path: Path) -> N
     with torch.no_grad():
         want = reference.eval()(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(logits_of(served, prompt), want, rtol=0, atol=1e-4)
+
+
+def test_a_malformed_layer_is_named_at_load(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from sgl.model_loader import ModelLoadError
+
+    path = write_checkpoint(tmp_path / "w4", 4, 32, True)
+    tensors = load_file(str(path / "model.safetensors"))
+    layer = "model.layers.1.mlp.up_proj"
+    broken = {
+        "weight_shape": {**tensors, f"{layer}.weight_shape": torch.tensor([256, 96])},
+        "weight_scale": {k: v for k, v in tensors.items() if k != f"{layer}.weight_scale"},
+    }
+    for what, stored in broken.items():
+        save_file(stored, str(path / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ModelLoadError, match=f"{layer}: weight_.*"
+                           + ("4- or 8-bit packing" if what == "weight_shape"
+                              else "without weight_scale")):
+            dict(open_weights(path, torch.float32, quantized=True))
