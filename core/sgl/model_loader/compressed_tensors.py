@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from sgl.kernels.quant import BLOCK
 from sgl.layers.quantized import QuantizedTensor
 from sgl.model_loader.errors import ModelLoadError
 from sgl.model_loader.safetensors_weights import SafetensorsWeights
@@ -40,8 +41,6 @@ QUANT_METHOD = "compressed-tensors"
 PACKED = "pack-quantized"
 #: what a quantized layer's parts are called, after its module name
 PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
-BLOCK = 32
-_FP16_MAX = 65504.0
 
 
 def compressed_tensors_config(path: Path) -> dict[str, Any] | None:
@@ -199,7 +198,7 @@ class CompressedTensorsWeights(SafetensorsWeights):
             per_block = group // BLOCK
             d = scale.repeat_interleave(per_block, dim=1)
             m = -(zero + (8 if bits == 4 else 0)).repeat_interleave(per_block, dim=1) * d
-            if max(d.abs().max().item(), m.abs().max().item()) > _FP16_MAX:
+            if max(d.abs().max().item(), m.abs().max().item()) > torch.finfo(torch.float16).max:
                 why = "its scales exceed float16"
         if why is not None:
             logger.info("%s: dequantized (%s)", prefix, why)
