@@ -7,7 +7,12 @@ size, as a server's pool is after a while (``--contiguous`` lays them out in ord
 runs on 1 and 2 of its own threads; median of ``--reps``, ms, and the bytes of K and V read per
 second at that time.
 
+One layer's K and V fit in the caches at small sizes (batch 32, context 200: 5 MB), which a
+server's step never sees. ``--layers 30`` gives each of 30 layers its own pool and times them one
+after another, as one decode step of SmolLM2 does: 150 MB of K and V, read from memory.
+
     .venv/bin/python benchmarks/decode_attention.py --batch 1,32 --context 200,1000
+    .venv/bin/python benchmarks/decode_attention.py --batch 32 --context 200 --layers 30
     SGL_CPU_ISA=avx2 .venv/bin/python benchmarks/decode_attention.py
 """
 
@@ -36,6 +41,8 @@ def main() -> int:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="layers of one step, each with its own pool, timed together")
     parser.add_argument("--contiguous", action="store_true",
                         help="each sequence's slots in order, not scattered over the pool")
     parser.add_argument("--reps", type=int, default=20)
@@ -47,7 +54,7 @@ def main() -> int:
     torch.set_num_threads(1)
     hq, hk, d = args.heads, args.kv_heads, args.head_dim
     print(f"level {cpu.describe_isa()}; {hq} heads, {hk} KV heads of {d}; "
-          f"{'contiguous' if args.contiguous else 'scattered'} slots")
+          f"{'contiguous' if args.contiguous else 'scattered'} slots; {args.layers} layer(s)")
     print("dtype     batch  context  kernel 1 thr (GB/s)   kernel 2 thr (GB/s)   (ms)")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
@@ -56,8 +63,8 @@ def main() -> int:
                 torch.manual_seed(0)
                 size = batch * (context + 1)
                 pool = 4 * size
-                k_pool = torch.randn(pool, hk, d).to(dtype)
-                v_pool = torch.randn(pool, hk, d).to(dtype)
+                pools = [(torch.randn(pool, hk, d).to(dtype), torch.randn(pool, hk, d).to(dtype))
+                         for _ in range(args.layers)]
                 slots = torch.arange(size) if args.contiguous else torch.randperm(pool)[:size]
                 table = slots.view(batch, context + 1)
                 rows = torch.arange(batch)
@@ -65,17 +72,22 @@ def main() -> int:
                 loc = table[:, context].contiguous()
                 q = torch.randn(batch, hq * d).to(dtype)
                 k, v = torch.randn(batch, hk * d).to(dtype), torch.randn(batch, hk * d).to(dtype)
-                call = (q, k, v, k_pool, v_pool, table, rows, lens, loc, hq, hk, d, d ** -0.5,
-                        0.0, 0)
+                rest = (table, rows, lens, loc, hq, hk, d, d ** -0.5, 0.0, 0)
+                k_pool, v_pool = pools[0]
                 expected = ops.decode_attention(q, k, v, k_pool.clone(), v_pool.clone(),
-                                                *call[5:]).float()
-                nbytes = 2 * size * hk * d * k_pool.element_size()
+                                                *rest).float()
+
+                def step() -> None:  # every layer's attention, one after another
+                    for k_pool, v_pool in pools:
+                        torch.ops.sgl.decode_attention(q, k, v, k_pool, v_pool, *rest)
+
+                nbytes = 2 * size * hk * d * k_pool.element_size() * args.layers
                 cells = []
                 for threads in (1, 2):
                     cpu.set_threads(threads)
-                    out = torch.ops.sgl.decode_attention(*call)
+                    out = torch.ops.sgl.decode_attention(q, k, v, k_pool, v_pool, *rest)
                     torch.testing.assert_close(out.float(), expected, rtol=0.02, atol=0.02)
-                    ms = median_ms(lambda: torch.ops.sgl.decode_attention(*call), args.reps)
+                    ms = median_ms(step, args.reps)
                     cells.append(f"{ms:9.3f} ({nbytes / ms / 1e6:5.1f})")
                 cpu.set_threads(1)
                 print(f"{dtype_name:9} {batch:5} {context:8}  " + "   ".join(cells))

@@ -423,20 +423,33 @@ AVX2_TARGET int sgl_argmax_f32_avx2(const float *x, int64_t stride, int64_t B, i
  * passes of PV_TOKENS tokens whose fp32 partial sums wait in per-thread scratch. The sequences
  * are shared out over the pool's threads. */
 
+/* The K and V rows of tokens [t0, t1) (t1 clipped to n) into L2. The QK pass fetches
+   KV_PREFETCH_AHEAD tokens ahead, a few tokens per query head rather than a burst per block
+   (see kernels_avx512.c: a burst overran the core's miss buffers, and cold rows came in at
+   half the speed). */
+#define KV_PREFETCH_AHEAD 32
+AVX2_TARGET INLINE void prefetch_kv(const char *kp, int64_t k_row, const char *vp, int64_t v_row,
+                                    const int64_t *slots, int64_t t0, int64_t t1, int64_t n) {
+    for (int64_t t = t0; t < t1 && t < n; t++) {
+        for (int64_t o = 0; o < k_row; o += 64) _mm_prefetch(kp + slots[t] * k_row + o, _MM_HINT_T1);
+        for (int64_t o = 0; o < v_row; o += 64) _mm_prefetch(vp + slots[t] * v_row + o, _MM_HINT_T1);
+    }
+}
+
 /* scores[h * ld + t] for t < n: q_h . k[slots[t]] (q already scaled, fp32 [Hq][D]) */
-AVX2_TARGET INLINE void decode_qk(const float *qs, const char *kp, int64_t k_row,
-                                  const int64_t *slots, int64_t n, float *scores, int64_t ld,
-                                  int64_t Hq, int64_t G, int64_t D, const int dtype) {
+AVX2_TARGET INLINE void decode_qk(const float *qs, const char *kp, int64_t k_row, const char *vp,
+                                  int64_t v_row, const int64_t *slots, int64_t n, float *scores,
+                                  int64_t ld, int64_t Hq, int64_t G, int64_t D, const int dtype) {
     const int64_t es = dtype ? 2 : 4;
+    prefetch_kv(kp, k_row, vp, v_row, slots, 0, KV_PREFETCH_AHEAD, n);
     for (int64_t t0 = 0; t0 < n; t0 += 8) {
         const int64_t cnt = n - t0 < 8 ? n - t0 : 8;
         const char *rows[8];
         #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) rows[j] = kp + slots[t0 + (j < cnt ? j : 0)] * k_row;
-        for (int64_t t = t0 + 8; t < t0 + 16 && t < n; t++) /* the next block's rows, whole */
-            for (int64_t o = 0; o < k_row; o += 64)
-                _mm_prefetch(kp + slots[t] * k_row + o, _MM_HINT_T0);
         for (int64_t h = 0; h < Hq; h++) {
+            const int64_t ahead = t0 + KV_PREFETCH_AHEAD; /* this head's share of 8 tokens */
+            prefetch_kv(kp, k_row, vp, v_row, slots, ahead + h * 8 / Hq, ahead + (h + 1) * 8 / Hq, n);
             const float *qh = qs + h * D;
             const int64_t off = (h / G) * D * es;
             /* the 8 rows' sums side by side (8 independent chains), each in the order d = 0, 8,
@@ -535,7 +548,7 @@ AVX2_TARGET INLINE void decode_seq(attention_job *j, int64_t b, float *qs, float
         for (int64_t d = 0; d < D; d += 8)
             _mm256_storeu_ps(qs + h * D + d,
                              _mm256_mul_ps(load8(qb + (h * j->q_stride_h + d) * es, dtype), sv));
-    decode_qk(qs, j->kp, j->k_row, slots, n, scores, ld, Hq, G, D, dtype);
+    decode_qk(qs, j->kp, j->k_row, j->vp, j->v_row, slots, n, scores, ld, Hq, G, D, dtype);
     for (int64_t h = 0; h < Hq; h++) { /* softmax; the padding past n is -inf, so e = 0 there */
         float *s = scores + h * ld;
         if (j->softcap > 0)

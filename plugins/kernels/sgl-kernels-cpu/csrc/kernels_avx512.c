@@ -306,7 +306,13 @@ AVX512_TARGET static inline __attribute__((always_inline)) __m512 sum16x16(const
 }
 
 /* KV rows are scattered over the pool, so the QK pass prefetches the K and V rows of the
-   tokens one block (16 tokens) ahead, running on into the next sequence's first tokens. */
+   tokens KV_PREFETCH_AHEAD ahead, running on into the next sequence's first tokens. The
+   prefetches go to L2 and are spread over the query heads of a 16-token block (a few tokens
+   per head), not issued in one burst per block: a burst of 16 tokens' rows (192 lines for
+   SmolLM2's 3 KV heads) overran the core's miss buffers, and with the rows cold in memory the
+   kernel ran at half the speed it now has (docs/benchmarks.md, "Decode attention from memory"). */
+#define KV_PREFETCH_AHEAD 32
+
 typedef struct {
     const char *kp, *vp;
     int64_t k_row, v_row;
@@ -314,20 +320,25 @@ typedef struct {
     int64_t n, next_n;
 } kv_prefetch;
 
-AVX512_TARGET static inline __attribute__((always_inline)) void prefetch_row(const char *row, int64_t bytes) {
-    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(row + l, _MM_HINT_T0);
-}
-
-AVX512_TARGET static inline __attribute__((always_inline)) void prefetch_block(const kv_prefetch *pf,
-                                                                               int64_t t0) {
-    for (int64_t t = t0; t < t0 + 16; t++) {
+/* tokens [t0, t1) of the sequence (or, past its end, of the next one) */
+AVX512_TARGET static inline __attribute__((always_inline)) void prefetch_tokens(const kv_prefetch *pf,
+                                                                                int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
         int64_t slot;
         if (t < pf->n) slot = pf->slots[t];
         else if (pf->next_slots && t - pf->n < pf->next_n) slot = pf->next_slots[t - pf->n];
         else return;
-        prefetch_row(pf->kp + slot * pf->k_row, pf->k_row);
-        prefetch_row(pf->vp + slot * pf->v_row, pf->v_row);
+        for (int64_t l = 0; l < pf->k_row; l += 64) _mm_prefetch(pf->kp + slot * pf->k_row + l, _MM_HINT_T1);
+        for (int64_t l = 0; l < pf->v_row; l += 64) _mm_prefetch(pf->vp + slot * pf->v_row + l, _MM_HINT_T1);
     }
+}
+
+/* query head h of Hq in the block at t0 prefetches its share of the block KV_PREFETCH_AHEAD on */
+AVX512_TARGET static inline __attribute__((always_inline)) void prefetch_share(const kv_prefetch *pf,
+                                                                               int64_t t0, int64_t h,
+                                                                               int64_t Hq) {
+    const int64_t ahead = t0 + KV_PREFETCH_AHEAD;
+    prefetch_tokens(pf, ahead + h * 16 / Hq, ahead + (h + 1) * 16 / Hq);
 }
 
 /* scores[h * n + t] = scale * q_h . k_{h / G}[slots[t]] for all Hq heads, 16 tokens at a time
@@ -339,10 +350,10 @@ AVX512_TARGET static inline __attribute__((always_inline)) void qk_all(
     const __m512 sv = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
         const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
-        prefetch_block(pf, t0 + 16);
         const char *rows[16];
         for (int j = 0; j < 16; j++) rows[j] = kp + slots[t0 + (j < cnt ? j : 0)] * k_row;
         for (int64_t h = 0; h < Hq; h++) {
+            prefetch_share(pf, t0, h, Hq);
             const char *qh = q + h * q_head * es;
             const int64_t off = (h / G) * dq * 16 * es;
             __m512 qv[16], acc[16];
@@ -368,10 +379,10 @@ AVX512_BF16_TARGET static inline __attribute__((always_inline)) void qk_dp_rows(
     const int dp) {
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
         const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
-        prefetch_block(pf, t0 + 16);
         const char *rows[16];
         for (int j = 0; j < 16; j++) rows[j] = kp + slots[t0 + (j < cnt ? j : 0)] * k_row;
         for (int64_t h = 0; h < Hq; h++) {
+            prefetch_share(pf, t0, h, Hq);
             const char *qh = q + h * q_head * 2;
             const int64_t off = (h / G) * dp * 64;
             __m512i qv[8];
@@ -485,7 +496,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void attend_seq(
     int64_t Dv, float scale, float softcap, int dtype, int64_t es, int dp, const kv_prefetch *pf) {
     const int64_t G = Hq / Hk;
     float inv_sum[MAX_HEADS];
-    prefetch_block(pf, 0); /* normally already fetched during the previous sequence */
+    prefetch_tokens(pf, 0, KV_PREFETCH_AHEAD); /* normally fetched during the previous sequence */
     if (dp) qk_dp(q, q_head, kp, k_row, slots, n, scores, scale, Hq, G, D, pf);
     else switch (D) { /* a constant row size lets the compiler keep the rows in registers */
     case 64: qk_all(q, q_head, kp, k_row, slots, n, scores, scale, dtype, es, Hq, G, pf, 4); break;
