@@ -11,9 +11,14 @@ Each side on 1 and on 2 threads (the kernels' own threads with torch on one; tor
 best of ``--reps``, ms for the whole set. This is the measurement behind the row ranges of
 ``sgl_kernels_cpu.linear``.
 
+By default the 30 layers share one weight of each shape, which then stays in the caches;
+``--distinct-weights`` gives every layer its own, so that a set reads its weights from memory as
+a model's forward does (270 MB in bfloat16).
+
     SGL_CPU_ISA=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \\
         .venv/bin/python benchmarks/linear_kernels.py
     .venv/bin/python benchmarks/linear_kernels.py --dtypes bfloat16,q4,q8 --rows 1,8,32
+    .venv/bin/python benchmarks/linear_kernels.py --dtypes bfloat16 --rows 1,8,32 --distinct-weights
 """
 
 from __future__ import annotations
@@ -46,7 +51,11 @@ def main() -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16",
                         help="comma-separated: float32, bfloat16, q4, q8, q4x, q8x, q4b, q8b")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--distinct-weights", action="store_true",
+                        help="a weight per layer, read from memory, not one per shape")
     args = parser.parse_args()
+    # the weight of matmul i of the set: its own with --distinct-weights, else its shape's
+    keys = list(range(len(SHAPES))) if args.distinct_weights else SHAPES
     rounded = {f"{fmt}x": fmt for fmt in quant.FORMATS}
     bf16_rows = {f"{fmt}b": fmt for fmt in quant.FORMATS}
     unknown = set(args.dtypes.split(",")) - {"float32", "bfloat16", *quant.FORMATS, *rounded,
@@ -58,16 +67,17 @@ def main() -> int:
     if kernels is None:
         print(f"no kernel library at this level: {cpu.describe_isa()}", file=sys.stderr)
         return 1
-    print(f"level {cpu.describe_isa()}; ms for {len(SHAPES)} matmuls")
+    print(f"level {cpu.describe_isa()}; ms for {len(SHAPES)} matmuls"
+          + (", every weight its own" if args.distinct_weights else ""))
     for name in args.dtypes.split(","):
         weights = {}
         if name in quant.FORMATS or name in rounded or name in bf16_rows:
             dtype = torch.bfloat16 if name in bf16_rows else torch.float32
             fmt = rounded.get(name, bf16_rows.get(name, name))
             quantized = {"q4": torch.ops.sgl.linear_q4, "q8": torch.ops.sgl.linear_q8}[fmt]
-            for n, k in set(SHAPES):
+            for key, (n, k) in dict(zip(keys, SHAPES)).items():
                 packed = quant.quantize(fmt, torch.randn(n, k))
-                weights[(n, k)] = (quant.dequantize(fmt, *packed).to(dtype), packed)
+                weights[key] = (quant.dequantize(fmt, *packed).to(dtype), packed)
 
             def op(x, packed, n, bias, quantized=quantized, round_x=name in rounded):
                 return quantized(x, *packed, bias, round_x)
@@ -75,21 +85,21 @@ def main() -> int:
             dtype = getattr(torch, name)
             pack = cpu.pack_bf16_weight if dtype == torch.bfloat16 else cpu.pack_f32_weight
             op = torch.ops.sgl.linear_bf16 if dtype == torch.bfloat16 else torch.ops.sgl.linear_f32
-            for n, k in set(SHAPES):
+            for key, (n, k) in dict(zip(keys, SHAPES)).items():
                 w = torch.randn(n, k).to(dtype)
-                weights[(n, k)] = (w, pack(w))
+                weights[key] = (w, pack(w))
         for rows in (int(r) for r in args.rows.split(",")):
             xs = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
             cells = []
             for threads in (1, 2):
                 torch.set_num_threads(1)
                 cpu.set_threads(threads)
-                mine = _best_ms(lambda: [op(xs[k], weights[(n, k)][1], n, None)
-                                         for n, k in SHAPES], args.reps)
+                mine = _best_ms(lambda: [op(xs[k], weights[key][1], n, None)
+                                         for key, (n, k) in zip(keys, SHAPES)], args.reps)
                 cpu.set_threads(1)
                 torch.set_num_threads(threads)
-                theirs = _best_ms(lambda: [F.linear(xs[k], weights[(n, k)][0])
-                                           for n, k in SHAPES], args.reps)
+                theirs = _best_ms(lambda: [F.linear(xs[k], weights[key][0])
+                                           for key, (n, k) in zip(keys, SHAPES)], args.reps)
                 cells.append(f"{threads} thr: kernel {mine:8.1f} torch {theirs:8.1f}")
             print(f"{name:9} rows {rows:5}  " + " | ".join(cells), flush=True)
     torch.set_num_threads(1)

@@ -789,11 +789,14 @@ AVX512_TARGET int sgl_argmax_f32(const float *x, int64_t stride, int64_t B, int6
 
 #define BF16_PANEL_ROWS 8
 
-/* acc[r][0..1] for `rows` (constant) rows over one 32-column panel `w` ([KB][2][16][16][2]) */
+/* acc[r][0..1] for `rows` (constant) rows over one 32-column panel `w` ([KB][2][16][16][2]).
+   pf: pf_lines (<= 32) lines of every K block of the next panel, from pf on, to prefetch into L2
+   meanwhile; NULL: prefetch this panel's own blocks PREFETCH_BLOCKS ahead into L1 instead. */
 #define BF16_PANEL(NAME, TARGET, STEP)                                                          \
     TARGET static inline __attribute__((always_inline)) void NAME(                              \
         const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy, int64_t KB, \
-        const float *bias, __mmask16 m0, __mmask16 m1, const int rows) {                        \
+        const float *bias, __mmask16 m0, __mmask16 m1, const char *pf, int64_t pf_lines,       \
+        const int rows) {                                                                       \
         __m512 acc[BF16_PANEL_ROWS][2];                                                         \
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {                                \
             acc[r][0] = _mm512_setzero_ps();                                                    \
@@ -801,12 +804,17 @@ AVX512_TARGET int sgl_argmax_f32(const float *x, int64_t stride, int64_t B, int6
         }                                                                                       \
         for (int64_t kb = 0; kb < KB; kb++) {                                                   \
             const uint16_t *wb = w + kb * 1024;                                                 \
-            _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024), _MM_HINT_T0);             \
-            _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + 1024, _MM_HINT_T0);      \
+            if (!pf) {                                                                          \
+                _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024), _MM_HINT_T0);         \
+                _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + 1024, _MM_HINT_T0);  \
+            }                                                                                   \
             for (int p = 0; p < 16; p++) {                                                      \
                 const __m512i w0 = _mm512_load_si512(wb + p * 32);                              \
                 const __m512i w1 = _mm512_load_si512(wb + 512 + p * 32);                        \
-                if ((p & 1) == 0) {                                                             \
+                if (pf) {                                                                       \
+                    if (p < pf_lines) _mm_prefetch(pf + kb * 2048 + p * 64, _MM_HINT_T1);      \
+                    if (p + 16 < pf_lines) _mm_prefetch(pf + kb * 2048 + (p + 16) * 64, _MM_HINT_T1); \
+                } else if ((p & 1) == 0) {                                                      \
                     _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + p * 64, _MM_HINT_T0); \
                     _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + 1024 + p * 64,   \
                                  _MM_HINT_T0);                                                  \
@@ -831,30 +839,41 @@ AVX512_TARGET int sgl_argmax_f32(const float *x, int64_t stride, int64_t B, int6
 #define STEP_DP(acc, xv, wv) ((acc) = _mm512_dpbf16_ps((acc), (__m512bh)(xv), (__m512bh)(wv)))
 BF16_PANEL(bf16_panel_dp, AVX512_BF16_TARGET, STEP_DP)
 
-/* column panels [np_begin, np_end), rows in groups of BF16_PANEL_ROWS; `a` is x padded to Kp */
+/* column panels [np_begin, np_end), rows in groups of BF16_PANEL_ROWS; `a` is x padded to Kp.
+   While a panel's row groups run, they prefetch the next panel of the range into L2, each group
+   its share of every K block's lines: read from memory only by the first group of rows, a panel
+   left that group memory-bound and the others compute-bound, and a decode step's matmuls read
+   their weights at 8-10 GB/s where the memory gives 15-20 (docs/benchmarks.md, "Matmul weights
+   from memory"). */
 #define BF16_PANELS(NAME, TARGET, PANEL)                                                        \
     TARGET static void NAME(void *ctx, int64_t np_begin, int64_t np_end) {                      \
         const linear_job *j = ctx;                                                              \
         const int64_t KB = ((j->K + 31) & ~(int64_t)31) / 32;                                   \
+        const int64_t G = (j->M + BF16_PANEL_ROWS - 1) / BF16_PANEL_ROWS;                       \
+        /* lines of the next panel's K blocks (32 lines each) that each group prefetches */     \
+        const int64_t lines = (32 + G - 1) / G;                                                 \
         for (int64_t np = np_begin; np < np_end; np++) {                                        \
             const uint16_t *w = j->wp + np * KB * 1024;                                         \
+            const char *next = np + 1 < np_end ? (const char *)(w + KB * 1024) : NULL;            \
             const int64_t n0 = np * 32;                                                         \
             const __mmask16 m0 = tail_mask(j->N - n0);                                          \
             const __mmask16 m1 = j->N - n0 > 16 ? tail_mask(j->N - n0 - 16) : 0;                \
             const float *b = j->bias ? j->bias + n0 : NULL;                                     \
-            for (int64_t r0 = 0; r0 < j->M; r0 += BF16_PANEL_ROWS) {                            \
+            for (int64_t r0 = 0, g = 0; r0 < j->M; r0 += BF16_PANEL_ROWS, g++) {                \
                 const uint16_t *xr = j->a + r0 * j->lda;                                        \
                 uint16_t *yr = j->y + r0 * j->ldy + n0;                                         \
                 const int64_t left = j->M - r0;                                                 \
+                const char *pf = next && g * lines < 32 ? next + g * lines * 64 : NULL;         \
+                const int64_t pl = g * lines + lines <= 32 ? lines : 32 - g * lines;            \
                 switch (left < BF16_PANEL_ROWS ? left : BF16_PANEL_ROWS) {                      \
-                case 8: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 8); break;              \
-                case 7: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 7); break;              \
-                case 6: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 6); break;              \
-                case 5: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 5); break;              \
-                case 4: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 4); break;              \
-                case 3: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 3); break;              \
-                case 2: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 2); break;              \
-                default: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 1);                    \
+                case 8: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 8); break;      \
+                case 7: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 7); break;      \
+                case 6: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 6); break;      \
+                case 5: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 5); break;      \
+                case 4: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 4); break;      \
+                case 3: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 3); break;      \
+                case 2: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 2); break;      \
+                default: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 1);            \
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
