@@ -35,6 +35,15 @@
 #define F32_KC 256 /* K steps per block of a panel: 16 KiB of each 16-column half */
 #define F32_TILE_ROWS 6
 
+/* Prefetching: with more than two rows, while a panel is multiplied, the next panel of the
+   thread's range streams into L2 (as in kernels_avx512.c's BF16_PANELS): each row tile its share
+   of the next panel's rows in the same K block, one every `every` of its own steps (pf NULL:
+   none). One or two rows read the panel in one sequential pass, which the hardware's
+   prefetchers keep at memory speed; prefetching there measured slower. */
+AVX2_TARGET INLINE void prefetch_f32_row(const float *row) {
+    for (int o = 0; o < 32; o += 16) _mm_prefetch((const char *)(row + o), _MM_HINT_T1);
+}
+
 AVX2_TARGET INLINE void f32_rows(const float *x, int64_t ldx, const float *w, float *y,
                                  int64_t ldy, int64_t K, const float *bias, int64_t cols,
                                  const int rows) {
@@ -70,14 +79,19 @@ AVX2_TARGET INLINE void f32_rows(const float *x, int64_t ldx, const float *w, fl
    y starts from zero, `bias` (or NULL) is added on the last block */
 AVX2_TARGET INLINE void f32_tile(const float *x, int64_t ldx, const float *w, float *y,
                                  int64_t ldy, int64_t kc, const float *bias, int64_t cols,
-                                 int first, const int rows) {
+                                 int first, const float *pf, int64_t every, const int rows) {
     __m256 acc[F32_TILE_ROWS][2];
     #pragma GCC unroll 8
     for (int r = 0; r < rows; r++)
         #pragma GCC unroll 8
         for (int c = 0; c < 2; c++)
             acc[r][c] = first ? _mm256_setzero_ps() : load8n(y + r * ldy + 8 * c, cols - 8 * c, 0);
-    for (int64_t k = 0; k < kc; k++) {
+    for (int64_t k = 0, due = 0; k < kc; k++) {
+        if (pf && --due <= 0) {
+            prefetch_f32_row(pf);
+            pf += 32;
+            due = every;
+        }
         const __m256 w0 = _mm256_loadu_ps(w + k * 32), w1 = _mm256_loadu_ps(w + k * 32 + 8);
         #pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
@@ -99,8 +113,11 @@ AVX2_TARGET INLINE void f32_tile(const float *x, int64_t ldx, const float *w, fl
 AVX2_TARGET static void linear_f32_panels(void *ctx, int64_t np_begin, int64_t np_end) {
     const linear_f32_job *j = ctx;
     const int64_t M = j->M, K = j->K, ldx = j->ldx, ldy = j->ldy;
+    /* row tiles per K block, each run on both 16-column halves */
+    const int64_t tiles = 2 * ((M + F32_TILE_ROWS - 1) / F32_TILE_ROWS);
     for (int64_t np = np_begin; np < np_end; np++) {
         const float *w = j->wp + np * K * 32;
+        const float *next = np + 1 < np_end ? w + K * 32 : NULL;
         const int64_t n0 = np * 32, cols = j->N - n0 < 32 ? j->N - n0 : 32;
         const float *b = j->bias ? j->bias + n0 : NULL;
         if (M <= 2) {
@@ -110,22 +127,24 @@ AVX2_TARGET static void linear_f32_panels(void *ctx, int64_t np_begin, int64_t n
         }
         for (int64_t k0 = 0; k0 < K; k0 += F32_KC) {
             const int64_t kc = K - k0 < F32_KC ? K - k0 : F32_KC;
+            const int64_t span = (kc + tiles - 1) / tiles; /* next-panel rows per tile */
             const int first = k0 == 0;
             const float *bk = k0 + kc == K ? b : NULL;
-            for (int64_t r0 = 0; r0 < M; r0 += F32_TILE_ROWS) {
+            for (int64_t r0 = 0, t = 0; r0 < M; r0 += F32_TILE_ROWS) {
                 const float *xr = j->x + r0 * ldx + k0;
-                for (int64_t h = 0; h < 2 && 16 * h < cols; h++) {
+                for (int64_t h = 0; h < 2 && 16 * h < cols; h++, t++) {
                     const float *wh = w + k0 * 32 + 16 * h;
                     float *yr = j->y + r0 * ldy + n0 + 16 * h;
                     const int64_t ch = cols - 16 * h < 16 ? cols - 16 * h : 16;
                     const float *bh = bk ? bk + 16 * h : NULL;
+                    const float *pf = next && t * span < kc ? next + (k0 + t * span) * 32 : NULL;
                     switch (M - r0 < F32_TILE_ROWS ? M - r0 : F32_TILE_ROWS) {
-                    case 6: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, 6); break;
-                    case 5: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, 5); break;
-                    case 4: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, 4); break;
-                    case 3: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, 3); break;
-                    case 2: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, 2); break;
-                    default: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, 1);
+                    case 6: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, pf, tiles, 6); break;
+                    case 5: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, pf, tiles, 5); break;
+                    case 4: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, pf, tiles, 4); break;
+                    case 3: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, pf, tiles, 3); break;
+                    case 2: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, pf, tiles, 2); break;
+                    default: f32_tile(xr, ldx, wh, yr, ldy, kc, bh, ch, first, pf, tiles, 1);
                     }
                 }
             }
@@ -164,9 +183,12 @@ typedef struct {
     const float *bias;
 } linear_bf16_job;
 
+/* pf: pf_lines (<= 32) lines of every K block of the next panel, from pf on, to prefetch into
+   L2 meanwhile (kernels_avx512.c's BF16_PANELS); NULL: this panel's own blocks
+   PREFETCH_BLOCKS ahead into L1 */
 AVX2_TARGET INLINE void bf16_rows(const float *xf, int64_t ldx, const uint16_t *w, uint16_t *y,
                                   int64_t ldy, int64_t KB, const float *bias, int64_t cols,
-                                  const int rows) {
+                                  const char *pf, int64_t pf_lines, const int rows) {
     __m256 acc[2][4];
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
     #pragma GCC unroll 8
@@ -176,7 +198,10 @@ AVX2_TARGET INLINE void bf16_rows(const float *xf, int64_t ldx, const uint16_t *
     for (int64_t kb = 0; kb < KB; kb++) {
         const uint16_t *wb = w + kb * 1024;
         for (int p = 0; p < 16; p++) {
-            if ((p & 3) == 0) {
+            if (pf) {
+                if (p < pf_lines) _mm_prefetch(pf + kb * 2048 + p * 64, _MM_HINT_T1);
+                if (p + 16 < pf_lines) _mm_prefetch(pf + kb * 2048 + (p + 16) * 64, _MM_HINT_T1);
+            } else if ((p & 3) == 0) {
                 _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + p * 64, _MM_HINT_T0);
                 _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + 1024 + p * 64,
                              _MM_HINT_T0);
@@ -212,15 +237,19 @@ AVX2_TARGET INLINE void bf16_rows(const float *xf, int64_t ldx, const uint16_t *
 AVX2_TARGET static void linear_bf16_panels(void *ctx, int64_t np_begin, int64_t np_end) {
     const linear_bf16_job *j = ctx;
     const int64_t KB = ((j->K + 31) & ~(int64_t)31) / 32;
+    const int64_t G = (j->M + 1) / 2, lines = (32 + G - 1) / G; /* as in BF16_PANELS */
     for (int64_t np = np_begin; np < np_end; np++) {
         const uint16_t *w = j->wp + np * KB * 1024;
+        const char *next = np + 1 < np_end ? (const char *)(w + KB * 1024) : NULL;
         const int64_t n0 = np * 32, cols = j->N - n0 < 32 ? j->N - n0 : 32;
         const float *b = j->bias ? j->bias + n0 : NULL;
-        for (int64_t r0 = 0; r0 < j->M; r0 += 2) {
+        for (int64_t r0 = 0, g = 0; r0 < j->M; r0 += 2, g++) {
             const float *xr = j->xf + r0 * j->ldx;
             uint16_t *yr = j->y + r0 * j->ldy + n0;
-            if (j->M - r0 >= 2) bf16_rows(xr, j->ldx, w, yr, j->ldy, KB, b, cols, 2);
-            else bf16_rows(xr, j->ldx, w, yr, j->ldy, KB, b, cols, 1);
+            const char *pf = next && g * lines < 32 ? next + g * lines * 64 : NULL;
+            const int64_t pl = g * lines + lines <= 32 ? lines : 32 - g * lines;
+            if (j->M - r0 >= 2) bf16_rows(xr, j->ldx, w, yr, j->ldy, KB, b, cols, pf, pl, 2);
+            else bf16_rows(xr, j->ldx, w, yr, j->ldy, KB, b, cols, pf, pl, 1);
         }
     }
 }

@@ -887,7 +887,8 @@ BF16_PANELS(linear_bf16_dp_range, AVX512_BF16_TARGET, bf16_panel_dp)
    takes two FMAs per column vector and K pair, its two x values broadcast from memory. */
 AVX512_TARGET static inline __attribute__((always_inline)) void bf16_panel_widen(
     const float *xf, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy, int64_t KB,
-    const float *bias, __mmask16 m0, __mmask16 m1, const int rows) {
+    const float *bias, __mmask16 m0, __mmask16 m1, const char *pf, int64_t pf_lines,
+    const int rows) {
     __m512 acc[BF16_PANEL_ROWS][2];
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
 #pragma GCC unroll 8
@@ -896,7 +897,10 @@ AVX512_TARGET static inline __attribute__((always_inline)) void bf16_panel_widen
         const uint16_t *wb = w + kb * 1024;
         for (int p = 0; p < 16; p++) {
             const __m512i w0 = _mm512_load_si512(wb + p * 32), w1 = _mm512_load_si512(wb + 512 + p * 32);
-            if ((p & 1) == 0) {
+            if (pf) { /* as in BF16_PANEL */
+                if (p < pf_lines) _mm_prefetch(pf + kb * 2048 + p * 64, _MM_HINT_T1);
+                if (p + 16 < pf_lines) _mm_prefetch(pf + kb * 2048 + (p + 16) * 64, _MM_HINT_T1);
+            } else if ((p & 1) == 0) {
                 _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + p * 64, _MM_HINT_T0);
                 _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + 1024 + p * 64, _MM_HINT_T0);
             }
@@ -925,24 +929,28 @@ AVX512_TARGET static inline __attribute__((always_inline)) void bf16_panel_widen
 AVX512_TARGET static void linear_bf16_widen_range(void *ctx, int64_t np_begin, int64_t np_end) {
     const linear_job *j = ctx;
     const int64_t KB = ((j->K + 31) & ~(int64_t)31) / 32;
+    const int64_t G = (j->M + BF16_PANEL_ROWS - 1) / BF16_PANEL_ROWS, lines = (32 + G - 1) / G;
     for (int64_t np = np_begin; np < np_end; np++) {
         const uint16_t *w = j->wp + np * KB * 1024;
+        const char *next = np + 1 < np_end ? (const char *)(w + KB * 1024) : NULL;
         const int64_t n0 = np * 32;
         const __mmask16 m0 = tail_mask(j->N - n0), m1 = j->N - n0 > 16 ? tail_mask(j->N - n0 - 16) : 0;
         const float *b = j->bias ? j->bias + n0 : NULL;
-        for (int64_t r0 = 0; r0 < j->M; r0 += BF16_PANEL_ROWS) {
+        for (int64_t r0 = 0, g = 0; r0 < j->M; r0 += BF16_PANEL_ROWS, g++) {
             const float *xr = j->xf + r0 * j->lda;
             uint16_t *yr = j->y + r0 * j->ldy + n0;
             const int64_t left = j->M - r0;
+            const char *pf = next && g * lines < 32 ? next + g * lines * 64 : NULL;
+            const int64_t pl = g * lines + lines <= 32 ? lines : 32 - g * lines;
             switch (left < BF16_PANEL_ROWS ? left : BF16_PANEL_ROWS) {
-            case 8: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 8); break;
-            case 7: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 7); break;
-            case 6: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 6); break;
-            case 5: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 5); break;
-            case 4: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 4); break;
-            case 3: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 3); break;
-            case 2: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 2); break;
-            default: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, 1);
+            case 8: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 8); break;
+            case 7: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 7); break;
+            case 6: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 6); break;
+            case 5: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 5); break;
+            case 4: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 4); break;
+            case 3: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 3); break;
+            case 2: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 2); break;
+            default: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 1);
             }
         }
     }
