@@ -76,12 +76,12 @@ def stages(runner: ModelRunner) -> dict[str, Any]:
 
 
 def make_runner(pm: Any, dtype: str, batch: int, cpu_graphs: bool = True) -> ModelRunner:
-    """The bundled model in ``dtype`` with room for ``batch`` sequences of a few hundred
-    tokens."""
+    """The bundled model dequantized to ``dtype`` with room for ``batch`` sequences of a few
+    hundred tokens."""
     return ModelRunner(model_path=None, dtype=dtype, registries=pm.registries,
                        plugin_manager=pm, max_total_tokens=batch * 400,
                        max_running_requests=batch, context_length=2048, show_progress=False,
-                       cpu_graphs=cpu_graphs)
+                       cpu_graphs=cpu_graphs, quantization="none")
 
 
 def main() -> None:

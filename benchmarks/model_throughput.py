@@ -109,13 +109,16 @@ def decode_prompts(tokenizer: Any, batch: int, length: int) -> list[list[int]]:
 # -- sgl --------------------------------------------------------------------------------------
 
 def load_sgl(dtype: str, max_batch: int, max_tokens: int, cpu_graphs: bool = True) -> Any:
+    """The bundled GGUF dequantized to ``dtype`` (``--quantization none``), as transformers
+    runs it: sgl's default serves its blocks quantized, which ``quantized_weights.py`` measures."""
     from sgl.engine.model_runner import ModelRunner
     from sgl.plugins import create_plugin_manager
 
     pm = create_plugin_manager()
     return ModelRunner(model_path=None, dtype=dtype, registries=pm.registries, plugin_manager=pm,
                        max_total_tokens=max_tokens, max_running_requests=max_batch,
-                       context_length=2048, show_progress=False, cpu_graphs=cpu_graphs)
+                       context_length=2048, show_progress=False, cpu_graphs=cpu_graphs,
+                       quantization="none")
 
 
 def sgl_generate(runner: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, float,

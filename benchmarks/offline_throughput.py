@@ -51,7 +51,8 @@ def run_sgl(args: argparse.Namespace, work: Workload) -> float:
     import sgl
 
     engine = sgl.Engine(dtype=args.dtype, num_threads=args.threads, log_level="warning",
-                        max_running_requests=args.max_running_requests)
+                        max_running_requests=args.max_running_requests,
+                        quantization="none")  # dense, as transformers runs it
     try:
         engine.generate(input_ids=work.prompts[0][:16], sampling_params={"max_new_tokens": 2})
         params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
