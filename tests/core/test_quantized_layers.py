@@ -423,6 +423,36 @@ def test_int8_activations_in_a_batch_of_8_within_the_same_tolerance(
                 - forced_batch(smollm2["none"], prompts[:4], half)).abs().max() < 1e-2
 
 
+@pytest.mark.parametrize("served", ["gguf", "exact"])
+def test_the_lm_head_of_a_decode_step_rounds_as_its_layers_do(
+        smollm2: dict[str, ModelRunner], served: str) -> None:
+    """The logits of a decode step are part of it: the tied 8-bit LM head rounds x from 8 rows
+    under ``auto`` where the kernels are faster so, as the layers do; after a prefill, and
+    always under ``off``, its product is exact (the same rows outside a decode step)."""
+    r = smollm2[served]
+    prompts = chat_prompts() * 2
+    rows = [r.req_to_token_pool.alloc() for _ in prompts]
+    last = torch.arange(len(prompts))
+    try:
+        prefill = make_forward_batch(r, ForwardMode.EXTEND,
+                                     [BatchSeq(row, 0, p) for row, p in zip(rows, prompts)])
+        ends = torch.cumsum(prefill.extend_seq_lens, dim=0) - 1
+        hidden = r.forward(prefill)
+        assert torch.equal(r.logits_at(hidden, ends),
+                           r.model.compute_logits(hidden.index_select(0, ends)))
+        step = make_forward_batch(r, ForwardMode.DECODE, [
+            BatchSeq(row, len(p), [p[-1]]) for row, p in zip(rows, prompts)])
+        hidden = r.forward(step)
+        got, exact = r.logits_at(hidden, last), r.model.compute_logits(hidden)
+    finally:
+        for row, p in zip(rows, prompts):
+            release_sequence(r, row, len(p) + 1)
+    if served == "gguf" and cpu.round_x_faster(len(prompts)):
+        assert 1e-3 < (got - exact).abs().max() <= 3.0
+    else:
+        assert torch.equal(got, exact)
+
+
 def test_the_start_up_log_says_when_activations_are_rounded(
         smollm2: dict[str, ModelRunner], caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="sgl.engine.model_runner"):

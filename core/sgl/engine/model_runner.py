@@ -305,6 +305,9 @@ class ModelRunner:
         #: the leader by the parallel strategy); None in a single process
         self.mirror: RunnerMirror | None = None
         self._last_hidden: torch.Tensor | None = None
+        #: whether the last forward was a decode step: its logits are one too (the LM head's
+        #: quantized matmul may then round x, as the layers' did)
+        self._last_decoding = False
         #: replays recorded decode forwards (sgl.engine.cpu_graph); None when off
         self.cpu_graphs: CpuGraphRunner | None = None
         #: replays the CUDA graphs of decode forwards (sgl.engine.cuda_graph); None when off
@@ -429,7 +432,7 @@ class ModelRunner:
         return self._last_hidden
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        decoding = batch.mode == ForwardMode.DECODE
+        decoding = self._last_decoding = batch.mode == ForwardMode.DECODE
         with decode_step(decoding):  # where 4-bit matmuls of few rows may round activations
             if self.cuda_graphs is not None and decoding and self.cuda_graphs.can_run(batch):
                 return self.cuda_graphs.forward(batch)  # plans the padded batch itself
@@ -445,13 +448,15 @@ class ModelRunner:
         hold too)."""
         rows = hidden.index_select(0, indices.to(hidden.device))
         if self.mirror is None:
-            return self.model.compute_logits(rows)
+            with decode_step(self._last_decoding):
+                return self.model.compute_logits(rows)
         if hidden is not self._last_hidden:
             raise ValueError("with tensor parallelism, logits_at takes the hidden states the "
                              "last forward returned")
         self.mirror.logits_at(indices)
         try:
-            return self.model.compute_logits(rows)
+            with decode_step(self._last_decoding):
+                return self.model.compute_logits(rows)
         except Exception as exc:
             raise GroupFailure(f"a tensor-parallel logits computation failed: {exc}") from exc
 
