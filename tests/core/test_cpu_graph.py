@@ -127,19 +127,25 @@ def test_batch_sizes_are_recorded_separately_and_evicted(model_dir: Path) -> Non
 
 
 def test_forward_with_torch_compute_is_not_recorded(model_dir: Path) -> None:
-    """float32 below F32_MIN_ROWS rows goes through torch's matmul: that batch size stays
-    eager (and right) while a larger one is recorded."""
+    """float32 below F32_MIN_ROWS rows on one kernel thread goes through torch's matmul
+    (sgl_kernels_cpu.linear): that batch size stays eager (and right). The kernel threads are
+    pinned to one here, whatever an earlier test in this process left them at."""
     from sgl_kernels_cpu.linear import F32_MIN_ROWS
 
-    runner = make_runner(model_dir, "float32")
-    graphs = runner.cpu_graphs
-    assert graphs is not None
-    small = Sequences(runner, PROMPTS[:F32_MIN_ROWS - 1])
-    for _ in range(3):
-        eager, replayed = eager_then_graph(runner, small.decode_batch())
-        assert torch.equal(replayed, eager)
-    assert list(graphs.graphs.values()) == [None]
-    assert (graphs.captures, graphs.replays) == (0, 0)
+    before = cpu.kernel_threads()
+    cpu.set_threads(1)
+    try:
+        runner = make_runner(model_dir, "float32")
+        graphs = runner.cpu_graphs
+        assert graphs is not None
+        small = Sequences(runner, PROMPTS[:F32_MIN_ROWS - 1])
+        for _ in range(3):
+            eager, replayed = eager_then_graph(runner, small.decode_batch())
+            assert torch.equal(replayed, eager)
+        assert list(graphs.graphs.values()) == [None]
+        assert (graphs.captures, graphs.replays) == (0, 0)
+    finally:
+        cpu.set_threads(before)
 
 
 def test_cpu_graphs_can_be_turned_off(model_dir: Path) -> None:
