@@ -14,6 +14,41 @@
 
 #include "kernels.h"
 
+#include <xmmintrin.h>
+
+/* -- prefetching into L2 ---------------------------------------------------------------------
+ * A decode step reads every weight and every cached K and V row from memory once, so the
+ * kernels ask for them ahead, in small shares spread over their work rather than in bursts (a
+ * burst overran the core's miss buffers; docs/benchmarks.md, "Decode attention from memory" and
+ * "Matmul weights from memory"). */
+
+/* tokens the decode attention's QK pass prefetches ahead */
+#define KV_PREFETCH_AHEAD 32
+
+static inline void prefetch_l2(const char *p, int64_t bytes) {
+    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(p + l, _MM_HINT_T1);
+}
+
+/* The share of group g (of `groups` groups of rows) of the next 32-column bfloat16 panel
+   (`next`, [KB][32 lines]; NULL: none): the first line of the share in each K block, NULL when
+   the group has none, and its number of lines in *lines. */
+static inline const char *next_panel_share(const char *next, int64_t groups, int64_t g,
+                                           int64_t *lines) {
+    const int64_t per_group = (32 + groups - 1) / groups;
+    if (!next || g * per_group >= 32) {
+        *lines = 0;
+        return NULL;
+    }
+    *lines = g * per_group + per_group <= 32 ? per_group : 32 - g * per_group;
+    return next + g * per_group * 64;
+}
+
+/* at step p (0..15) of K block kb, the lines of the share that step prefetches */
+static inline void prefetch_panel_share(const char *share, int64_t lines, int64_t kb, int p) {
+    if (p < lines) _mm_prefetch(share + kb * 2048 + p * 64, _MM_HINT_T1);
+    if (p + 16 < lines) _mm_prefetch(share + kb * 2048 + (p + 16) * 64, _MM_HINT_T1);
+}
+
 /* chunks per thread of the matmuls and the decode attention: a thread the OS delays then costs
    a quarter of its share */
 static inline int64_t chunk_of(int64_t n) {

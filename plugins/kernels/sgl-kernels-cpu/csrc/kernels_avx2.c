@@ -40,10 +40,6 @@
    of the next panel's rows in the same K block, one every `every` of its own steps (pf NULL:
    none). One or two rows read the panel in one sequential pass, which the hardware's
    prefetchers keep at memory speed; prefetching there measured slower. */
-AVX2_TARGET INLINE void prefetch_f32_row(const float *row) {
-    for (int o = 0; o < 32; o += 16) _mm_prefetch((const char *)(row + o), _MM_HINT_T1);
-}
-
 AVX2_TARGET INLINE void f32_rows(const float *x, int64_t ldx, const float *w, float *y,
                                  int64_t ldy, int64_t K, const float *bias, int64_t cols,
                                  const int rows) {
@@ -88,7 +84,7 @@ AVX2_TARGET INLINE void f32_tile(const float *x, int64_t ldx, const float *w, fl
             acc[r][c] = first ? _mm256_setzero_ps() : load8n(y + r * ldy + 8 * c, cols - 8 * c, 0);
     for (int64_t k = 0, due = 0; k < kc; k++) {
         if (pf && --due <= 0) {
-            prefetch_f32_row(pf);
+            prefetch_l2((const char *)pf, 32 * sizeof(float));
             pf += 32;
             due = every;
         }
@@ -199,8 +195,7 @@ AVX2_TARGET INLINE void bf16_rows(const float *xf, int64_t ldx, const uint16_t *
         const uint16_t *wb = w + kb * 1024;
         for (int p = 0; p < 16; p++) {
             if (pf) {
-                if (p < pf_lines) _mm_prefetch(pf + kb * 2048 + p * 64, _MM_HINT_T1);
-                if (p + 16 < pf_lines) _mm_prefetch(pf + kb * 2048 + (p + 16) * 64, _MM_HINT_T1);
+                prefetch_panel_share(pf, pf_lines, kb, p);
             } else if ((p & 3) == 0) {
                 _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + p * 64, _MM_HINT_T0);
                 _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + 1024 + p * 64,
@@ -237,7 +232,7 @@ AVX2_TARGET INLINE void bf16_rows(const float *xf, int64_t ldx, const uint16_t *
 AVX2_TARGET static void linear_bf16_panels(void *ctx, int64_t np_begin, int64_t np_end) {
     const linear_bf16_job *j = ctx;
     const int64_t KB = ((j->K + 31) & ~(int64_t)31) / 32;
-    const int64_t G = (j->M + 1) / 2, lines = (32 + G - 1) / G; /* as in BF16_PANELS */
+    const int64_t G = (j->M + 1) / 2; /* groups of two rows */
     for (int64_t np = np_begin; np < np_end; np++) {
         const uint16_t *w = j->wp + np * KB * 1024;
         const char *next = np + 1 < np_end ? (const char *)(w + KB * 1024) : NULL;
@@ -246,8 +241,8 @@ AVX2_TARGET static void linear_bf16_panels(void *ctx, int64_t np_begin, int64_t 
         for (int64_t r0 = 0, g = 0; r0 < j->M; r0 += 2, g++) {
             const float *xr = j->xf + r0 * j->ldx;
             uint16_t *yr = j->y + r0 * j->ldy + n0;
-            const char *pf = next && g * lines < 32 ? next + g * lines * 64 : NULL;
-            const int64_t pl = g * lines + lines <= 32 ? lines : 32 - g * lines;
+            int64_t pl;
+            const char *pf = next_panel_share(next, G, g, &pl);
             if (j->M - r0 >= 2) bf16_rows(xr, j->ldx, w, yr, j->ldy, KB, b, cols, pf, pl, 2);
             else bf16_rows(xr, j->ldx, w, yr, j->ldy, KB, b, cols, pf, pl, 1);
         }
@@ -453,15 +448,12 @@ AVX2_TARGET int sgl_argmax_f32_avx2(const float *x, int64_t stride, int64_t B, i
  * are shared out over the pool's threads. */
 
 /* The K and V rows of tokens [t0, t1) (t1 clipped to n) into L2. The QK pass fetches
-   KV_PREFETCH_AHEAD tokens ahead, a few tokens per query head rather than a burst per block
-   (see kernels_avx512.c: a burst overran the core's miss buffers, and cold rows came in at
-   half the speed). */
-#define KV_PREFETCH_AHEAD 32
+   KV_PREFETCH_AHEAD tokens ahead, a few tokens per query head rather than a burst per block. */
 AVX2_TARGET INLINE void prefetch_kv(const char *kp, int64_t k_row, const char *vp, int64_t v_row,
                                     const int64_t *slots, int64_t t0, int64_t t1, int64_t n) {
     for (int64_t t = t0; t < t1 && t < n; t++) {
-        for (int64_t o = 0; o < k_row; o += 64) _mm_prefetch(kp + slots[t] * k_row + o, _MM_HINT_T1);
-        for (int64_t o = 0; o < v_row; o += 64) _mm_prefetch(vp + slots[t] * v_row + o, _MM_HINT_T1);
+        prefetch_l2(kp + slots[t] * k_row, k_row);
+        prefetch_l2(vp + slots[t] * v_row, v_row);
     }
 }
 

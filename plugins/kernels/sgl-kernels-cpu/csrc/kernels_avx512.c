@@ -311,7 +311,6 @@ AVX512_TARGET static inline __attribute__((always_inline)) __m512 sum16x16(const
    per head), not issued in one burst per block: a burst of 16 tokens' rows (192 lines for
    SmolLM2's 3 KV heads) overran the core's miss buffers, and with the rows cold in memory the
    kernel ran at half the speed it now has (docs/benchmarks.md, "Decode attention from memory"). */
-#define KV_PREFETCH_AHEAD 32
 
 typedef struct {
     const char *kp, *vp;
@@ -328,8 +327,8 @@ AVX512_TARGET static inline __attribute__((always_inline)) void prefetch_tokens(
         if (t < pf->n) slot = pf->slots[t];
         else if (pf->next_slots && t - pf->n < pf->next_n) slot = pf->next_slots[t - pf->n];
         else return;
-        for (int64_t l = 0; l < pf->k_row; l += 64) _mm_prefetch(pf->kp + slot * pf->k_row + l, _MM_HINT_T1);
-        for (int64_t l = 0; l < pf->v_row; l += 64) _mm_prefetch(pf->vp + slot * pf->v_row + l, _MM_HINT_T1);
+        prefetch_l2(pf->kp + slot * pf->k_row, pf->k_row);
+        prefetch_l2(pf->vp + slot * pf->v_row, pf->v_row);
     }
 }
 
@@ -812,8 +811,7 @@ AVX512_TARGET int sgl_argmax_f32(const float *x, int64_t stride, int64_t B, int6
                 const __m512i w0 = _mm512_load_si512(wb + p * 32);                              \
                 const __m512i w1 = _mm512_load_si512(wb + 512 + p * 32);                        \
                 if (pf) {                                                                       \
-                    if (p < pf_lines) _mm_prefetch(pf + kb * 2048 + p * 64, _MM_HINT_T1);      \
-                    if (p + 16 < pf_lines) _mm_prefetch(pf + kb * 2048 + (p + 16) * 64, _MM_HINT_T1); \
+                    prefetch_panel_share(pf, pf_lines, kb, p);                                  \
                 } else if ((p & 1) == 0) {                                                      \
                     _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + p * 64, _MM_HINT_T0); \
                     _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + 1024 + p * 64,   \
@@ -850,8 +848,6 @@ BF16_PANEL(bf16_panel_dp, AVX512_BF16_TARGET, STEP_DP)
         const linear_job *j = ctx;                                                              \
         const int64_t KB = ((j->K + 31) & ~(int64_t)31) / 32;                                   \
         const int64_t G = (j->M + BF16_PANEL_ROWS - 1) / BF16_PANEL_ROWS;                       \
-        /* lines of the next panel's K blocks (32 lines each) that each group prefetches */     \
-        const int64_t lines = (32 + G - 1) / G;                                                 \
         for (int64_t np = np_begin; np < np_end; np++) {                                        \
             const uint16_t *w = j->wp + np * KB * 1024;                                         \
             const char *next = np + 1 < np_end ? (const char *)(w + KB * 1024) : NULL;            \
@@ -863,8 +859,8 @@ BF16_PANEL(bf16_panel_dp, AVX512_BF16_TARGET, STEP_DP)
                 const uint16_t *xr = j->a + r0 * j->lda;                                        \
                 uint16_t *yr = j->y + r0 * j->ldy + n0;                                         \
                 const int64_t left = j->M - r0;                                                 \
-                const char *pf = next && g * lines < 32 ? next + g * lines * 64 : NULL;         \
-                const int64_t pl = g * lines + lines <= 32 ? lines : 32 - g * lines;            \
+                int64_t pl;                                                                     \
+                const char *pf = next_panel_share(next, G, g, &pl);                             \
                 switch (left < BF16_PANEL_ROWS ? left : BF16_PANEL_ROWS) {                      \
                 case 8: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 8); break;      \
                 case 7: PANEL(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 7); break;      \
@@ -897,9 +893,8 @@ AVX512_TARGET static inline __attribute__((always_inline)) void bf16_panel_widen
         const uint16_t *wb = w + kb * 1024;
         for (int p = 0; p < 16; p++) {
             const __m512i w0 = _mm512_load_si512(wb + p * 32), w1 = _mm512_load_si512(wb + 512 + p * 32);
-            if (pf) { /* as in BF16_PANEL */
-                if (p < pf_lines) _mm_prefetch(pf + kb * 2048 + p * 64, _MM_HINT_T1);
-                if (p + 16 < pf_lines) _mm_prefetch(pf + kb * 2048 + (p + 16) * 64, _MM_HINT_T1);
+            if (pf) {
+                prefetch_panel_share(pf, pf_lines, kb, p);
             } else if ((p & 1) == 0) {
                 _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + p * 64, _MM_HINT_T0);
                 _mm_prefetch((const char *)(wb + PREFETCH_BLOCKS * 1024) + 1024 + p * 64, _MM_HINT_T0);
@@ -929,7 +924,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void bf16_panel_widen
 AVX512_TARGET static void linear_bf16_widen_range(void *ctx, int64_t np_begin, int64_t np_end) {
     const linear_job *j = ctx;
     const int64_t KB = ((j->K + 31) & ~(int64_t)31) / 32;
-    const int64_t G = (j->M + BF16_PANEL_ROWS - 1) / BF16_PANEL_ROWS, lines = (32 + G - 1) / G;
+    const int64_t G = (j->M + BF16_PANEL_ROWS - 1) / BF16_PANEL_ROWS;
     for (int64_t np = np_begin; np < np_end; np++) {
         const uint16_t *w = j->wp + np * KB * 1024;
         const char *next = np + 1 < np_end ? (const char *)(w + KB * 1024) : NULL;
@@ -940,8 +935,8 @@ AVX512_TARGET static void linear_bf16_widen_range(void *ctx, int64_t np_begin, i
             const float *xr = j->xf + r0 * j->lda;
             uint16_t *yr = j->y + r0 * j->ldy + n0;
             const int64_t left = j->M - r0;
-            const char *pf = next && g * lines < 32 ? next + g * lines * 64 : NULL;
-            const int64_t pl = g * lines + lines <= 32 ? lines : 32 - g * lines;
+            int64_t pl;
+            const char *pf = next_panel_share(next, G, g, &pl);
             switch (left < BF16_PANEL_ROWS ? left : BF16_PANEL_ROWS) {
             case 8: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 8); break;
             case 7: bf16_panel_widen(xr, j->lda, w, yr, j->ldy, KB, b, m0, m1, pf, pl, 7); break;
