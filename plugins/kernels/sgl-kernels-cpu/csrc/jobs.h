@@ -25,15 +25,18 @@
 /* tokens the decode attention's QK pass prefetches ahead */
 #define KV_PREFETCH_AHEAD 32
 
-static inline void prefetch_l2(const char *p, int64_t bytes) {
+/* always inlined: a call in the kernels' inner loops would spill their vector sums */
+#define PREFETCH_INLINE static inline __attribute__((always_inline))
+
+PREFETCH_INLINE void prefetch_l2(const char *p, int64_t bytes) {
     for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(p + l, _MM_HINT_T1);
 }
 
 /* The share of group g (of `groups` groups of rows) of the next 32-column bfloat16 panel
    (`next`, [KB][32 lines]; NULL: none): the first line of the share in each K block, NULL when
    the group has none, and its number of lines in *lines. */
-static inline const char *next_panel_share(const char *next, int64_t groups, int64_t g,
-                                           int64_t *lines) {
+PREFETCH_INLINE const char *next_panel_share(const char *next, int64_t groups, int64_t g,
+                                            int64_t *lines) {
     const int64_t per_group = (32 + groups - 1) / groups;
     if (!next || g * per_group >= 32) {
         *lines = 0;
@@ -44,7 +47,7 @@ static inline const char *next_panel_share(const char *next, int64_t groups, int
 }
 
 /* at step p (0..15) of K block kb, the lines of the share that step prefetches */
-static inline void prefetch_panel_share(const char *share, int64_t lines, int64_t kb, int p) {
+PREFETCH_INLINE void prefetch_panel_share(const char *share, int64_t lines, int64_t kb, int p) {
     if (p < lines) _mm_prefetch(share + kb * 2048 + p * 64, _MM_HINT_T1);
     if (p + 16 < lines) _mm_prefetch(share + kb * 2048 + (p + 16) * 64, _MM_HINT_T1);
 }
