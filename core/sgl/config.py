@@ -73,14 +73,16 @@ class ServerSettings:
         "auto", "Data type of weights and activations; auto: on CPU bfloat16 where sgl's "
         "kernels run with AMX or AVX512-BF16 (faster decode), else float32; on accelerators "
         "the checkpoint's half type.")
-    quantization: Literal["auto", "none", "gguf", "compressed-tensors", "int8", "int4"] = _opt(
+    quantization: Literal["auto", "none", "gguf", "compressed-tensors", "gptq", "awq", "int8",
+                          "int4"] = _opt(
         "auto", "How the weights are held. auto: a GGUF file's Q4_0, Q4_1 and Q8_0 blocks as "
         "they are (multiplied by sgl's quantized kernels; other GGUF types dequantized, with a "
-        "log line), a compressed-tensors checkpoint's packed int4/int8 weights (W4A16, W8A16) "
-        "as blocks too, any other Hugging Face checkpoint dense. none: everything dequantized "
-        "to --dtype. int8 / int4: a dense Hugging Face checkpoint's linear weights rounded to "
-        "8-/4-bit blocks of 32 at load (weight-only; the embedding and LM head to 8 bits). "
-        "gguf, compressed-tensors: as auto, but only for that kind of checkpoint.")
+        "log line), the packed int4/int8 weights of a compressed-tensors (W4A16, W8A16), GPTQ "
+        "or AWQ checkpoint as blocks too, any other Hugging Face checkpoint dense. none: "
+        "everything dequantized to --dtype. int8 / int4: a dense Hugging Face checkpoint's "
+        "linear weights rounded to 8-/4-bit blocks of 32 at load (weight-only; the embedding "
+        "and LM head to 8 bits). gguf, compressed-tensors, gptq, awq: as auto, but only for "
+        "that kind of checkpoint.")
     int8_activations: Literal["auto", "on", "off"] = _opt(
         "auto", "Round the activations to int8 per block of 32 before each 4-bit quantized "
         "matmul of a decode step and multiply integers, as llama.cpp does with every matmul. "

@@ -86,15 +86,21 @@ def checkpoint(request: pytest.FixtureRequest,
 
 
 def decompressed(path: Path) -> dict[str, torch.Tensor]:
-    """Every quantized linear weight of the folder, as compressed-tensors decompresses it
-    (in float32: it computes in the scales' dtype, so they are widened first)."""
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    """Every quantized linear weight of the folder, as compressed-tensors decompresses it."""
     from compressed_tensors.quantization import QuantizationScheme
     from safetensors.torch import load_file
 
     quant = json.loads((path / "config.json").read_text())["quantization_config"]
     scheme = QuantizationScheme.model_validate(quant["config_groups"]["group_0"])
-    tensors = load_file(str(path / "model.safetensors"))
+    return decompress_all(load_file(str(path / "model.safetensors")), scheme)
+
+
+def decompress_all(tensors: dict[str, torch.Tensor], scheme: Any) -> dict[str, torch.Tensor]:
+    """Every ``pack-quantized`` layer of ``tensors`` as compressed-tensors'
+    ``PackedQuantizationCompressor`` decompresses it under ``scheme`` (in float32: it computes
+    in the scales' dtype, so they are widened first)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+
     out = {}
     for name in tensors:
         if name.endswith(".weight_packed"):
@@ -214,8 +220,6 @@ def test_sgl_serve_runs_a_w4a16_checkpoint(tmp_path: Path) -> None:
     """``sgl serve`` on a W4A16 folder: the start-up log and ``/get_server_info`` say
     ``compressed-tensors``, the weights take less than the dense model's, and greedy tokens
     equal transformers' on the folder (float32, exact products)."""
-    import httpx
-    from sgl_testing import ServerProcess
     from transformers import AutoModelForCausalLM
 
     from sgl.model_loader import load_tokenizer
@@ -228,6 +232,20 @@ def test_sgl_serve_runs_a_w4a16_checkpoint(tmp_path: Path) -> None:
         want = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
                                   min_new_tokens=8)[0, len(prompt):].tolist()
     log = tmp_path / "server.log"
+    info, output_ids = serve_greedy(path, prompt, log)
+    assert info["quantization"] == "compressed-tensors"
+    dense_bytes = sum(p.numel() * 4 for p in reference.parameters())
+    assert info["weights_bytes"] < dense_bytes / 2
+    assert "quantization compressed-tensors" in log.read_text()
+    assert output_ids == want
+
+
+def serve_greedy(path: Path, prompt: list[int], log: Path) -> tuple[dict[str, Any], list[int]]:
+    """``sgl serve`` on the folder ``path`` (float32, exact products): its
+    ``/get_server_info`` and 8 greedy tokens after ``prompt``; the log goes to ``log``."""
+    import httpx
+    from sgl_testing import ServerProcess
+
     server = ServerProcess("--model-path", str(path), "--dtype", "float32",
                            "--int8-activations", "off", "--max-total-tokens", "512",
                            "--context-length", "128", log_path=log)
@@ -238,11 +256,7 @@ def test_sgl_serve_runs_a_w4a16_checkpoint(tmp_path: Path) -> None:
                                                       "ignore_eos": True}}).json()
     finally:
         server.stop()
-    assert info["quantization"] == "compressed-tensors"
-    dense_bytes = sum(p.numel() * 4 for p in reference.parameters())
-    assert info["weights_bytes"] < dense_bytes / 2
-    assert "quantization compressed-tensors" in log.read_text()
-    assert out["output_ids"] == want
+    return info, out["output_ids"]
 
 
 def test_a_qwen2_moe_checkpoint_holds_its_experts_as_blocks(tmp_path: Path) -> None:

@@ -251,8 +251,9 @@ def test_quantization_modes_of_model_paths(tmp_path: Any) -> None:
         resolve_quantization("gguf", folder, config)
     with pytest.raises(ValueError, match="unknown quantization 'fp8'"):
         resolve_quantization("fp8", folder, config)
-    config.quantization_config = {"quant_method": "gptq", "bits": 4}
-    with pytest.raises(ValueError, match="is a gptq checkpoint; sgl cannot load gptq"):
+    config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    with pytest.raises(ValueError, match="is a bitsandbytes checkpoint; sgl cannot load "
+                                         "bitsandbytes"):
         resolve_quantization("auto", folder, config)
     assert resolve_quantization("none", folder, config) == "none"
 

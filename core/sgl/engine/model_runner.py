@@ -34,6 +34,7 @@ from sgl.model_loader import (
     resolve_model_path,
 )
 from sgl.model_loader.compressed_tensors import QUANT_METHOD, check_compressed_tensors
+from sgl.model_loader.gptq_awq import AWQ, GPTQ, check_gptq_awq
 from sgl.parallel.base import GroupFailure
 
 if TYPE_CHECKING:
@@ -89,13 +90,18 @@ def auto_cpu_dtype() -> tuple[torch.dtype, str]:
                            "instructions")
 
 
-#: ``--quantization`` values: ``auto`` (a GGUF file's blocks and a compressed-tensors
-#: checkpoint's packed integers as they are, another Hugging Face checkpoint dense), ``none``
-#: (dense), ``gguf`` / ``compressed-tensors`` (that kind of checkpoint only), ``int8``/``int4``
-#: (a dense Hugging Face checkpoint's linear weights rounded to 8-/4-bit blocks at load)
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "compressed-tensors", "int8", "int4")
+#: ``--quantization`` values: ``auto`` (a GGUF file's blocks and the packed integers of a
+#: compressed-tensors, GPTQ or AWQ checkpoint as they are, another Hugging Face checkpoint
+#: dense), ``none`` (dense), ``gguf`` / ``compressed-tensors`` / ``gptq`` / ``awq`` (that kind
+#: of checkpoint only), ``int8``/``int4`` (a dense Hugging Face checkpoint's linear weights
+#: rounded to 8-/4-bit blocks at load)
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", QUANT_METHOD, GPTQ, AWQ, "int8", "int4")
 #: the modes whose checkpoints arrive quantized (the weight readers keep their blocks)
-STORED_QUANTIZED = ("gguf", "compressed-tensors")
+STORED_QUANTIZED = ("gguf", QUANT_METHOD, GPTQ, AWQ)
+#: a Hugging Face checkpoint's ``quant_method`` that sgl serves (the mode of the same name):
+#: what it is called in messages, and its check (ValueError naming what sgl does not run)
+CHECKPOINT_METHODS = {QUANT_METHOD: ("a compressed-tensors", check_compressed_tensors),
+                      GPTQ: ("a GPTQ", check_gptq_awq), AWQ: ("an AWQ", check_gptq_awq)}
 
 
 def resolve_quantization(name: str, path: Path, config: PretrainedConfig) -> str:
@@ -111,8 +117,8 @@ def resolve_quantization(name: str, path: Path, config: PretrainedConfig) -> str
             raise ValueError(f"--quantization {name} rounds a Hugging Face checkpoint's weights; "
                              f"{path.name} is a GGUF file, served with its own blocks (auto) or "
                              "dequantized (none)")
-        if name == QUANT_METHOD:
-            raise ValueError(f"--quantization {QUANT_METHOD} needs a compressed-tensors "
+        if name in CHECKPOINT_METHODS:
+            raise ValueError(f"--quantization {name} needs {CHECKPOINT_METHODS[name][0]} "
                              f"checkpoint; {path.name} is a GGUF file (auto or gguf)")
         return "none" if name == "none" else "gguf"
     if name == "gguf":
@@ -120,21 +126,27 @@ def resolve_quantization(name: str, path: Path, config: PretrainedConfig) -> str
     quant = getattr(config, "quantization_config", None) or {}
     if not isinstance(quant, dict):
         quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
-    method = quant.get("quant_method")
-    if method == QUANT_METHOD:
-        check_compressed_tensors(quant, path.name)
+    method = str(quant.get("quant_method") or "").lower()
+    if method in CHECKPOINT_METHODS:
+        kind, check = CHECKPOINT_METHODS[method]
+        check(quant, path.name)
         if name in ("int8", "int4"):
             raise ValueError(f"--quantization {name} rounds a dense checkpoint's weights; "
-                             f"{path.name} is already quantized (compressed-tensors): serve it "
-                             "as it is (auto) or dequantized (none)")
-        return "none" if name == "none" else QUANT_METHOD
-    if name == QUANT_METHOD:
-        raise ValueError(f"--quantization {QUANT_METHOD} needs a compressed-tensors checkpoint; "
-                         f"{path.name} is {method or 'dense'}")
+                             f"{path.name} is already quantized ({method}): serve it as it is "
+                             "(auto) or dequantized (none)")
+        if name not in ("auto", "none", method):
+            raise ValueError(f"--quantization {name} needs {CHECKPOINT_METHODS[name][0]} "
+                             f"checkpoint; {path.name} is {kind} checkpoint (auto, {method} or "
+                             "none)")
+        return "none" if name == "none" else method
+    if name in CHECKPOINT_METHODS:
+        raise ValueError(f"--quantization {name} needs {CHECKPOINT_METHODS[name][0]} "
+                         f"checkpoint; {path.name} is {method or 'dense'}")
     if method and name != "none":
         raise ValueError(f"{path.name} is a {method} checkpoint; sgl cannot load {method} "
-                         "weights yet (it runs GGUF files, compressed-tensors W4A16/W8A16 "
-                         "checkpoints, and --quantization int8/int4 on a dense checkpoint)")
+                         "weights yet (it runs GGUF files, compressed-tensors W4A16/W8A16, "
+                         "GPTQ and AWQ checkpoints, and --quantization int8/int4 on a dense "
+                         "checkpoint)")
     return "none" if name == "auto" else name
 
 

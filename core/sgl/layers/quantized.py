@@ -34,9 +34,10 @@ __all__ = ["AUTO_ROUND_X_ROWS", "INT8_ACTIVATIONS", "QUANTIZATION_MODES", "QUANT
            "decode_step", "deferred_weights",
            "deferred_mode", "dense_rows", "quantized_linear", "store_weight_rows"]
 
-#: ``gguf``, ``compressed-tensors``: weights kept as they arrive (quantized blocks stay
-#: quantized); ``int8``/``int4``: dense linear weights are rounded to 8-/4-bit blocks at load
-QUANTIZATION_MODES = ("gguf", "compressed-tensors", "int8", "int4")
+#: ``gguf``, ``compressed-tensors``, ``gptq``, ``awq``: weights kept as they arrive (quantized
+#: blocks stay quantized); ``int8``/``int4``: dense linear weights are rounded to 8-/4-bit
+#: blocks at load
+QUANTIZATION_MODES = ("gguf", "compressed-tensors", "gptq", "awq", "int8", "int4")
 #: the modes that quantize dense weights, and the layout of linear layers under each
 QUANTIZE_MODES = {"int8": "q8", "int4": "q4"}
 #: the layout of a quantized token embedding (and a tied LM head) under any quantizing mode

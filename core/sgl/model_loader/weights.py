@@ -7,8 +7,10 @@ from pathlib import Path
 
 import torch
 
-from sgl.model_loader.compressed_tensors import CompressedTensorsWeights, compressed_tensors_config
+from sgl.model_loader.compressed_tensors import QUANT_METHOD, CompressedTensorsWeights
 from sgl.model_loader.gguf_weights import GGUFWeights
+from sgl.model_loader.gptq_awq import AWQ, GPTQ, GPTQAWQWeights
+from sgl.model_loader.packed import quantization_config
 from sgl.model_loader.paths import is_gguf, resolve_model_path
 from sgl.model_loader.safetensors_weights import SafetensorsWeights
 from sgl.model_loader.source import WeightSource
@@ -23,9 +25,9 @@ def open_weights(path: str | Path | None, dtype: torch.dtype = torch.float32, *,
 
     :param path: as for :func:`~sgl.model_loader.resolve_model_path` (None: the bundled model).
     :param dtype: floating-point tensors are cast to this dtype.
-    :param quantized: a GGUF file's quantized blocks, and a compressed-tensors checkpoint's
-        packed integers, come as :class:`~sgl.layers.quantized.QuantizedTensor` where sgl runs
-        them (else dequantized).
+    :param quantized: a GGUF file's quantized blocks, and the packed integers of a
+        compressed-tensors, GPTQ or AWQ checkpoint (by its ``quant_method``), come as
+        :class:`~sgl.layers.quantized.QuantizedTensor` where sgl runs them (else dequantized).
     :raises ModelLoadError: missing path, no weights, corrupt file.
     """
     resolved = resolve_model_path(path)
@@ -33,8 +35,12 @@ def open_weights(path: str | Path | None, dtype: torch.dtype = torch.float32, *,
         return GGUFWeights(resolved, dtype, quantized=quantized)
     if not any(resolved.glob("*.safetensors")) and torch_bin_files(resolved):
         return TorchBinWeights(resolved, dtype)
-    if compressed_tensors_config(resolved) is not None:
+    quant = quantization_config(resolved) or {}
+    method = str(quant.get("quant_method", "")).lower()
+    if method == QUANT_METHOD:
         return CompressedTensorsWeights(resolved, dtype, quantized=quantized)
+    if method in (GPTQ, AWQ):
+        return GPTQAWQWeights(resolved, dtype, quant, quantized=quantized)
     return SafetensorsWeights(resolved, dtype)
 
 
