@@ -281,7 +281,8 @@ VNNI512_TARGET static void i8g_pack(const i8g_job *j, int64_t n0, int64_t cols, 
    m dx sum(q) added */
 VNNI512_TARGET Q512_INLINE void i8g_tile(const i8g_job *j, const __m512i *w, const float *d,
                                          const float *m, int64_t r0, int64_t n0, int64_t cols,
-                                         const int ROWS) {
+                                         const char *next, int64_t next_lines, const int ROWS) {
+    const int64_t per_block = (next_lines + j->KB - 1) / j->KB; /* lines of next to fetch */
     const int64_t KB = j->KB, K = KB * 32;
     const int8_t *xq = j->xq + r0 * K;
     const float *xd = j->xd + r0 * KB, *xs = j->xs + r0 * KB;
@@ -302,6 +303,9 @@ VNNI512_TARGET Q512_INLINE void i8g_tile(const i8g_job *j, const __m512i *w, con
                 sum[r] = _mm512_dpbusd_epi32(sum[r], wi, _mm512_set1_epi32(four));
             }
         }
+        if (next) /* the next group's weights and scales into L2, spread over the blocks */
+            for (int64_t l = kb * per_block; l < (kb + 1) * per_block && l < next_lines; l++)
+                _mm_prefetch(next + l * 64, _MM_HINT_T1);
         const __m512 dv = _mm512_load_ps(d + kb * 16), mv = _mm512_load_ps(m + kb * 16);
         #pragma GCC unroll 8
         for (int r = 0; r < ROWS; r++) {
@@ -344,19 +348,33 @@ VNNI512_TARGET static void i8g_groups(void *ctx, int64_t g_begin, int64_t g_end)
     }
     __m512i *w = (__m512i *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
     float *d = (float *)(w + KB * 8), *m = d + KB * 16;
+    const int64_t qb = j->bits == 4 ? 16 : 32;
     for (int64_t g = g_begin; g < g_end; g++) {
         const int64_t n0 = 16 * g, cols = j->N - n0 < 16 ? j->N - n0 : 16;
         i8g_pack(j, n0, cols, w, d, m);
+        /* while the first tile runs, the next group's integers (16 whole rows, contiguous) and
+           scales come into L2: the pack reads them across the rows, which the hardware's
+           prefetchers do not follow */
+        const int64_t next = g + 1 < g_end ? 16 * (g + 1) : j->N;
+        const int64_t next_cols = j->N - next < 16 ? j->N - next : 16;
+        const char *next_w = (const char *)(j->qw + next * KB * qb);
+        const char *next_s = (const char *)(j->sc + next * KB * 2);
         int64_t r = 0;
-        for (; j->M - r >= 8; r += 8) i8g_tile(j, w, d, m, r, n0, cols, 8);
+        for (; j->M - r >= 8; r += 8) {
+            i8g_tile(j, w, d, m, r, n0, cols, r ? NULL : next_w,
+                     next_cols > 0 ? (next_cols * KB * qb + 63) / 64 : 0, 8);
+            if (r == 0 && next_cols > 0)
+                for (int64_t l = 0; l < (next_cols * KB * 4 + 63) / 64; l++)
+                    _mm_prefetch(next_s + l * 64, _MM_HINT_T1);
+        }
         switch (j->M - r) {
-        case 7: i8g_tile(j, w, d, m, r, n0, cols, 7); break;
-        case 6: i8g_tile(j, w, d, m, r, n0, cols, 6); break;
-        case 5: i8g_tile(j, w, d, m, r, n0, cols, 5); break;
-        case 4: i8g_tile(j, w, d, m, r, n0, cols, 4); break;
-        case 3: i8g_tile(j, w, d, m, r, n0, cols, 3); break;
-        case 2: i8g_tile(j, w, d, m, r, n0, cols, 2); break;
-        case 1: i8g_tile(j, w, d, m, r, n0, cols, 1); break;
+        case 7: i8g_tile(j, w, d, m, r, n0, cols, NULL, 0, 7); break;
+        case 6: i8g_tile(j, w, d, m, r, n0, cols, NULL, 0, 6); break;
+        case 5: i8g_tile(j, w, d, m, r, n0, cols, NULL, 0, 5); break;
+        case 4: i8g_tile(j, w, d, m, r, n0, cols, NULL, 0, 4); break;
+        case 3: i8g_tile(j, w, d, m, r, n0, cols, NULL, 0, 3); break;
+        case 2: i8g_tile(j, w, d, m, r, n0, cols, NULL, 0, 2); break;
+        case 1: i8g_tile(j, w, d, m, r, n0, cols, NULL, 0, 1); break;
         default: break;
         }
     }
