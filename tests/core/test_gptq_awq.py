@@ -269,6 +269,27 @@ def test_served_gptq_logits_equal_the_dequantized_model(gptq: Checkpoint) -> Non
     check_served(gptq, "gptq", {name: layer.values() for name, layer in gptq.layers.items()})
 
 
+@pytest.mark.parametrize("file, quant", [
+    ("quantize_config.json", {"bits": 4, "group_size": 32, "desc_act": False, "sym": False}),
+    ("quant_config.json", {"zero_point": True, "q_group_size": 32, "w_bit": 4,
+                           "version": "GEMM"}),
+])
+def test_older_checkpoints_keep_their_settings_in_their_own_file(
+        tmp_path: Path, file: str, quant: dict[str, Any]) -> None:
+    """AutoGPTQ's older checkpoints keep their settings only in ``quantize_config.json`` and
+    AutoAWQ's in ``quant_config.json`` (under their own key names), with no
+    ``quantization_config`` in ``config.json``: they are read from there, as vLLM does."""
+    method = "awq" if file == "quant_config.json" else "gptq"
+    config = awq_config(32) if method == "awq" else gptq_config(4, 32, False)
+    layers = write_checkpoint(tmp_path, config, group=32, symmetric=False)
+    written = json.loads((tmp_path / "config.json").read_text())
+    del written["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    (tmp_path / file).write_text(json.dumps(quant))
+    checkpoint = Checkpoint(file, tmp_path, layers, False, "q4")
+    check_served(checkpoint, method, {name: layer.values() for name, layer in layers.items()})
+
+
 def test_act_order_groups_are_refused_with_the_layer(tmp_path: Path) -> None:
     """``desc_act`` without static groups stores a ``g_idx`` that is not ``k // group_size``:
     sgl's blocks need each group's columns together, so the layer is named and refused."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sgl.model_loader.errors import ModelLoadError
 from sgl.model_loader.gguf_cache import cached_from_gguf
@@ -12,7 +13,34 @@ from sgl.model_loader.paths import is_gguf, resolve_model_path
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["load_hf_config"]
+__all__ = ["load_hf_config", "quantization_config"]
+
+#: where older checkpoints keep their quantization settings when ``config.json`` has none, and
+#: the ``quant_method`` they imply: AutoGPTQ's ``quantize_config.json``, AutoAWQ's
+#: ``quant_config.json``
+QUANTIZATION_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def quantization_config(path: Path) -> dict[str, Any] | None:
+    """The quantization settings of the model folder ``path``: ``config.json``'s
+    ``quantization_config``, else what an older AutoGPTQ or AutoAWQ checkpoint keeps in its own
+    file (:data:`QUANTIZATION_FILES`, with the ``quant_method`` it implies), else None."""
+    quant = (_read_json(path / "config.json") or {}).get("quantization_config")
+    if isinstance(quant, dict):
+        return quant
+    for name, method in QUANTIZATION_FILES:
+        stored = _read_json(path / name)
+        if stored is not None:
+            return {"quant_method": method, **stored}
+    return None
 
 
 def _default_architecture(model_type: str) -> str | None:
@@ -65,6 +93,10 @@ def load_hf_config(path: str | Path | None) -> PretrainedConfig:
         raise ModelLoadError(
             f"cannot read the model config from {str(resolved)!r}: {type(exc).__name__}: {exc}"
         ) from exc
+    if not is_gguf(resolved) and not getattr(config, "quantization_config", None):
+        stored = quantization_config(resolved)  # an older checkpoint's own file
+        if stored is not None:
+            config.quantization_config = stored
     if not getattr(config, "architectures", None):
         arch = _default_architecture(getattr(config, "model_type", ""))
         if arch is not None:

@@ -15,7 +15,6 @@ float16 (or bfloat16) scale is a float16 number; ``m`` is rounded to float16, wi
 
 from __future__ import annotations
 
-import json
 import logging
 from abc import abstractmethod
 from collections.abc import Iterator
@@ -29,21 +28,9 @@ from sgl.layers.quantized import QuantizedTensor
 from sgl.model_loader.errors import ModelLoadError
 from sgl.model_loader.safetensors_weights import SafetensorsWeights
 
-__all__ = ["PackedWeights", "grouped_weight", "quantization_config", "unpack_rows"]
+__all__ = ["PackedWeights", "grouped_weight", "unpack_rows"]
 
 logger = logging.getLogger(__name__)
-
-
-def quantization_config(path: Path) -> dict[str, Any] | None:
-    """The ``quantization_config`` of the folder ``path``'s ``config.json``, if it has one."""
-    config = path / "config.json"
-    if not config.is_file():
-        return None
-    try:
-        quant = json.loads(config.read_text()).get("quantization_config")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return quant if isinstance(quant, dict) else None
 
 
 def unpack_rows(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:

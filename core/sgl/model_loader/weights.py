@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from sgl.model_loader.compressed_tensors import QUANT_METHOD, CompressedTensorsWeights
+from sgl.model_loader.config import quantization_config
 from sgl.model_loader.gguf_weights import GGUFWeights
 from sgl.model_loader.gptq_awq import AWQ, GPTQ, GPTQAWQWeights
-from sgl.model_loader.packed import quantization_config
 from sgl.model_loader.paths import is_gguf, resolve_model_path
 from sgl.model_loader.safetensors_weights import SafetensorsWeights
 from sgl.model_loader.source import WeightSource
