@@ -1,7 +1,8 @@
 """What the readers of integer-packed checkpoints share (compressed-tensors' ``pack-quantized``,
-GPTQ, AWQ): a folder's quantization config, its safetensors tensors with each quantized layer's
-parts read together, and a layer's integers with a scale and a zero per group turned into the
-blocks of :mod:`sgl.kernels.quant`.
+GPTQ, AWQ): a folder's safetensors tensors with each quantized layer's parts read together, and
+a layer's integers with a scale and a zero per group turned into the blocks of
+:mod:`sgl.kernels.quant` (a folder's settings are read by
+:func:`sgl.model_loader.config.quantization_config`).
 
 :func:`grouped_weight` takes what every such format comes down to, ``W = (q - zero) * scale``
 for unsigned integers ``q`` (0 .. 2^bits - 1) and a scale and a zero per group of columns, and
