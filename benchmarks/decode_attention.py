@@ -45,6 +45,11 @@ def main() -> int:
                         help="layers of one step, each with its own pool, timed together")
     parser.add_argument("--contiguous", action="store_true",
                         help="each sequence's slots in order, not scattered over the pool")
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="the first N slots of each sequence are those of its group's first "
+                             "sequence (a system prompt the prefix cache shares)")
+    parser.add_argument("--group", type=int, default=16,
+                        help="sequences per group with --shared-prefix")
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
     kernels = cpu.load()
@@ -54,7 +59,9 @@ def main() -> int:
     torch.set_num_threads(1)
     hq, hk, d = args.heads, args.kv_heads, args.head_dim
     print(f"level {cpu.describe_isa()}; {hq} heads, {hk} KV heads of {d}; "
-          f"{'contiguous' if args.contiguous else 'scattered'} slots; {args.layers} layer(s)")
+          f"{'contiguous' if args.contiguous else 'scattered'} slots; {args.layers} layer(s)"
+          + (f"; groups of {args.group} share {args.shared_prefix} slots" if args.shared_prefix
+             else ""))
     print("dtype     batch  context  kernel 1 thr (GB/s)   kernel 2 thr (GB/s)   (ms)")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
@@ -66,7 +73,10 @@ def main() -> int:
                 pools = [(torch.randn(pool, hk, d).to(dtype), torch.randn(pool, hk, d).to(dtype))
                          for _ in range(args.layers)]
                 slots = torch.arange(size) if args.contiguous else torch.randperm(pool)[:size]
-                table = slots.view(batch, context + 1)
+                table = slots.view(batch, context + 1).clone()
+                if args.shared_prefix:  # each group's sequences use their first one's prefix
+                    first = torch.arange(batch) // args.group * args.group
+                    table[:, :args.shared_prefix] = table[first, :args.shared_prefix]
                 rows = torch.arange(batch)
                 lens = torch.full((batch,), context + 1)
                 loc = table[:, context].contiguous()
@@ -81,7 +91,8 @@ def main() -> int:
                     for k_pool, v_pool in pools:
                         torch.ops.sgl.decode_attention(q, k, v, k_pool, v_pool, *rest)
 
-                nbytes = 2 * size * hk * d * k_pool.element_size() * args.layers
+                read = table.unique().numel()  # the K and V rows the kernel needs
+                nbytes = 2 * read * hk * d * k_pool.element_size() * args.layers
                 cells = []
                 for threads in (1, 2):
                     cpu.set_threads(threads)

@@ -52,11 +52,22 @@ PREFETCH_INLINE void prefetch_panel_share(const char *share, int64_t lines, int6
     if (p + 16 < lines) _mm_prefetch(share + kb * 2048 + (p + 16) * 64, _MM_HINT_T1);
 }
 
-/* chunks per thread of the matmuls and the decode attention: a thread the OS delays then costs
-   a quarter of its share */
+/* chunks per thread of the decode attention and the rows of x the quantized matmuls round:
+   a thread the OS delays then costs a quarter of its share */
 static inline int64_t chunk_of(int64_t n) {
     const int64_t chunk = n / (4 * (int64_t)sgl_pool_threads());
     return chunk < 1 ? 1 : chunk;
+}
+
+/* column panels per claim of the matmuls: one claim per thread, so that each thread runs a
+   run of consecutive panels and every panel but its first is prefetched while the one before
+   it runs. With four claims per thread (chunk_of) each claim began on a cold panel: a batch-32
+   decode step's matmuls took 19.4 ms on two Zen 4 cores, 17.3 ms with one claim per thread
+   (docs/benchmarks.md, "Where concurrency 32 goes"). A thread the OS delays now holds up its
+   whole share; the other thread only claims what is left unclaimed. */
+static inline int64_t panel_chunk(int64_t n) {
+    const int64_t t = sgl_pool_threads();
+    return (n + t - 1) / t;
 }
 
 /* -- float32 linear (columns in 32-wide panels) ------------------------------------------- */
@@ -72,7 +83,7 @@ static inline int run_linear_f32(sgl_range_fn panels, const float *x, int64_t ld
                                  int64_t K, const float *bias) {
     const int64_t NP = (N + 31) / 32;
     linear_f32_job job = {x, wp, bias, y, ldx, ldy, M, N, K};
-    sgl_parallel_for(panels, &job, NP, chunk_of(NP));
+    sgl_parallel_for(panels, &job, NP, panel_chunk(NP));
     return 0;
 }
 

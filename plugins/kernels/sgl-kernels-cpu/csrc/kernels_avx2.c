@@ -260,7 +260,7 @@ AVX2_TARGET int sgl_linear_bf16_avx2(const uint16_t *x, int64_t ldx, const uint1
         for (int64_t k = 0; k < Kp; k += 8)
             _mm256_storeu_ps(xf + r * Kp + k, load8n(x + r * ldx + k, K - k, 1));
     linear_bf16_job job = {xf, wp, y, Kp, ldy, M, N, K, bias};
-    sgl_parallel_for(linear_bf16_panels, &job, NP, chunk_of(NP));
+    sgl_parallel_for(linear_bf16_panels, &job, NP, panel_chunk(NP));
     return 0;
 }
 
