@@ -212,7 +212,7 @@ typedef struct {
     char *out;
     int64_t out_stride, Hq, Hk, D, Dv, window, QT, es;
     float scale, softcap;
-    int dtype;
+    int dtype, dp; /* dp: bfloat16 QK on vdpbf16ps (queries as pairs, keys read in place) */
     const int32_t *tree_bits; /* per query token (q row): bit j = it sees new token j (j < 32) */
     atomic_int failed;
 } extend_job;
@@ -311,12 +311,22 @@ static inline void extend_load_queries(const extend_job *j, const extend_item *i
     }
 }
 
+/* for dp: qt2[p][r] = the bfloat16 pair q_r[2p], q_r[2p + 1] (unscaled: the scores are scaled) */
+static inline void extend_load_query_pairs(const extend_job *j, const extend_item *it,
+                                           uint32_t *qt2) {
+    for (int64_t r = 0; r < it->rows; r++) {
+        const uint16_t *qr = (const uint16_t *)extend_q_row(j, it, r);
+        for (int64_t p = 0; p < j->D / 2; p++)
+            qt2[p * EXT_ROWS + r] = (uint32_t)qr[2 * p] | (uint32_t)qr[2 * p + 1] << 16;
+    }
+}
+
 static inline int run_extend_attention(
     sgl_range_fn items_fn, const void *q, int64_t q_stride, const void *k_pool,
     const void *v_pool, const int64_t *table, int64_t table_stride, const int64_t *rows,
     const int64_t *q_starts, const int64_t *prefix_lens, const int64_t *extend_lens, int64_t B,
     void *out, int64_t out_stride, int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, float scale,
-    float softcap, int64_t window, int dtype, const int32_t *tree_bits) {
+    float softcap, int64_t window, int dtype, int bf16_dot, const int32_t *tree_bits) {
     if (D % 16 || Dv % 16 || D < 16 || Dv < 16 || D > 256 || Dv > 256 || Hk < 1 || Hq % Hk
         || Hq / Hk > EXT_ROWS || B < 0) return -1;
     const int64_t G = Hq / Hk, es = dtype ? 2 : 4;
@@ -329,7 +339,7 @@ static inline int run_extend_attention(
     extend_job job = {q, q_stride, k_pool, v_pool, Hk * D * es, Hk * Dv * es, table, rows,
                       q_starts, prefix_lens, extend_lens, first_item, table_stride, B, out,
                       out_stride, Hq, Hk, D, Dv, window, QT, es, scale, softcap, dtype,
-                      tree_bits, 0};
+                      dtype && bf16_dot, tree_bits, 0};
     sgl_parallel_for(items_fn, &job, first_item[B] * Hk, 1);
     free(first_item);
     return atomic_load(&job.failed) ? -2 : 0;

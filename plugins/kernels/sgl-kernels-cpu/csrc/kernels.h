@@ -109,14 +109,15 @@ int sgl_extend_attention(const void *q, int64_t q_stride, const void *k_pool, co
                          const int64_t *q_starts, const int64_t *prefix_lens,
                          const int64_t *extend_lens, int64_t B, void *out, int64_t out_stride,
                          int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, float scale,
-                         float softcap, int64_t window, int dtype, const int32_t *tree_bits);
+                         float softcap, int64_t window, int dtype, int bf16_dot,
+                         const int32_t *tree_bits);
 int sgl_extend_attention_avx2(const void *q, int64_t q_stride, const void *k_pool,
                               const void *v_pool, const int64_t *table, int64_t table_stride,
                               const int64_t *rows, const int64_t *q_starts,
                               const int64_t *prefix_lens, const int64_t *extend_lens, int64_t B,
                               void *out, int64_t out_stride, int64_t Hq, int64_t Hk, int64_t D,
                               int64_t Dv, float scale, float softcap, int64_t window, int dtype,
-                              const int32_t *tree_bits);
+                              int bf16_dot, const int32_t *tree_bits);
 
 /* The kernels of kernels_avx512.c and kernels_quant_avx512.c, as run_op.c calls them: compiled for the CPU
  * (sgl_avx512_kernels_native) and again with the instructions in software

@@ -839,11 +839,12 @@ AVX2_TARGET int sgl_extend_attention_avx2(
     const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int64_t *table,
     int64_t table_stride, const int64_t *rows, const int64_t *q_starts, const int64_t *prefix_lens,
     const int64_t *extend_lens, int64_t B, void *out, int64_t out_stride, int64_t Hq, int64_t Hk,
-    int64_t D, int64_t Dv, float scale, float softcap, int64_t window, int dtype,
+    int64_t D, int64_t Dv, float scale, float softcap, int64_t window, int dtype, int bf16_dot,
     const int32_t *tree_bits) {
+    (void)bf16_dot; /* no vdpbf16ps at this level */
     return run_extend_attention(extend_attention_items, q, q_stride, k_pool, v_pool, table,
                                 table_stride, rows, q_starts, prefix_lens, extend_lens, B, out,
-                                out_stride, Hq, Hk, D, Dv, scale, softcap, window, dtype,
+                                out_stride, Hq, Hk, D, Dv, scale, softcap, window, dtype, 0,
                                 tree_bits);
 }
 

@@ -1084,6 +1084,64 @@ AVX512_TARGET static inline __attribute__((always_inline)) void ext_pv(
         for (int b = 0; b < nb; b++) _mm512_store_ps(ot + (c0 + c) * EXT_ROWS + 16 * b, acc[c][b]);
 }
 
+/* ext_qk with AVX512-BF16 dot products for bfloat16: qt2 [D/2][64] holds each row's query as
+   bfloat16 pairs, each key pair k_x[2p], k_x[2p + 1] is one 32-bit broadcast from the pool's row
+   (no widening), and one vdpbf16ps multiplies it with 16 rows' pairs (exact products, float32
+   sums, as the decode kernel's qk_dp); the scores are scaled at the end. */
+AVX512_BF16_TARGET static inline __attribute__((always_inline)) void ext_qk_dp(
+    const char *const *k, int64_t D, const uint32_t *qt2, float *st, float scale, const int nx,
+    const int nb) {
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int x = 0; x < nx; x++)
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) acc[x][b] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D / 2; p++) {
+        __m512i qv[4];
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) qv[b] = _mm512_load_si512(qt2 + p * EXT_ROWS + 16 * b);
+#pragma GCC unroll 4
+        for (int x = 0; x < nx; x++) {
+            uint32_t pair;
+            memcpy(&pair, k[x] + 4 * p, 4);
+            const __m512i kv = _mm512_set1_epi32((int)pair);
+#pragma GCC unroll 4
+            for (int b = 0; b < nb; b++)
+                acc[x][b] = _mm512_dpbf16_ps(acc[x][b], (__m512bh)qv[b], (__m512bh)kv);
+        }
+    }
+    const __m512 sv = _mm512_set1_ps(scale);
+#pragma GCC unroll 4
+    for (int x = 0; x < nx; x++)
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) _mm512_store_ps(st + x * EXT_ROWS + 16 * b, _mm512_mul_ps(acc[x][b], sv));
+}
+
+/* the scores of a block's nk keys (rows of the pool, bfloat16) for nb row vectors */
+AVX512_BF16_TARGET static void ext_qk_dp_block(const char *const *k, int64_t nk, int64_t D,
+                                               const uint32_t *qt2, float *st, float scale,
+                                               int nb) {
+    for (int64_t x = 0; x < nk; x += 4) {
+        const int64_t nx = nk - x < 4 ? nk - x : 4;
+#define EXT_QK_DP(NX, NB) ext_qk_dp(k + x, D, qt2, st + x * EXT_ROWS, scale, NX, NB)
+#define EXT_QK_DP_NX(NB)                                                                        \
+    switch (nx) {                                                                               \
+    case 4: EXT_QK_DP(4, NB); break;                                                            \
+    case 3: EXT_QK_DP(3, NB); break;                                                            \
+    case 2: EXT_QK_DP(2, NB); break;                                                            \
+    default: EXT_QK_DP(1, NB);                                                                  \
+    }
+        switch (nb) {
+        case 4: EXT_QK_DP_NX(4); break;
+        case 3: EXT_QK_DP_NX(3); break;
+        case 2: EXT_QK_DP_NX(2); break;
+        default: EXT_QK_DP_NX(1);
+        }
+#undef EXT_QK_DP_NX
+#undef EXT_QK_DP
+    }
+}
+
 #define EXT_NB_SWITCH(CALL, NB)                                                                 \
     switch (NB) {                                                                               \
     case 4: CALL(4); break;                                                                     \
@@ -1104,20 +1162,23 @@ AVX512_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t 
     float *mrow = buf.mrow, *lrow = buf.lrow;
     const int32_t *pos = buf.pos, *tbits = j->tree_bits ? buf.tbits : NULL;
     const float *kx[EXT_KB], *vx[EXT_KB];
+    const char *kb[EXT_KB]; /* the block's K rows in the pool */
     for (int64_t item = i0; item < i1; item++) {
         const extend_item it = extend_locate(j, item);
         const int64_t hk = it.hk, rows = it.rows, p_last = it.p_last, *slots = it.slots;
         const int64_t prefix = j->prefix_lens[it.b];
         const int nb = (int)((rows + 15) / 16);
         extend_item_reset(j, &it, &buf);
-        extend_load_queries(j, &it, qt);
+        if (j->dp) extend_load_query_pairs(j, &it, (uint32_t *)qt);
+        else extend_load_queries(j, &it, qt);
         for (int64_t k0 = it.k_begin; k0 <= p_last; k0 += EXT_KB) {
             const int64_t nk = p_last + 1 - k0 < EXT_KB ? p_last + 1 - k0 : EXT_KB;
             for (int64_t x = 0; x < nk; x++) {
                 const char *kr = j->kp + slots[k0 + x] * j->k_row + hk * D * es;
                 const char *vr = j->vp + slots[k0 + x] * j->v_row + hk * Dv * es;
+                kb[x] = kr;
                 if (j->dtype) { /* widen the block once; float32 is read in place */
-                    for (int64_t d = 0; d < D; d += 16)
+                    for (int64_t d = 0; !j->dp && d < D; d += 16) /* dp reads K in place */
                         _mm512_store_ps(kf + x * D + d, load16(kr + d * es, 1));
                     for (int64_t d = 0; d < Dv; d += 16)
                         _mm512_store_ps(vf + x * Dv + d, load16(vr + d * es, 1));
@@ -1128,7 +1189,8 @@ AVX512_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t 
                     vx[x] = (const float *)vr;
                 }
             }
-            for (int64_t x = 0; x < nk; x += 4) {
+            if (j->dp) ext_qk_dp_block(kb, nk, D, (const uint32_t *)qt, st, j->scale, nb);
+            for (int64_t x = 0; !j->dp && x < nk; x += 4) {
                 const int64_t nx = nk - x < 4 ? nk - x : 4;
 #define EXT_QK(NB)                                                                              \
     switch (nx) {                                                                               \
@@ -1219,11 +1281,11 @@ AVX512_TARGET int sgl_extend_attention(
     const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int64_t *table,
     int64_t table_stride, const int64_t *rows, const int64_t *q_starts, const int64_t *prefix_lens,
     const int64_t *extend_lens, int64_t B, void *out, int64_t out_stride, int64_t Hq, int64_t Hk,
-    int64_t D, int64_t Dv, float scale, float softcap, int64_t window, int dtype,
+    int64_t D, int64_t Dv, float scale, float softcap, int64_t window, int dtype, int bf16_dot,
     const int32_t *tree_bits) {
     return run_extend_attention(extend_attention_items, q, q_stride, k_pool, v_pool, table,
                                 table_stride, rows, q_starts, prefix_lens, extend_lens, B, out,
-                                out_stride, Hq, Hk, D, Dv, scale, softcap, window, dtype,
+                                out_stride, Hq, Hk, D, Dv, scale, softcap, window, dtype, bf16_dot,
                                 tree_bits);
 }
 

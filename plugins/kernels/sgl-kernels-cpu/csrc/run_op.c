@@ -11,7 +11,7 @@
 
 #if defined(__x86_64__)
 
-int sgl_kernels_version(void) { return 9; }
+int sgl_kernels_version(void) { return 10; }
 
 /* the AVX-512 levels' kernels in use: compiled for the CPU, or emulated (sgl_set_emulation) */
 static const sgl_avx512_kernels *avx512 = &sgl_avx512_kernels_native;
@@ -92,7 +92,7 @@ int sgl_run_op(const sgl_op *op) {
                                                     : sgl_extend_attention_avx2)(
             P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), P(8), P(9), a[10], P(11), a[12],
             a[13], a[14], a[15], a[16], f32_bits(a[17]), f32_bits(a[18]), a[19], (int)a[20],
-            P(21));
+            (int)a[21], P(22));
     case SGL_OP_LINEAR_QUANT_AVX2:
         return sgl_linear_quant_avx2(P(0), a[1], P(2), P(3), P(4), a[5], a[6], a[7], a[8], P(9),
                                      (int)a[10], (int)a[11], (int)a[12]);

@@ -510,7 +510,7 @@ Tensor extend_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_p
        << ptr(rows) << ptr(q_starts) << ptr(prefix_lens) << ptr(extend_lens) << batch << ptr(out)
        << out.stride(0) << num_heads << num_kv_heads << head_dim << v_dim
        << bits(static_cast<float>(scale)) << bits(static_cast<float>(softcap)) << window
-       << dtype_code(q) << ptr(tree_bits);
+       << dtype_code(q) << (g_level == AMX || g_level == AVX512_BF16 ? 1 : 0) << ptr(tree_bits);
   const int rc = run(call, {q, k_pool, v_pool, table, rows, q_starts, prefix_lens, extend_lens,
                             tree_bits},
                      {out});

@@ -33,7 +33,7 @@ KERNEL_NAMES = {1: "sgl_linear_bf16_amx", 2: "sgl_linear_f32", 3: "sgl_rmsnorm",
                 18: "sgl_extend_attention_avx2", 19: "sgl_linear_quant_avx2",
                 20: "sgl_embedding_quant", 21: "sgl_linear_quant_avx512"}
 #: what ``sgl_kernels_version`` of a build of this source returns
-VERSION = 9
+VERSION = 10
 
 _lock = threading.Lock()
 _loaded_path: Path | None = None
@@ -148,7 +148,10 @@ class CpuKernelLibrary(KernelLibrary):
         vs 19.0; at ``avx2`` (torch capped alike: ``ATEN_CPU_CAPABILITY=avx2``,
         ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX2``; two runs) float32
         40-53 / 24-31 vs 32-36, bfloat16 46-53 / 23-30 vs 40-41
-        (``benchmarks/extend_attention.py``). The kernel computes in float32 at every level."""
+        (``benchmarks/extend_attention.py``). The kernel computes in float32 at every level; at
+        ``amx`` and ``avx512_bf16`` its bfloat16 scores are vdpbf16ps products (exact, summed in
+        float32), which took a shared-prefix extend (16 questions of 64 tokens on 512 cached
+        ones) from 8.7 to 6.5 ms on two Zen 4 cores."""
         if dtype not in (torch.float32, torch.bfloat16):
             return False
         if self.isa == "avx2":  # 8 lanes: ahead of SDPA only on two or more threads
