@@ -13,6 +13,8 @@ after another, as one decode step of SmolLM2 does: 150 MB of K and V, read from 
 
     .venv/bin/python benchmarks/decode_attention.py --batch 1,32 --context 200,1000
     .venv/bin/python benchmarks/decode_attention.py --batch 32 --context 200 --layers 30
+    .venv/bin/python benchmarks/decode_attention.py --batch 32 --context 640 --layers 30 \
+        --contiguous --shared-prefix 512   # groups of 16 sequences share a system prompt
     SGL_CPU_ISA=avx2 .venv/bin/python benchmarks/decode_attention.py
 """
 
