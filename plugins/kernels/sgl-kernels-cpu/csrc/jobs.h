@@ -52,8 +52,9 @@ PREFETCH_INLINE void prefetch_panel_share(const char *share, int64_t lines, int6
     if (p + 16 < lines) _mm_prefetch(share + kb * 2048 + (p + 16) * 64, _MM_HINT_T1);
 }
 
-/* chunks per thread of the decode attention and the rows of x the quantized matmuls round:
-   a thread the OS delays then costs a quarter of its share */
+/* chunks per thread of the decode attention, the rows of x the quantized matmuls round and
+   the AVX2 quantized matmuls (no prefetch from one claim's columns to the next): a thread the
+   OS delays then costs a quarter of its share */
 static inline int64_t chunk_of(int64_t n) {
     const int64_t chunk = n / (4 * (int64_t)sgl_pool_threads());
     return chunk < 1 ? 1 : chunk;

@@ -1178,8 +1178,9 @@ AVX512_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t 
                 const char *vr = j->vp + slots[k0 + x] * j->v_row + hk * Dv * es;
                 kb[x] = kr;
                 if (j->dtype) { /* widen the block once; float32 is read in place */
-                    for (int64_t d = 0; !j->dp && d < D; d += 16) /* dp reads K in place */
-                        _mm512_store_ps(kf + x * D + d, load16(kr + d * es, 1));
+                    if (!j->dp) /* dp reads K in place */
+                        for (int64_t d = 0; d < D; d += 16)
+                            _mm512_store_ps(kf + x * D + d, load16(kr + d * es, 1));
                     for (int64_t d = 0; d < Dv; d += 16)
                         _mm512_store_ps(vf + x * Dv + d, load16(vr + d * es, 1));
                     kx[x] = kf + x * D;
@@ -1190,7 +1191,7 @@ AVX512_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t 
                 }
             }
             if (j->dp) ext_qk_dp_block(kb, nk, D, (const uint32_t *)qt, st, j->scale, nb);
-            for (int64_t x = 0; !j->dp && x < nk; x += 4) {
+            else for (int64_t x = 0; x < nk; x += 4) {
                 const int64_t nx = nk - x < 4 ? nk - x : 4;
 #define EXT_QK(NB)                                                                              \
     switch (nx) {                                                                               \

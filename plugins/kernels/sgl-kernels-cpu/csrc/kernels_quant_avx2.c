@@ -283,16 +283,16 @@ AVX2_TARGET int sgl_linear_quant_avx2(const void *x, int64_t ldx, const uint8_t 
         sgl_round_x_blocks(xf, ldx, M, KB, xq, xd, xs);
         quant_i8_job i8 = {qw, sc, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs};
         const int64_t quads = (N + 3) / 4;
-        sgl_parallel_for(i8_quads, &i8, quads, panel_chunk(quads));
+        sgl_parallel_for(i8_quads, &i8, quads, chunk_of(quads));
         return 0;
     }
     linear_quant_job job = {xf, qw, sc, y, bias, ldx, ldy, M, N, KB, dtype, bits};
     if (M >= Q_PANEL_ROWS) {
         const int64_t panels = (N + 31) / 32;
-        sgl_parallel_for(linear_quant_panels, &job, panels, panel_chunk(panels));
+        sgl_parallel_for(linear_quant_panels, &job, panels, chunk_of(panels));
     } else {
         const int64_t pairs = (N + 1) / 2;
-        sgl_parallel_for(linear_quant_pairs, &job, pairs, panel_chunk(pairs));
+        sgl_parallel_for(linear_quant_pairs, &job, pairs, chunk_of(pairs));
     }
     return 0;
 }
