@@ -133,6 +133,40 @@ def test_decode_head_dim_64(dtype: torch.dtype, heads: tuple[int, int], window: 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (4, 3.0)],
+                         ids=["full", "window", "window+softcap"])
+def test_mixed_step_attends_its_decodes_with_the_decode_kernel(
+        dtype: torch.dtype, window: int | None, softcap: float | None, cpu_isa: str) -> None:
+    """A mixed step (the running requests' one new token each, then prompt chunks) gives its
+    leading one-token sequences to the decode kernel and the rest to the extend kernel; a
+    one-token sequence after a longer one stays in the extend call."""
+    from sgl.kernels import cpu
+
+    torch.manual_seed(4)
+    spec = AttentionLayerSpec(layer_id=0, num_heads=9, num_kv_heads=3, head_dim=64,
+                              scaling=0.125, sliding_window=window, logit_softcap=softcap)
+    harness = Harness(spec, lengths=[40, 9, 23, 30, 12], dtype=dtype)
+    harness.step(ForwardMode.EXTEND, [30, 1, 20, 10, 0])
+    kernels = cpu.load()
+    native = kernels is not None and kernels.extend_attention_faster(dtype)
+    for new, decodes in (([1, 1, 1, 6, 12], 3), ([2, 1, 1, 1, 0], 0)):
+        seqs = [BatchSeq(row, harness.done[i], [0] * n)
+                for i, (row, n) in enumerate(zip(harness.rows, new)) if n]
+        batch = make_forward_batch(harness.runner, ForwardMode.EXTEND, seqs)
+        harness.backend.init_forward_metadata(batch)
+        plan = batch.attn_metadata.native_extend
+        assert (plan is not None) == (kernels is not None)
+        if plan is not None:
+            assert (0 if plan.decodes is None else plan.decodes.rows.shape[0]) == decodes
+            assert plan.rows.shape[0] == len(seqs) - decodes
+        with cpu.recording() as tape:
+            harness.step(ForwardMode.EXTEND, new)
+        assert any(name.startswith("sgl_decode_attention") for name in tape.names) == (
+            native and decodes > 0)
+        assert any(name.startswith("sgl_extend_attention") for name in tape.names) == native
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.usefixtures("restore_kernel_threads", "kernel_isa")
 def test_decode_kernel_on_two_threads(dtype: torch.dtype) -> None:
     """The CPU kernel shares a batch's sequences out over its threads; every sequence must still
