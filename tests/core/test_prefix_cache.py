@@ -5,6 +5,7 @@ policies, pages, and logprobs that never come from the cache."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -159,4 +160,30 @@ def test_identical_prompts_at_once_share_one_prefill(harness: Harness) -> None:
     results = harness.run(rids)
     cached = sorted(results[r].cached_tokens for r in rids)
     assert cached == [0] + [len(prompt) - 1] * 3
+    harness.assert_memory_empty()
+
+
+def test_burst_waits_for_a_system_prompt_still_in_its_chunks(harness: Harness) -> None:
+    """Requests that arrive while the first one on their system prompt is still in its prefill
+    chunks wait for it (a step or two) and find the whole system prompt in the cache, instead
+    of computing the part not yet cached once each (SGLang's in-batch prefix sharing, carried
+    across steps)."""
+    use_cache(harness, RadixCache)
+    s = harness.scheduler
+    prompts = shared_prompts(harness)
+    shared = min(len(os.path.commonprefix([prompts[0], p])) for p in prompts[1:4])
+    assert shared > 96
+    chunk = s.chunk_size
+    s.chunk_size = 100  # the first prompt takes two steps, and starts mid-step
+    try:
+        first = [harness.submit(harness.chat_ids("Hi"), max_new_tokens=4, temperature=0),
+                 harness.submit(prompts[0], max_new_tokens=4, temperature=0)]
+        s.recv_requests(block=False)
+        s.step()  # the short prompt, then the first chunk of the long one
+        burst = [harness.submit(p, max_new_tokens=4, temperature=0) for p in prompts[1:4]]
+        results = harness.run(first + burst)
+    finally:
+        s.chunk_size = chunk
+    cached = [results[r].cached_tokens for r in burst]
+    assert all(n >= shared for n in cached), (shared, cached)
     harness.assert_memory_empty()

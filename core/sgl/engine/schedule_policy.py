@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from sgl.kvcache import BaseCachePolicy, KVPool, PrefixMatch, ReqToTokenPool
 
 __all__ = ["CACHE_AWARE_POLICIES", "CACHE_AWARE_QUEUE_LIMIT", "IN_QUEUE_SHARING_TOKENS",
-           "Admission", "ScheduledBatch", "defer_for_sharing", "order_waiting"]
+           "Admission", "ScheduledBatch", "defer_for_sharing", "order_waiting", "shared_len",
+           "wait_for_prefix"]
 
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 #: more waiting requests than this: cache-aware policies fall back to fcfs
@@ -96,6 +97,39 @@ def defer_for_sharing(req: Req, match: PrefixMatch, admitted: set[tuple[int, ...
     if len(match) < IN_QUEUE_SHARING_TOKENS and head in admitted:
         return True
     admitted.add(head)
+    return False
+
+
+def shared_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common (slices compare in C; the
+    search halves the candidate length)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def wait_for_prefix(req: Req, match: PrefixMatch,
+                    in_flight: Sequence[tuple[Sequence[int], int]]) -> bool:
+    """Whether ``req`` should wait a step because a prompt being computed in this step shares
+    at least :data:`IN_QUEUE_SHARING_TOKENS` more of its leading tokens than the cache holds
+    for it now. ``in_flight``: each such prompt's tokens and how many of them will be in the
+    cache after this step (its chunks so far). A burst of requests on one system prompt that
+    arrives while the first of them is still in its prefill chunks then computes the system
+    prompt once, not once per request admitted meanwhile."""
+    if len(req.input_ids) <= IN_QUEUE_SHARING_TOKENS:
+        return False
+    head = req.input_ids[:IN_QUEUE_SHARING_TOKENS]
+    for tokens, computed in in_flight:
+        if computed - len(match) < IN_QUEUE_SHARING_TOKENS or tokens[:len(head)] != head:
+            continue
+        gain = min(shared_len(req.input_ids, tokens[:computed]), max_prefix_len(req))
+        if gain - len(match) >= IN_QUEUE_SHARING_TOKENS:
+            return True
     return False
 
 
@@ -185,14 +219,18 @@ class Admission:
                     and num_running < self.max_running_requests)
 
     def select(self, waiting: Sequence[Req], num_running: int, budget: int, free: int,
-               reserved: int, new_token_ratio: float) -> list[tuple[Req, PrefixMatch, int]]:
+               reserved: int, new_token_ratio: float,
+               in_flight: Sequence[tuple[Req, int]] = ()) -> list[tuple[Req, PrefixMatch, int]]:
         """``(request, its locked cached prefix, new tokens it runs this step)`` for each
         request to admit. ``free``: KV slots this step's tokens may still take; ``reserved``:
         slots the running requests are expected to need for their outputs (a share
         ``new_token_ratio`` of what they may still generate); a request is admitted only if
-        its prompt and its expected output fit beside them (or it would run alone)."""
+        its prompt and its expected output fit beside them (or it would run alone).
+        ``in_flight``: the running requests whose prompts have a chunk in this step, with its
+        tokens (see :func:`wait_for_prefix`)."""
         order, matches = order_waiting(self.policy, waiting, self.cache, max_prefix_len)
         shared_heads: set[tuple[int, ...]] = set()
+        prompts = [(r.input_ids, min(r.kv_len + n, len(r.input_ids))) for r, n in in_flight]
         rows_free = self.req_to_token_pool.num_free
         chosen: list[tuple[Req, PrefixMatch, int]] = []
         for req in order:
@@ -203,8 +241,9 @@ class Admission:
             match = matches.get(id(req))  # an empty match is falsy: test for None
             if match is None:
                 match = self.cache.match_prefix(req.token_slice(0, max_prefix_len(req)))
-            if self.policy in CACHE_AWARE_POLICIES and defer_for_sharing(req, match,
-                                                                         shared_heads):
+            if self.policy in CACHE_AWARE_POLICIES and (
+                    wait_for_prefix(req, match, prompts)
+                    or defer_for_sharing(req, match, shared_heads)):
                 continue
             self.cache.lock(match)
             pending = req.seq_len - len(match)
@@ -215,6 +254,7 @@ class Admission:
                 break
             n = min(pending, budget, free)
             chosen.append((req, match, max(n, 0)))
+            prompts.append((req.input_ids, min(len(match) + max(n, 0), len(req.input_ids))))
             if n > 0:
                 budget, free = budget - n, free - n
             reserved += need

@@ -282,8 +282,10 @@ class Scheduler:
         if self.admission.has_room(self.waiting, len(self.running), budget):
             reserved = sum(self.admission.expected_output(r, self.new_token_ratio) + r.pending
                            for r in self.running) - len(decodes)
+            in_flight = [(r, n) for r, n in batch.items if r.kv_len < len(r.input_ids)]
             for req, match, n in self.admission.select(self.waiting, len(self.running), budget,
-                                                       free, reserved, self.new_token_ratio):
+                                                       free, reserved, self.new_token_ratio,
+                                                       in_flight):
                 self.waiting.remove(req)
                 self.start(req, match)
                 if n > 0:

@@ -490,6 +490,99 @@ AVX512_TARGET static inline __attribute__((always_inline)) void pv_all(
     }
 }
 
+/* The weighted sums of V on vdpbf16ps (bfloat16 only): the probabilities are rounded to
+   bfloat16, as transformers' eager attention rounds them before its matmul with V (and
+   FlashAttention before its second matmul), and tokens go in pairs: lane pair (v_t[d],
+   v_t+1[d]) of two V rows interleaved against the broadcast pair (p_t, p_t+1). Exact products
+   and float32 sums, half the instructions of the FMAs on widened V. */
+
+/* head h's probabilities p[h * n + t] as bfloat16, in place: row h becomes n2 = n rounded up
+   to even bfloat16 values (a zero after an odd n) at the start of its own float row */
+AVX512_BF16_TARGET static void probs_to_bf16(float *p, int64_t n, int64_t Hq) {
+    const int64_t n2 = (n + 1) & ~(int64_t)1;
+    for (int64_t h = 0; h < Hq; h++) {
+        float *row = p + h * n;
+        uint16_t *dst = (uint16_t *)row;
+        for (int64_t t = 0; t < n2; t += 16) { /* t < n; the writes stay behind the reads */
+            const __m512 a = _mm512_maskz_loadu_ps(tail_mask(n - t), row + t);
+            _mm256_mask_storeu_epi16(dst + t, tail_mask(n2 - t), (__m256i)_mm512_cvtneps_pbh(a));
+        }
+    }
+}
+
+/* out_h = inv_sum_h * sum_t p_h[t] v[slots[t]] over the V columns [off, off + 32 dv2) of one KV
+   head for gn (<= 4, constant) query heads whose bfloat16 probabilities are rows of p (stride
+   p_stride); dv2 (<= 2, constant) 32-column chunks. */
+AVX512_BF16_TARGET static inline __attribute__((always_inline)) void pv_dp_heads(
+    const uint16_t *p, int64_t p_stride, int64_t n, const char *vp, int64_t v_row, int64_t off,
+    const int64_t *slots, char *out, int64_t out_head, const float *inv_sum, const int gn,
+    const int dv2) {
+    __m512 o[4][4];
+#pragma GCC unroll 4
+    for (int g = 0; g < gn; g++)
+#pragma GCC unroll 4
+        for (int i = 0; i < 2 * dv2; i++) o[g][i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 2) {
+        const char *r0 = vp + slots[t] * v_row + off;
+        const char *r1 = vp + slots[t + 1 < n ? t + 1 : t] * v_row + off; /* its p is 0 */
+        __m512i vv[4];
+#pragma GCC unroll 2
+        for (int i = 0; i < dv2; i++) {
+            const __m512i x = _mm512_loadu_si512(r0 + i * 64), y = _mm512_loadu_si512(r1 + i * 64);
+            vv[2 * i] = _mm512_unpacklo_epi16(x, y);     /* columns 8L + 0..3 of lane L */
+            vv[2 * i + 1] = _mm512_unpackhi_epi16(x, y); /* columns 8L + 4..7 */
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < gn; g++) {
+            int32_t pair;
+            memcpy(&pair, p + g * p_stride + t, 4);
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+            for (int i = 0; i < 2 * dv2; i++) o[g][i] = _mm512_dpbf16_ps(o[g][i], w, (__m512bh)vv[i]);
+        }
+    }
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+#pragma GCC unroll 4
+    for (int g = 0; g < gn; g++) {
+        const __m512 f = _mm512_set1_ps(inv_sum[g]);
+#pragma GCC unroll 2
+        for (int i = 0; i < dv2; i++) {
+            char *dst = out + (g * out_head + i * 32) * 2;
+            store16(dst, _mm512_mul_ps(_mm512_permutex2var_ps(o[g][2 * i], lo, o[g][2 * i + 1]), f), 1);
+            store16(dst + 32, _mm512_mul_ps(_mm512_permutex2var_ps(o[g][2 * i], hi, o[g][2 * i + 1]), f), 1);
+        }
+    }
+}
+
+/* pv_all on vdpbf16ps for bfloat16 with Dv % 32 == 0; p: the probabilities of probs_to_bf16 */
+AVX512_BF16_TARGET static void pv_dp(const float *p, int64_t n, const char *vp, int64_t v_row,
+                                     const int64_t *slots, char *out, const float *inv_sum,
+                                     int64_t Hk, int64_t G, int64_t Dv) {
+    const uint16_t *p16 = (const uint16_t *)p;
+    const int64_t ps = 2 * n; /* a float row is two bfloat16 rows wide */
+    for (int64_t hk = 0; hk < Hk; hk++)
+        for (int64_t col = 0; col < Dv; col += 64)
+            for (int64_t g0 = 0; g0 < G; g0 += 4) {
+                const int64_t h = hk * G + g0, off = (hk * Dv + col) * 2;
+                const uint16_t *ph = p16 + h * ps;
+                char *oh = out + (h * Dv + col) * 2;
+                const int gn = G - g0 < 4 ? (int)(G - g0) : 4;
+                if (Dv - col >= 64) switch (gn) {
+                    case 4: pv_dp_heads(ph, ps, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, 4, 2); break;
+                    case 3: pv_dp_heads(ph, ps, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, 3, 2); break;
+                    case 2: pv_dp_heads(ph, ps, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, 2, 2); break;
+                    default: pv_dp_heads(ph, ps, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, 1, 2);
+                    }
+                else switch (gn) {
+                    case 4: pv_dp_heads(ph, ps, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, 4, 1); break;
+                    case 3: pv_dp_heads(ph, ps, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, 3, 1); break;
+                    case 2: pv_dp_heads(ph, ps, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, 2, 1); break;
+                    default: pv_dp_heads(ph, ps, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, 1, 1);
+                    }
+            }
+}
+
 AVX512_TARGET static inline __attribute__((always_inline)) void attend_seq(
     const char *q, int64_t q_head, const char *kp, const char *vp, int64_t k_row, int64_t v_row,
     const int64_t *slots, int64_t n, char *out, float *scores, int64_t Hq, int64_t Hk, int64_t D,
@@ -504,6 +597,11 @@ AVX512_TARGET static inline __attribute__((always_inline)) void attend_seq(
     default: qk_all(q, q_head, kp, k_row, slots, n, scores, scale, dtype, es, Hq, G, pf, (int)(D / 16));
     }
     for (int64_t h = 0; h < Hq; h++) inv_sum[h] = softmax_row(scores + h * n, n, softcap);
+    if (dp && Dv % 32 == 0) {
+        probs_to_bf16(scores, n, Hq);
+        pv_dp(scores, n, vp, v_row, slots, out, inv_sum, Hk, G, Dv);
+        return;
+    }
     switch (Dv) {
     case 64: pv_all(scores, vp, v_row, slots, n, out, inv_sum, dtype, es, Hk, G, 64, 0, 4); break;
     case 128: pv_all(scores, vp, v_row, slots, n, out, inv_sum, dtype, es, Hk, G, 128, 0, 8); break;
