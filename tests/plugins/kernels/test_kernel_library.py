@@ -179,6 +179,30 @@ def test_extend_attention_matches_its_reference(dtype: torch.dtype, heads: tuple
         torch.testing.assert_close(got.float(), expected.float(), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,d", [((9, 3), 64), ((8, 1), 128)])
+@pytest.mark.usefixtures("kernel_isa", "restore_kernel_threads")
+def test_attention_with_peaked_scores(dtype: torch.dtype, heads: tuple[int, int],
+                                      d: int) -> None:
+    """Scores scaled up so that a few keys carry each row: then the probabilities' pairing
+    with the V rows (the bfloat16 weighted sums take keys two by two) shows in the output,
+    where flat attention averages a mix-up away."""
+    torch.manual_seed(d)
+    args = list(_extend_args(dtype, heads[0], heads[1], d, softcap=0.0, window=0))
+    args[11] = 1.0  # the scale: d ** 0.5 times the usual
+    tol = {"rtol": 0.02, "atol": 0.02} if dtype == torch.bfloat16 else {"rtol": 1e-5,
+                                                                        "atol": 1e-5}
+    decode = list(_op_inputs(dtype)["decode_attention"])
+    decode[12] = 1.0
+    for threads in (1, 2):
+        cpu.set_threads(threads)
+        got = torch.ops.sgl.extend_attention(*args)
+        torch.testing.assert_close(got.float(), ops.extend_attention(*args).float(), **tol)
+        mine, theirs = [_clone(a) for a in decode], [_clone(a) for a in decode]
+        torch.testing.assert_close(torch.ops.sgl.decode_attention(*mine).float(),
+                                   ops.decode_attention(*theirs).float(), **tol)
+
+
 def _tree_bits(parents: list[int]) -> list[int]:
     """Each node's ancestors-or-self as bits, the int32 pattern ``tree_bits`` takes."""
     bits = []

@@ -1240,6 +1240,80 @@ AVX512_BF16_TARGET static void ext_qk_dp_block(const char *const *k, int64_t nk,
     }
 }
 
+/* The weighted sum on vdpbf16ps (dp), keys in pairs as in the decode kernel's pv_dp_heads:
+   pp[i][r] = the bfloat16 pair (p_2i[r], p_2i+1[r]) of row r's probabilities, vpair[i][q] =
+   the pair (v_2i[c], v_2i+1[c]) of column c = ext_dp_column(q), so a row's probabilities are
+   rounded to bfloat16 before their products, as transformers' eager attention rounds them. */
+static inline int64_t ext_dp_column(int64_t q) { /* positions of vpunpck{l,h}wd's lanes */
+    const int64_t chunk = q / 32, r = q % 32, half = r / 16, lane = (r % 16) / 4;
+    return chunk * 32 + lane * 8 + half * 4 + r % 4;
+}
+
+/* pp and vpair of the block's nk keys (an odd last key pairs with itself, probability 0) */
+AVX512_BF16_TARGET static void ext_dp_pairs(const char *const *v, int64_t nk, int64_t Dv,
+                                            const float *pt, uint32_t *pp, uint32_t *vpair,
+                                            const int nb) {
+    for (int64_t x = 0; x < nk; x += 2) {
+        const int64_t i = x / 2;
+        const char *r1 = v[x + 1 < nk ? x + 1 : x];
+        for (int b = 0; b < nb; b++) {
+            const __m512 a = _mm512_load_ps(pt + x * EXT_ROWS + 16 * b);
+            const __m512 c = x + 1 < nk ? _mm512_load_ps(pt + (x + 1) * EXT_ROWS + 16 * b)
+                                        : _mm512_setzero_ps();
+            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(c));
+            _mm512_storeu_si512(pp + i * EXT_ROWS + 16 * b,
+                                _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+        for (int64_t c0 = 0; c0 < Dv; c0 += 32) {
+            const __m512i x0 = _mm512_loadu_si512(v[x] + c0 * 2), x1 = _mm512_loadu_si512(r1 + c0 * 2);
+            _mm512_storeu_si512(vpair + i * Dv + c0, _mm512_unpacklo_epi16(x0, x1));
+            _mm512_storeu_si512(vpair + i * Dv + c0 + 16, _mm512_unpackhi_epi16(x0, x1));
+        }
+    }
+}
+
+/* ot[c][rows] += the block's weighted V for the 4 columns of positions q0 .. q0 + 3 */
+AVX512_BF16_TARGET static inline __attribute__((always_inline)) void ext_pv_dp(
+    const uint32_t *vpair, int64_t np, int64_t Dv, const uint32_t *pp, float *ot, int64_t q0,
+    const int nb) {
+    const int64_t c0 = ext_dp_column(q0); /* 4 positions, 4 consecutive columns */
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++)
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) acc[c][b] = _mm512_load_ps(ot + (c0 + c) * EXT_ROWS + 16 * b);
+    for (int64_t i = 0; i < np; i++) {
+        __m512bh pv[4];
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) pv[b] = (__m512bh)_mm512_loadu_si512(pp + i * EXT_ROWS + 16 * b);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)vpair[i * Dv + q0 + c]);
+#pragma GCC unroll 4
+            for (int b = 0; b < nb; b++) acc[c][b] = _mm512_dpbf16_ps(acc[c][b], pv[b], w);
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++)
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) _mm512_store_ps(ot + (c0 + c) * EXT_ROWS + 16 * b, acc[c][b]);
+}
+
+AVX512_BF16_TARGET static void ext_pv_dp_block(const uint32_t *vpair, int64_t np, int64_t Dv,
+                                               const uint32_t *pp, float *ot, int nb) {
+    for (int64_t q0 = 0; q0 < Dv; q0 += 4) {
+#define EXT_PV_DP(NB) ext_pv_dp(vpair, np, Dv, pp, ot, q0, NB)
+        switch (nb) {
+        case 4: EXT_PV_DP(4); break;
+        case 3: EXT_PV_DP(3); break;
+        case 2: EXT_PV_DP(2); break;
+        default: EXT_PV_DP(1);
+        }
+#undef EXT_PV_DP
+    }
+}
+
 #define EXT_NB_SWITCH(CALL, NB)                                                                 \
     switch (NB) {                                                                               \
     case 4: CALL(4); break;                                                                     \
@@ -1260,7 +1334,8 @@ AVX512_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t 
     float *mrow = buf.mrow, *lrow = buf.lrow;
     const int32_t *pos = buf.pos, *tbits = j->tree_bits ? buf.tbits : NULL;
     const float *kx[EXT_KB], *vx[EXT_KB];
-    const char *kb[EXT_KB]; /* the block's K rows in the pool */
+    const char *kb[EXT_KB], *vb[EXT_KB]; /* the block's K and V rows in the pool */
+    const int pv_dp = j->dp && Dv % 32 == 0 && D >= 32; /* pp fits in kf, vpair in vf */
     for (int64_t item = i0; item < i1; item++) {
         const extend_item it = extend_locate(j, item);
         const int64_t hk = it.hk, rows = it.rows, p_last = it.p_last, *slots = it.slots;
@@ -1279,8 +1354,10 @@ AVX512_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t 
                     if (!j->dp) /* dp reads K in place */
                         for (int64_t d = 0; d < D; d += 16)
                             _mm512_store_ps(kf + x * D + d, load16(kr + d * es, 1));
-                    for (int64_t d = 0; d < Dv; d += 16)
-                        _mm512_store_ps(vf + x * Dv + d, load16(vr + d * es, 1));
+                    if (!pv_dp) /* pv_dp reads V in place too */
+                        for (int64_t d = 0; d < Dv; d += 16)
+                            _mm512_store_ps(vf + x * Dv + d, load16(vr + d * es, 1));
+                    vb[x] = vr;
                     kx[x] = kf + x * D;
                     vx[x] = vf + x * Dv;
                 } else {
@@ -1355,7 +1432,10 @@ AVX512_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t 
                     _mm512_store_ps(ot + c * EXT_ROWS + 16 * rb,
                                     _mm512_mul_ps(_mm512_load_ps(ot + c * EXT_ROWS + 16 * rb), alpha));
             }
-            for (int64_t c = 0; c < Dv; c += 4) {
+            if (pv_dp) { /* kf and vf are free: K and V are read in place */
+                ext_dp_pairs(vb, nk, Dv, st, (uint32_t *)kf, (uint32_t *)vf, nb);
+                ext_pv_dp_block((const uint32_t *)vf, (nk + 1) / 2, Dv, (const uint32_t *)kf, ot, nb);
+            } else for (int64_t c = 0; c < Dv; c += 4) {
 #define EXT_PV(NB) ext_pv(vx, nk, st, ot, c, 4, NB)
                 EXT_NB_SWITCH(EXT_PV, nb)
 #undef EXT_PV
