@@ -24,6 +24,7 @@ from sgl.engine.memory import kv_pool_bytes
 from sgl.kernels import cpu
 from sgl.kvcache.pool import KVPool, ReqToTokenPool
 from sgl.layers.attention import Attention
+from sgl.layers.embedding import ParallelLMHead
 from sgl.layers.quantized import AUTO_ROUND_X_ROWS, decode_step, deferred_weights
 from sgl.layers.tp import get_tp_group, tp_min
 from sgl.model_loader import (
@@ -320,6 +321,10 @@ class ModelRunner:
         #: whether the last forward was a decode step: its logits are one too (the LM head's
         #: quantized matmul may then round x, as the layers' did)
         self._last_decoding = False
+        #: the LM head whose logits ``logits_at(reuse=True)`` writes into ``_logits_buffer``
+        self._lm_head = _lm_head(self.model)
+        self._logits_buffer: torch.Tensor | None = None
+        self._logits_rows = max_running_requests
         #: replays recorded decode forwards (sgl.engine.cpu_graph); None when off
         self.cpu_graphs: CpuGraphRunner | None = None
         #: replays the CUDA graphs of decode forwards (sgl.engine.cuda_graph); None when off
@@ -454,23 +459,47 @@ class ModelRunner:
             return self.model(batch)
 
     @torch.inference_mode()
-    def logits_at(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def logits_at(self, hidden: torch.Tensor, indices: torch.Tensor, *,
+                  reuse: bool = False) -> torch.Tensor:
         """float32 logits ``[len(indices), vocab]`` of the chosen token rows of ``hidden``
         (with tensor parallelism: of the last forward's hidden states, which the other ranks
-        hold too)."""
+        hold too).
+
+        :param reuse: write them into a buffer that the next call with ``reuse`` overwrites,
+            not into a new tensor: for a caller done with them by then (the scheduler's
+            sampling). A new float32 tensor every step (6 MiB at batch 32 for SmolLM2's 49152
+            tokens) often came from fresh pages, the heap having split the last one for small
+            objects, and on the project's VMs its 1536 page faults made a decode step 20-60 ms
+            slower (docs/benchmarks.md, "Page faults in the decode step").
+        """
         rows = hidden.index_select(0, indices.to(hidden.device))
-        if self.mirror is None:
-            with decode_step(self._last_decoding):
-                return self.model.compute_logits(rows)
-        if hidden is not self._last_hidden:
-            raise ValueError("with tensor parallelism, logits_at takes the hidden states the "
-                             "last forward returned")
-        self.mirror.logits_at(indices)
+        if self.mirror is not None:
+            if hidden is not self._last_hidden:
+                raise ValueError("with tensor parallelism, logits_at takes the hidden states "
+                                 "the last forward returned")
+            self.mirror.logits_at(indices)
+        head = self._lm_head if reuse else None
+        if head is not None:
+            head.logits_scratch = self._logits_scratch(rows.shape[0], head.num_embeddings)
         try:
             with decode_step(self._last_decoding):
                 return self.model.compute_logits(rows)
         except Exception as exc:
+            if self.mirror is None:
+                raise
             raise GroupFailure(f"a tensor-parallel logits computation failed: {exc}") from exc
+        finally:
+            if head is not None:
+                head.logits_scratch = None
+
+    def _logits_scratch(self, rows: int, vocab: int) -> torch.Tensor:
+        """The buffer of ``logits_at(reuse=True)``, grown to hold ``rows`` rows."""
+        buffer = self._logits_buffer
+        if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != vocab:
+            self._logits_rows = max(self._logits_rows, rows)
+            buffer = self._logits_buffer = torch.empty(
+                self._logits_rows, vocab, dtype=torch.float32, device=self.device)
+        return buffer
 
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model; float32 logits ``[batch_size, vocab]`` of each sequence's last new
@@ -478,3 +507,12 @@ class ModelRunner:
         hidden = self.forward(batch)
         last = torch.cumsum(batch.extend_seq_lens, dim=0) - 1
         return self.logits_at(hidden, last)
+
+
+def _lm_head(model: torch.nn.Module) -> ParallelLMHead | None:
+    """The model's LM head, where it is sgl's :class:`~sgl.layers.ParallelLMHead`."""
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    return head if isinstance(head, ParallelLMHead) else None

@@ -487,7 +487,7 @@ class Scheduler:
         """Sample the next token of each request from its row of ``hidden``; nothing about a
         request changes before every token is drawn (so a failure can be retried)."""
         rows = torch.tensor([row for _, row in to_sample], dtype=torch.int64)
-        logits = self.runner.logits_at(hidden, rows)
+        logits = self.runner.logits_at(hidden, rows, reuse=True)
         reqs = [r for r, _ in to_sample]
         wants = [i for i, r in enumerate(reqs) if r.logprobs.return_logprob]
         lp = LogprobRows(logits[wants]) if wants else None  # the model's, before the grammar

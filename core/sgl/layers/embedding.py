@@ -105,6 +105,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, dtype=dtype, device=device)
         self.logit_softcap = logit_softcap or None  # 0 means none, as in some configs
         self.packed: PackedWeight | None = None
+        #: float32 ``[rows, vocab]``: while set, :meth:`forward` writes its logits into the
+        #: first rows and returns them, instead of a new tensor (``ModelRunner.logits_at`` with
+        #: ``reuse``)
+        self.logits_scratch: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
         """Pack the (possibly tied) weight for the CPU matmul (:mod:`sgl.layers.packed_linear`);
@@ -124,7 +128,13 @@ class ParallelLMHead(VocabParallelEmbedding):
                                       self.weight_scales, None, round_x_rows=self.round_x_rows)
         else:
             logits = linear(hidden, self.weight, None, self.packed)
-        logits = tp_all_gather(logits, dim=-1)[..., :self.num_embeddings].float()
+        logits = tp_all_gather(logits, dim=-1)[..., :self.num_embeddings]
+        scratch = self.logits_scratch
+        if (scratch is not None and logits.dim() == 2 and logits.shape[0] <= scratch.shape[0]
+                and logits.shape[1] == scratch.shape[1]):
+            logits = scratch[:logits.shape[0]].copy_(logits)
+        else:
+            logits = logits.float()
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits

@@ -427,3 +427,54 @@ def test_sgl_cpu_emulate_reaches_the_cli() -> None:
                          text=True, timeout=120, env={**os.environ, "SGL_CPU_ISA": level,
                                                       "SGL_CPU_EMULATE": "0"})
     assert out.stdout.strip().splitlines()[-1].startswith(f"CPU kernels: {cpu.detected_isa()} (")
+
+
+@pytest.mark.parametrize("n", [16, 96, 1000, 4100])
+@pytest.mark.usefixtures("kernel_isa", "restore_kernel_threads", "one_torch_thread")
+def test_the_pool_runs_every_chunk_once_at_any_thread_count(n: int) -> None:
+    """The pool deals a job's chunks out in one share per thread and lets a thread finish the
+    others' shares: every column of a matmul, and every sequence of a decode attention, is
+    computed exactly once, with fewer chunks than threads, shares of unequal size, and more
+    threads than this machine has cores."""
+    torch.manual_seed(n)
+    x = torch.randn(5, 64)
+    weight = torch.randn(n, 64)
+    decode = _op_inputs(torch.bfloat16)["decode_attention"]
+    for threads in (1, 2, 3, 5, 8):
+        cpu.set_threads(threads)
+        for dtype, pack, op in ((torch.bfloat16, cpu.pack_bf16_weight, torch.ops.sgl.linear_bf16),
+                                (torch.float32, cpu.pack_f32_weight, torch.ops.sgl.linear_f32)):
+            got = op(x.to(dtype), pack(weight.to(dtype)), n, None)
+            want = x.to(dtype).float() @ weight.to(dtype).float().t()
+            torch.testing.assert_close(got.float(), want, rtol=0.02, atol=0.05)
+        mine, theirs = [_clone(a) for a in decode], [_clone(a) for a in decode]
+        torch.testing.assert_close(torch.ops.sgl.decode_attention(*mine).float(),
+                                   ops.decode_attention(*theirs).float(), rtol=0.02, atol=0.02)
+
+
+POOL_ON_ONE_CORE = """
+import os, torch
+from sgl.kernels import cpu
+os.sched_setaffinity(0, [sorted(os.sched_getaffinity(0))[0]])
+torch.set_num_threads(1)
+cpu.set_threads(2)
+torch.manual_seed(0)
+x, w = torch.randn(32, 576).bfloat16(), torch.randn(4096, 576).bfloat16()
+packed, want = cpu.pack_bf16_weight(w), x.float() @ w.float().t()
+for _ in range(200):
+    torch.testing.assert_close(torch.ops.sgl.linear_bf16(x, packed, 4096, None).float(), want,
+                               rtol=0.02, atol=0.1)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")
+def test_two_kernel_threads_on_one_core_finish_each_others_shares() -> None:
+    """Two kernel threads on one core: the OS runs one at a time and preempts either in the
+    middle of its share, so each job is finished by whichever thread runs. 200 matmuls come out
+    right and none hangs (the test's timeout would show one)."""
+    if cpu.load() is None:
+        pytest.fail(f"no kernel library: {cpu.describe_isa()}")
+    done = subprocess.run([sys.executable, "-c", POOL_ON_ONE_CORE], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -60,13 +60,21 @@ static inline int64_t chunk_of(int64_t n) {
     return chunk < 1 ? 1 : chunk;
 }
 
-/* column panels per claim of the matmuls: one claim per thread, so that each thread runs a
-   run of consecutive panels and every panel but its first is prefetched while the one before
-   it runs. With four claims per thread (chunk_of) each claim began on a cold panel: a batch-32
-   decode step's matmuls took 19.4 ms on two Zen 4 cores, 17.3 ms with one claim per thread
-   (docs/benchmarks.md, "Where concurrency 32 goes"). A thread the OS delays now holds up its
-   whole share; the other thread only claims what is left unclaimed. */
+/* column panels per claim of the bfloat16 and float32 matmuls: a few, so that a thread the OS
+   delays holds up at most a few panels (the pool's other threads take over the rest of its
+   share). A thread claims its share's panels in order and each panel's rows prefetch the next
+   panel, the first of its next claim too, so a claim does not begin on a cold panel: with four
+   claims per thread dealt out round-robin each did, and a batch-32 decode step's matmuls took
+   19.4 ms on two Zen 4 cores against 17.3 ms with one claim per thread (docs/benchmarks.md,
+   "Where concurrency 32 goes"). */
 static inline int64_t panel_chunk(int64_t n) {
+    const int64_t chunk = n / (4 * (int64_t)sgl_pool_threads());
+    return chunk < 1 ? 1 : chunk > 4 ? 4 : chunk;
+}
+
+/* column panels per claim of the quantized matmuls, whose prefetch stops at the end of a
+   claim: one claim per thread's share */
+static inline int64_t panels_per_thread(int64_t n) {
     const int64_t t = sgl_pool_threads();
     return (n + t - 1) / t;
 }

@@ -113,7 +113,7 @@ AVX2_TARGET static void linear_f32_panels(void *ctx, int64_t np_begin, int64_t n
     const int64_t tiles = 2 * ((M + F32_TILE_ROWS - 1) / F32_TILE_ROWS);
     for (int64_t np = np_begin; np < np_end; np++) {
         const float *w = j->wp + np * K * 32;
-        const float *next = np + 1 < np_end ? w + K * 32 : NULL;
+        const float *next = np + 1 < (j->N + 31) / 32 ? w + K * 32 : NULL;
         const int64_t n0 = np * 32, cols = j->N - n0 < 32 ? j->N - n0 : 32;
         const float *b = j->bias ? j->bias + n0 : NULL;
         if (M <= 2) {
@@ -235,7 +235,7 @@ AVX2_TARGET static void linear_bf16_panels(void *ctx, int64_t np_begin, int64_t 
     const int64_t G = (j->M + 1) / 2; /* groups of two rows */
     for (int64_t np = np_begin; np < np_end; np++) {
         const uint16_t *w = j->wp + np * KB * 1024;
-        const char *next = np + 1 < np_end ? (const char *)(w + KB * 1024) : NULL;
+        const char *next = np + 1 < (j->N + 31) / 32 ? (const char *)(w + KB * 1024) : NULL;
         const int64_t n0 = np * 32, cols = j->N - n0 < 32 ? j->N - n0 : 32;
         const float *b = j->bias ? j->bias + n0 : NULL;
         for (int64_t r0 = 0, g = 0; r0 < j->M; r0 += 2, g++) {

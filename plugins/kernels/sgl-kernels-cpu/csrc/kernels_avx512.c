@@ -937,7 +937,8 @@ AVX512_TARGET int sgl_argmax_f32(const float *x, int64_t stride, int64_t B, int6
 BF16_PANEL(bf16_panel_dp, AVX512_BF16_TARGET, STEP_DP)
 
 /* column panels [np_begin, np_end), rows in groups of BF16_PANEL_ROWS; `a` is x padded to Kp.
-   While a panel's row groups run, they prefetch the next panel of the range into L2, each group
+   While a panel's row groups run, they prefetch the next panel into L2 (past the range too: the thread's next claim most
+   likely begins there, jobs.h panel_chunk), each group
    its share of every K block's lines: read from memory only by the first group of rows, a panel
    left that group memory-bound and the others compute-bound, and a decode step's matmuls read
    their weights at 8-10 GB/s where the memory gives 15-20 (docs/benchmarks.md, "Matmul weights
@@ -949,7 +950,7 @@ BF16_PANEL(bf16_panel_dp, AVX512_BF16_TARGET, STEP_DP)
         const int64_t G = (j->M + BF16_PANEL_ROWS - 1) / BF16_PANEL_ROWS;                       \
         for (int64_t np = np_begin; np < np_end; np++) {                                        \
             const uint16_t *w = j->wp + np * KB * 1024;                                         \
-            const char *next = np + 1 < np_end ? (const char *)(w + KB * 1024) : NULL;            \
+            const char *next = np + 1 < (j->N + 31) / 32 ? (const char *)(w + KB * 1024) : NULL; \
             const int64_t n0 = np * 32;                                                         \
             const __mmask16 m0 = tail_mask(j->N - n0);                                          \
             const __mmask16 m1 = j->N - n0 > 16 ? tail_mask(j->N - n0 - 16) : 0;                \
@@ -1026,7 +1027,7 @@ AVX512_TARGET static void linear_bf16_widen_range(void *ctx, int64_t np_begin, i
     const int64_t G = (j->M + BF16_PANEL_ROWS - 1) / BF16_PANEL_ROWS;
     for (int64_t np = np_begin; np < np_end; np++) {
         const uint16_t *w = j->wp + np * KB * 1024;
-        const char *next = np + 1 < np_end ? (const char *)(w + KB * 1024) : NULL;
+        const char *next = np + 1 < (j->N + 31) / 32 ? (const char *)(w + KB * 1024) : NULL;
         const int64_t n0 = np * 32;
         const __mmask16 m0 = tail_mask(j->N - n0), m1 = j->N - n0 > 16 ? tail_mask(j->N - n0 - 16) : 0;
         const float *b = j->bias ? j->bias + n0 : NULL;

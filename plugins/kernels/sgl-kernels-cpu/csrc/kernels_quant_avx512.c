@@ -170,7 +170,7 @@ PANEL512_TARGET static int q512_linear_panels(const uint16_t *x, int64_t ldx, co
     }
     q512_panel_job job = {x, xf, qw, sc, y, bias, ldx, K, ldy, M, N, KB, bits, dp, 0};
     const int64_t panels = (N + 31) / 32;
-    sgl_parallel_for(q512_panels, &job, panels, panel_chunk(panels));
+    sgl_parallel_for(q512_panels, &job, panels, panels_per_thread(panels));
     return atomic_load(&job.no_memory) ? -1 : 0;
 }
 
@@ -430,13 +430,13 @@ VNNI512_TARGET static int q512_linear_i8(const void *x, int64_t ldx, const uint8
         sgl_parallel_for(i8_round_rows, &round, M, chunk_of(M));
         i8g_job job = {qw, sc, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs, 0};
         const int64_t groups = (N + 15) / 16;
-        sgl_parallel_for(i8g_groups, &job, groups, panel_chunk(groups));
+        sgl_parallel_for(i8g_groups, &job, groups, panels_per_thread(groups));
         return atomic_load(&job.no_memory) ? -1 : 0;
     }
     i8_round_rows(&round, 0, M);
     quant_i8_job job = {qw, sc, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs};
     const int64_t quads = (N + 3) / 4;
-    sgl_parallel_for(i8_quads, &job, quads, panel_chunk(quads));
+    sgl_parallel_for(i8_quads, &job, quads, panels_per_thread(quads));
     return 0;
 }
 

@@ -7,14 +7,20 @@
 #include <stdlib.h>
 
 /* -- a pool of helper threads for the kernels ------------------------------------------------
- * sgl_parallel_for(fn, ctx, n, chunk) runs fn(ctx, begin, end) over [0, n) in chunks that the caller
- * and the helpers claim from one atomic ticket, so a helper the OS has not scheduled yet just
- * claims nothing: the caller never waits for a helper to start, only for chunks already claimed.
- * The ticket holds the job number, its chunk count and the next chunk, so a claim knows from the
- * one atomic read whether it is a chunk of a live job. Helpers spin for
- * SPIN_US after a job (the next matmul of a layer follows within microseconds), then sleep on a
- * condition variable, so an idle server leaves the cores to other processes. With one thread
- * (the default until sgl_set_threads) everything runs on the caller. */
+ * sgl_parallel_for(fn, ctx, n, chunk) runs fn(ctx, begin, end) over [0, n) in chunks of `chunk`
+ * on the caller (thread 0) and the helpers (1, 2, ...). The chunks are dealt out in one
+ * contiguous share per thread; a thread claims the chunks of its own share from the front, in
+ * order (so a matmul's panel prefetch runs on from one claim into the next), then takes what is
+ * left of the other shares from their backs. A thread the OS preempts, or a helper not yet
+ * scheduled, holds up only the chunk it is in: the others finish its share. With one claim per
+ * thread and no taking over, a process using 12% of one core slowed a batch-32 decode step by
+ * 13%, its whole share of the stall (docs/kernels.md, "The thread pool").
+ *
+ * Each share is one atomic word, job << 40 | end << 20 | next, so a claim is one
+ * compare-and-swap and a helper still on the last job finds every share "not its job". Helpers
+ * spin for SPIN_US after a job (the next matmul of a layer follows within microseconds), then
+ * sleep on a condition variable, so an idle server leaves the cores to other processes. With one
+ * thread (the default until sgl_set_threads) everything runs on the caller. */
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -22,9 +28,17 @@
 
 #define SPIN_US 200.0
 #define MAX_THREADS 64
-#define FIELD_BITS 20 /* the chunk count and the next chunk; the job number above them */
+#define FIELD_BITS 20 /* a share's end and next chunk; the job number above them */
 #define FIELD_MASK ((1ull << FIELD_BITS) - 1)
+#define JOB_MASK ((1ull << (64 - 2 * FIELD_BITS)) - 1)
 #define MAX_CHUNKS (1ll << (FIELD_BITS - 1))
+
+/* one share per cache line: its owner claims from it at every chunk */
+typedef struct {
+    _Alignas(64) atomic_ullong word; /* job << 40 | end << 20 | next */
+} share;
+
+static share shares[MAX_THREADS];
 
 static struct {
     pthread_mutex_t mu;
@@ -32,12 +46,13 @@ static struct {
     pthread_mutex_t busy;        /* held by the thread whose job the pool runs */
     int threads;                 /* threads in use: the caller plus threads - 1 helpers */
     int started;                 /* helpers started (they are never stopped) */
-    atomic_ullong ticket;        /* job << 40 | chunks << 20 | next chunk */
+    atomic_ullong job;           /* the current job's number, stored once its shares are */
     atomic_llong done;           /* chunks finished of the current job */
     atomic_int sleeping;         /* helpers waiting on cv */
-    sgl_range_fn fn;               /* the current job; written before its ticket */
+    sgl_range_fn fn;             /* the current job; written before its shares */
     void *ctx;
     int64_t n, chunk;
+    int shares;                  /* shares of the current job */
 } pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER,
             .busy = PTHREAD_MUTEX_INITIALIZER, .threads = 1};
 
@@ -49,49 +64,79 @@ static double now_us(void) {
     return (double)t.tv_sec * 1e6 + (double)t.tv_nsec / 1e3;
 }
 
-static inline uint64_t ticket_job(unsigned long long t) { return t >> (2 * FIELD_BITS); }
+static inline unsigned long long share_word(uint64_t job, int64_t end, int64_t next) {
+    return (job << (2 * FIELD_BITS)) | ((unsigned long long)end << FIELD_BITS)
+           | (unsigned long long)next;
+}
 
-/* Claim and run chunks of the job the ticket holds; returns that job's number. A claim past the
- * last chunk (a late helper) runs nothing: the job's descriptor may already be the next one's. */
-static uint64_t run_chunks(void) {
+/* Claim a chunk of share s of `job`, its first (`back` 0) or its last; -1 when the share has
+   none left or belongs to another job. */
+static int64_t claim(int s, uint64_t job, int back) {
+    unsigned long long w = atomic_load_explicit(&shares[s].word, memory_order_acquire);
     for (;;) {
-        const unsigned long long t = atomic_fetch_add(&pool.ticket, 1);
-        const int64_t i = (int64_t)(t & FIELD_MASK);
-        if (i >= (int64_t)((t >> FIELD_BITS) & FIELD_MASK)) return ticket_job(t);
-        const int64_t begin = i * pool.chunk;
-        const int64_t end = begin + pool.chunk < pool.n ? begin + pool.chunk : pool.n;
-        pool.fn(pool.ctx, begin, end);
-        atomic_fetch_add(&pool.done, 1);
+        if ((w >> (2 * FIELD_BITS)) != job) return -1;
+        const int64_t next = (int64_t)(w & FIELD_MASK), end = (int64_t)((w >> FIELD_BITS) & FIELD_MASK);
+        if (next >= end) return -1;
+        const unsigned long long claimed = back ? share_word(job, end - 1, next)
+                                                : share_word(job, end, next + 1);
+        if (atomic_compare_exchange_weak_explicit(&shares[s].word, &w, claimed,
+                                                  memory_order_acq_rel, memory_order_acquire))
+            return back ? end - 1 : next;
     }
+}
+
+static void run_chunk(int64_t i) {
+    const int64_t begin = i * pool.chunk;
+    pool.fn(pool.ctx, begin, begin + pool.chunk < pool.n ? begin + pool.chunk : pool.n);
+}
+
+/* Thread `self` works on `job`: its own share from the front, then the others' from the back. */
+static void work(int self, uint64_t job) {
+    int64_t ran = 0, i;
+    const int shares_of_job = pool.shares; /* read late by a helper of an older job: then every
+                                              claim below fails on the job number */
+    while ((i = claim(self, job, 0)) >= 0) {
+        run_chunk(i);
+        ran++;
+    }
+    for (int k = 1; k <= shares_of_job; k++) {
+        const int s = (self + k) % shares_of_job;
+        if (s == self) continue;
+        while ((i = claim(s, job, 1)) >= 0) {
+            run_chunk(i);
+            ran++;
+        }
+    }
+    if (ran) atomic_fetch_add(&pool.done, ran);
 }
 
 static void *helper_main(void *arg) {
     const int index = (int)(intptr_t)arg; /* 1, 2, ... */
-    uint64_t seen = ticket_job(atomic_load(&pool.ticket));
+    uint64_t seen = atomic_load(&pool.job);
     for (;;) {
         if (index >= pool.threads) { /* not in use: sleep until a job after a resize */
             pthread_mutex_lock(&pool.mu);
             atomic_fetch_add(&pool.sleeping, 1);
-            while (index >= pool.threads || ticket_job(atomic_load(&pool.ticket)) == seen)
+            while (index >= pool.threads || atomic_load(&pool.job) == seen)
                 pthread_cond_wait(&pool.cv, &pool.mu);
             atomic_fetch_sub(&pool.sleeping, 1);
             pthread_mutex_unlock(&pool.mu);
         }
         const double start = now_us();
         unsigned spins = 0;
-        while (ticket_job(atomic_load(&pool.ticket)) == seen) {
+        while (atomic_load(&pool.job) == seen) {
             _mm_pause();
             if ((++spins & 255) == 0 && now_us() - start > SPIN_US) {
                 pthread_mutex_lock(&pool.mu);
                 atomic_fetch_add(&pool.sleeping, 1);
-                while (ticket_job(atomic_load(&pool.ticket)) == seen)
-                    pthread_cond_wait(&pool.cv, &pool.mu);
+                while (atomic_load(&pool.job) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
                 atomic_fetch_sub(&pool.sleeping, 1);
                 pthread_mutex_unlock(&pool.mu);
                 break;
             }
         }
-        seen = run_chunks();
+        seen = atomic_load(&pool.job);
+        work(index, seen);
     }
     return NULL;
 }
@@ -127,15 +172,20 @@ void sgl_parallel_for(sgl_range_fn fn, void *ctx, int64_t n, int64_t chunk) {
     pool.ctx = ctx;
     pool.n = n;
     pool.chunk = chunk;
+    pool.shares = chunks < pool.threads ? (int)chunks : pool.threads;
     atomic_store(&pool.done, 0);
-    const unsigned long long job = ticket_job(atomic_load(&pool.ticket)) + 1;
-    atomic_store(&pool.ticket, (job << (2 * FIELD_BITS)) | ((unsigned long long)chunks << FIELD_BITS));
+    const uint64_t job = (atomic_load(&pool.job) + 1) & JOB_MASK;
+    for (int s = 0; s < pool.shares; s++)
+        atomic_store_explicit(&shares[s].word,
+                              share_word(job, chunks * (s + 1) / pool.shares, chunks * s / pool.shares),
+                              memory_order_release);
+    atomic_store(&pool.job, job);
     if (atomic_load(&pool.sleeping)) {
         pthread_mutex_lock(&pool.mu);
         pthread_cond_broadcast(&pool.cv);
         pthread_mutex_unlock(&pool.mu);
     }
-    run_chunks();
+    work(0, job);
     while (atomic_load(&pool.done) < chunks) _mm_pause();
     pthread_mutex_unlock(&pool.busy);
 }
