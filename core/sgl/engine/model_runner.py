@@ -324,7 +324,6 @@ class ModelRunner:
         #: the LM head whose logits ``logits_at(reuse=True)`` writes into ``_logits_buffer``
         self._lm_head = _lm_head(self.model)
         self._logits_buffer: torch.Tensor | None = None
-        self._logits_rows = max_running_requests
         #: replays recorded decode forwards (sgl.engine.cpu_graph); None when off
         self.cpu_graphs: CpuGraphRunner | None = None
         #: replays the CUDA graphs of decode forwards (sgl.engine.cuda_graph); None when off
@@ -496,9 +495,9 @@ class ModelRunner:
         """The buffer of ``logits_at(reuse=True)``, grown to hold ``rows`` rows."""
         buffer = self._logits_buffer
         if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != vocab:
-            self._logits_rows = max(self._logits_rows, rows)
+            least = self.req_to_token_pool.max_requests if buffer is None else buffer.shape[0]
             buffer = self._logits_buffer = torch.empty(
-                self._logits_rows, vocab, dtype=torch.float32, device=self.device)
+                max(rows, least), vocab, dtype=torch.float32, device=self.device)
         return buffer
 
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
