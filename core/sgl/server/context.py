@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,9 +29,10 @@ class ServerContext:
     exit_code: int = 0
     uvicorn_server: Any = field(default=None, repr=False)
 
-    @property
+    @functools.cached_property
     def model_name(self) -> str:
-        """The name clients use in ``"model"`` fields."""
+        """The name clients use in ``"model"`` fields (every streamed chunk carries it, so it is
+        worked out once: the settings and the model path do not change while serving)."""
         if self.settings.served_model_name:
             return self.settings.served_model_name
         path = Path(self.info.model_path)
