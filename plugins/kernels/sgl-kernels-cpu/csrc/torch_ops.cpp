@@ -504,18 +504,7 @@ Tensor extend_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_p
                           lens[b], " new tokens; the kernel takes trees of at most 32");
   }
   const int64_t v_dim = v_pool.size(-1);
-  // The kernel writes every row of every sequence; only rows outside them (a caller's decode
-  // rows, say) are zeroed here, not the whole output (a prefill's output is all sequences).
-  Tensor out = at::empty({q.size(0), num_heads * v_dim}, q.options());
-  std::vector<char> written(q.size(0), 0);
-  for (int64_t b = 0; b < batch; b++)
-    std::fill(written.begin() + starts[b], written.begin() + starts[b] + lens[b], 1);
-  for (int64_t r = 0; r < q.size(0);) {
-    int64_t end = r;
-    while (end < q.size(0) && !written[end]) end++;
-    if (end > r) out.narrow(0, r, end - r).zero_();
-    r = end + 1;
-  }
+  Tensor out = at::zeros({q.size(0), num_heads * v_dim}, q.options());
   Call call(at_level(SGL_OP_EXTEND_ATTENTION, SGL_OP_EXTEND_ATTENTION_AVX2));
   call << ptr(q) << q.stride(0) << ptr(k_pool) << ptr(v_pool) << ptr(table) << table.stride(0)
        << ptr(rows) << ptr(q_starts) << ptr(prefix_lens) << ptr(extend_lens) << batch << ptr(out)
