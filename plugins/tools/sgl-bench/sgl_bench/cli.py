@@ -1,7 +1,7 @@
 """The ``sgl bench`` click group: ``serving``, ``offline`` and ``one-batch``.
 
-Only click and the standard library are imported at module level; httpx, transformers' tokenizer
-and torch are imported by the command that needs them.
+Only click and the standard library are imported at module level; aiohttp, httpx,
+transformers' tokenizer and torch are imported by the command that needs them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Registers ``sgl bench``. Only click is imported here; each command imports what it needs
-(httpx, the tokenizer, torch) when it runs."""
+(aiohttp, httpx, the tokenizer, torch) when it runs."""
 
 from __future__ import annotations
 
