@@ -40,7 +40,8 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     if mode == "long":
-        data = _event("a") + _event(LONG_TEXT) + _event("b") + _event("", 3) + b"data: [DONE]\r\n\r\n"
+        data = (_event("a") + _event(LONG_TEXT) + _event("b") + _event("", 3)
+                + b"data: [DONE]\r\n\r\n")
         for i in range(0, len(data), 4096):  # many small writes: lines split across reads
             await response.write(data[i:i + 4096])
     elif mode == "stall":
