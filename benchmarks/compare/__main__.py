@@ -86,6 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--question-len", type=int, default=64,
                    help="shared-prefix: tokens of each request's own part")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every cell, each with its own prompts (the same ones for every "
+                        "engine); the tables give the run with the median output tokens/s and "
+                        "the range of all runs, since a shared machine's runs vary by several "
+                        "percent (default 1)")
     p.add_argument("--peers-dir", type=Path,
                    default=Path(os.environ.get("SGL_BENCH_PEERS",
                                                Path.home() / ".cache" / "sgl" / "bench-peers")))
@@ -121,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--workloads: unknown workload {name!r}; choose random or shared-prefix")
     if not args.concurrencies or min(args.concurrencies) < 1:
         p.error("--concurrencies: give positive integers, e.g. 1,8,32")
+    if args.repeats < 1:
+        p.error(f"--repeats: give a positive number of runs per cell, not {args.repeats}")
     if args.from_results and not args.from_results.is_file():
         p.error(f"--from-results: no such file {str(args.from_results)!r}")
     return args
@@ -229,8 +236,8 @@ def run_engine(name: str, args: argparse.Namespace, peers: Peers, workloads: lis
                  "error": None, "probe_ms": probe}
         doc["engines"].append(entry)
         for w, c in tqdm(cells, desc=name, unit="cell"):
-            m = baseline.measure(w.requests(tokenizer, c, args.seed), c)
-            _record(doc, name, w, c, m)
+            _record(doc, name, w, c, [baseline.measure(w.requests(tokenizer, c, seed), c)
+                                      for seed in _seeds(args)])
         return
     port = free_port()
     spec = server_spec(name, args, peers, port)
@@ -247,15 +254,30 @@ def run_engine(name: str, args: argparse.Namespace, peers: Peers, workloads: lis
             if warm["completed"] == 0:
                 raise EngineError(f"warm-up failed: {warm['first_error']}")
             for w, c in tqdm(cells, desc=name, unit="cell"):
-                m = measure_server(server.base_url, w.requests(tokenizer, c, args.seed), c, model)
-                _record(doc, name, w, c, m)
+                _record(doc, name, w, c, [
+                    measure_server(server.base_url, w.requests(tokenizer, c, seed), c, model)
+                    for seed in _seeds(args)])
     except EngineError as exc:
         entry["error"] = str(exc).splitlines()[0]
         logger.error("%s", exc)
 
 
-def _record(doc: dict[str, Any], engine: str, w: Workload, c: int, m: dict[str, Any]) -> None:
-    doc["cells"].append({"engine": engine, "workload": w.name, "concurrency": c, "metrics": m})
+def _seeds(args: argparse.Namespace) -> range:
+    """The seed of each run of a cell: run k has its own prompts (a workload's prompts depend on
+    the seed, the concurrency and the workload, so no run's prompts are in the prefix cache of
+    an earlier one), and every engine gets the same ones."""
+    return range(args.seed, args.seed + args.repeats)
+
+
+def _record(doc: dict[str, Any], engine: str, w: Workload, c: int,
+            runs: list[dict[str, Any]]) -> None:
+    m = report.median_run(runs)
+    entry = {"engine": engine, "workload": w.name, "concurrency": c, "metrics": m}
+    if len(runs) > 1:
+        entry["runs"] = [report.run_summary(r) for r in runs]
+        logger.info("%-18s %-13s c=%-3d runs: %s out tok/s", engine, w.name, c,
+                    ", ".join(f"{r['output_throughput']:.1f}" for r in runs))
+    doc["cells"].append(entry)
     logger.info("%-18s %-13s c=%-3d %7.1f out tok/s  TTFT mean %7.1f ms  ITL median %6.1f ms  "
                 "%d ok / %d failed", engine, w.name, c, m["output_throughput"],
                 m["ttft_ms"]["mean"] or float("nan"), m["itl_ms"]["median"] or float("nan"),
@@ -298,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": (".venv/bin/python benchmarks/compare " + shlex.join(
             argv if argv is not None else sys.argv[1:])).strip(),
         "machine": machine_summary(), "concurrencies": args.concurrencies,
+        "repeats": args.repeats,
         "baseline": "vllm" if "vllm" in args.engines else None,
         "workloads": [{"name": w.name, "label": w.label, "description": w.describe()}
                       for w in workloads],

@@ -3,10 +3,16 @@
 The results document (schema ``sgl-compare/1``)::
 
     {"schema", "date", "command", "machine": {...}, "concurrencies": [1, 8, 32],
-     "baseline": "vllm",
+     "repeats": 3, "baseline": "vllm",
      "workloads": [{"name", "label", "description"}],
      "engines": [{"name", "label", "settings", "error"}],
-     "cells": [{"engine", "workload", "concurrency", "metrics": {sgl bench metrics}}]}
+     "cells": [{"engine", "workload", "concurrency", "metrics": {sgl bench metrics},
+                "runs": [{"output_throughput", "ttft_mean_ms"}, ...]}]}
+
+With more than one run per cell (``--repeats``), ``metrics`` are those of the run with the
+median output throughput (the lower middle one of an even count: every figure of a row then
+comes from one real run) and ``runs`` summarizes them all; a file without ``repeats`` or
+``runs`` holds one run per cell.
 
 Everything here is a pure function of that document, so it is tested on a recorded one.
 """
@@ -27,6 +33,37 @@ def cell(doc: dict[str, Any], engine: str, workload: str, concurrency: int) -> d
         if (c["engine"], c["workload"], c["concurrency"]) == (engine, workload, concurrency):
             return c["metrics"]
     return None
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The metrics of the run with the median output throughput (the lower middle one of an
+    even count)."""
+    if not runs:
+        raise ValueError("a cell needs at least one run")
+    ranked = sorted(runs, key=lambda m: m["output_throughput"])
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def run_summary(m: dict[str, Any]) -> dict[str, Any]:
+    """What a cell keeps of each of its runs."""
+    return {"output_throughput": m["output_throughput"], "ttft_mean_ms": m["ttft_ms"]["mean"]}
+
+
+def _runs(doc: dict[str, Any], engine: str, workload: str, concurrency: int) -> list[dict[str, Any]]:
+    for c in doc["cells"]:
+        if (c["engine"], c["workload"], c["concurrency"]) == (engine, workload, concurrency):
+            return c.get("runs") or []
+    return []
+
+
+def _throughput(doc: dict[str, Any], engine: str, workload: str, concurrency: int,
+                m: dict[str, Any]) -> str:
+    """The median run's output tokens/s, and the range of the cell's runs when it has several."""
+    text = _num(m["output_throughput"])
+    runs = [r["output_throughput"] for r in _runs(doc, engine, workload, concurrency)]
+    if len(runs) > 1:
+        text += f" ({min(runs):,.1f}-{max(runs):,.1f})"
+    return text
 
 
 def _num(value: Any, digits: int = 1) -> str:
@@ -68,9 +105,14 @@ def markdown(doc: dict[str, Any], chart_paths: dict[str, str]) -> str:
     """The docs section: how it was run, one table per workload, the targets, the charts."""
     base = doc.get("baseline")
     labels = {e["name"]: e["label"] for e in doc["engines"]}
+    repeats = doc.get("repeats", 1)
+    where = f"on {doc['date']}, {doc['machine'].get('summary', '')}"
+    runs = (f"One run {where}." if repeats == 1 else
+            f"{repeats} runs per cell {where}: a row gives the run with the median output "
+            "tokens/s, and in brackets the range of the cell's runs; each run has its own "
+            "prompts, the same for every engine.")
     lines = [BEGIN, "", "### sgl next to vLLM, llama-server and transformers", "",
-             f"One run on {doc['date']}, {doc['machine'].get('summary', '')}. Command:", "",
-             "```", doc["command"], "```", ""]
+             f"{runs} Command:", "", "```", doc["command"], "```", ""]
     lines.append("Engines, each alone on the machine while measured, all on SmolLM2-135M-Instruct "
                  "(the bundled GGUF dequantized to one bfloat16 Hugging Face folder; llama-server "
                  "reads GGUFs converted from that folder):")
@@ -104,7 +146,7 @@ def markdown(doc: dict[str, Any], chart_paths: dict[str, str]) -> str:
                     continue
                 b = cell(doc, base, w["name"], c) if base else None
                 lines.append(
-                    f"| {e['label']} | {c} | {_num(m['output_throughput'])} | "
+                    f"| {e['label']} | {c} | {_throughput(doc, e['name'], w['name'], c, m)} | "
                     f"{_ratio(m['output_throughput'], b and b['output_throughput'])} | "
                     f"{_num(m['ttft_ms']['mean'])} | {_num(m['ttft_ms']['p99'])} | "
                     f"{_num(m['itl_ms']['median'])} | {_num(m['tpot_ms']['mean'])} | "

@@ -179,3 +179,42 @@ def test_model_folder_loads_in_transformers(tmp_path: Path) -> None:
     assert torch.equal(state[name], tensor)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert tokenizer.decode(tokenizer.encode("Hello world")) .endswith("Hello world")
+
+
+def test_repeated_cells_report_the_median_run_and_the_range() -> None:
+    doc = recorded_run()
+    doc["repeats"] = 3
+    runs = {("sgl", 32): [(430.0, 0.21), (390.0, 0.19), (400.0, 0.2)],
+            ("vllm", 32): [(500.0, 0.3), (520.0, 0.31), (480.0, 0.29)],
+            ("sgl", 1): [(40.0, 0.05), (41.0, 0.06), (39.0, 0.04)],
+            ("vllm", 1): [(35.0, 0.08), (35.5, 0.07), (36.0, 0.09)]}
+    for cell in doc["cells"]:
+        measured = [_metrics(tps, ttft) for tps, ttft in runs[cell["engine"], cell["concurrency"]]]
+        cell["metrics"] = report.median_run(measured)
+        cell["runs"] = [report.run_summary(m) for m in measured]
+    text = report.markdown(doc, {})
+    assert "3 runs per cell on 2026-11-29" in text
+    cols = [c.strip() for c in next(line for line in text.splitlines()
+                                    if line.startswith("| sgl | 32 |")).strip("|").split("|")]
+    # the median run (400 tok/s, TTFT 200 ms) against vLLM's median (500), and the range
+    assert cols[2] == "400.0 (390.0-430.0)" and cols[3] == "0.80x" and cols[4] == "200.0"
+    verdicts = {what: met for what, _, _, met in report.targets(doc)}
+    assert verdicts["random: output tok/s at concurrency 32"] is False
+    # TTFT at concurrency 1 from the median-throughput runs: sgl's 40 tok/s run (50 ms)
+    assert report.cell(doc, "sgl", "random", 1)["ttft_ms"]["mean"] == pytest.approx(50.0)
+    json.dumps(doc)
+
+
+def test_median_run_of_an_even_count_is_a_real_run() -> None:
+    measured = [_metrics(tps, 0.1) for tps in (300.0, 100.0, 400.0, 200.0)]
+    assert report.median_run(measured)["output_throughput"] == pytest.approx(200.0)
+    assert report.median_run(measured[:1]) is measured[0]
+    with pytest.raises(ValueError, match="at least one run"):
+        report.median_run([])
+
+
+def test_repeats_must_be_positive(capsys) -> None:
+    assert parse_args(["--repeats", "3"]).repeats == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--repeats", "0"])
+    assert "--repeats: give a positive number of runs per cell, not 0" in capsys.readouterr().err
