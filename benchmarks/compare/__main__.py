@@ -337,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_docs:
         render(doc, args)
     for what, sv, bv, met in report.targets(doc):
-        logger.info("target %s: sgl %s, baseline %s: %s", what, sv, bv,
-                    {True: "met", False: "NOT met", None: "not measured"}[met])
+        logger.info("target %s: sgl %s, baseline %s: %s", what, report.number(sv),
+                    report.number(bv), {True: "met", False: "NOT met", None: "not measured"}[met])
     return 0
 
 

@@ -59,14 +59,15 @@ def _runs(doc: dict[str, Any], engine: str, workload: str, concurrency: int) -> 
 def _throughput(doc: dict[str, Any], engine: str, workload: str, concurrency: int,
                 m: dict[str, Any]) -> str:
     """The median run's output tokens/s, and the range of the cell's runs when it has several."""
-    text = _num(m["output_throughput"])
+    text = number(m["output_throughput"])
     runs = [r["output_throughput"] for r in _runs(doc, engine, workload, concurrency)]
     if len(runs) > 1:
         text += f" ({min(runs):,.1f}-{max(runs):,.1f})"
     return text
 
 
-def _num(value: Any, digits: int = 1) -> str:
+def number(value: Any, digits: int = 1) -> str:
+    """``value`` with thousands separators and ``digits`` decimals; ``-`` when missing."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return f"{value:,.{digits}f}"
@@ -148,8 +149,8 @@ def markdown(doc: dict[str, Any], chart_paths: dict[str, str]) -> str:
                 lines.append(
                     f"| {e['label']} | {c} | {_throughput(doc, e['name'], w['name'], c, m)} | "
                     f"{_ratio(m['output_throughput'], b and b['output_throughput'])} | "
-                    f"{_num(m['ttft_ms']['mean'])} | {_num(m['ttft_ms']['p99'])} | "
-                    f"{_num(m['itl_ms']['median'])} | {_num(m['tpot_ms']['mean'])} | "
+                    f"{number(m['ttft_ms']['mean'])} | {number(m['ttft_ms']['p99'])} | "
+                    f"{number(m['itl_ms']['median'])} | {number(m['tpot_ms']['mean'])} | "
                     f"{m['completed']} / {m['failed']} |")
         lines.append("")
     checks = targets(doc)
@@ -157,7 +158,7 @@ def markdown(doc: dict[str, Any], chart_paths: dict[str, str]) -> str:
         lines += [f"Targets (sgl against {labels.get(base, base)}, same run):", ""]
         for what, sv, bv, met in checks:
             verdict = {True: "met", False: "**not met**", None: "not measured"}[met]
-            lines.append(f"- {what}: sgl {_num(sv)}, {labels.get(base, base)} {_num(bv)}: "
+            lines.append(f"- {what}: sgl {number(sv)}, {labels.get(base, base)} {number(bv)}: "
                          f"{verdict}")
         lines.append("")
     for title, path in chart_paths.items():
