@@ -28,11 +28,18 @@ BEGIN = "<!-- compare:begin (written by benchmarks/compare; do not edit by hand)
 END = "<!-- compare:end -->"
 
 
-def cell(doc: dict[str, Any], engine: str, workload: str, concurrency: int) -> dict[str, Any] | None:
+def _entry(doc: dict[str, Any], engine: str, workload: str,
+           concurrency: int) -> dict[str, Any] | None:
     for c in doc["cells"]:
         if (c["engine"], c["workload"], c["concurrency"]) == (engine, workload, concurrency):
-            return c["metrics"]
+            return c
     return None
+
+
+def cell(doc: dict[str, Any], engine: str, workload: str, concurrency: int) -> dict[str, Any] | None:
+    """The metrics of a cell (of its median run), or None when it was not measured."""
+    entry = _entry(doc, engine, workload, concurrency)
+    return entry["metrics"] if entry else None
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -49,18 +56,12 @@ def run_summary(m: dict[str, Any]) -> dict[str, Any]:
     return {"output_throughput": m["output_throughput"], "ttft_mean_ms": m["ttft_ms"]["mean"]}
 
 
-def _runs(doc: dict[str, Any], engine: str, workload: str, concurrency: int) -> list[dict[str, Any]]:
-    for c in doc["cells"]:
-        if (c["engine"], c["workload"], c["concurrency"]) == (engine, workload, concurrency):
-            return c.get("runs") or []
-    return []
-
-
 def _throughput(doc: dict[str, Any], engine: str, workload: str, concurrency: int,
                 m: dict[str, Any]) -> str:
     """The median run's output tokens/s, and the range of the cell's runs when it has several."""
     text = number(m["output_throughput"])
-    runs = [r["output_throughput"] for r in _runs(doc, engine, workload, concurrency)]
+    entry = _entry(doc, engine, workload, concurrency) or {}
+    runs = [r["output_throughput"] for r in entry.get("runs", [])]
     if len(runs) > 1:
         text += f" ({min(runs):,.1f}-{max(runs):,.1f})"
     return text
