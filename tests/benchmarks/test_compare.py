@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from compare import report  # noqa: E402
-from compare.__main__ import parse_args, server_spec  # noqa: E402
+from compare.__main__ import _record, parse_args, server_spec  # noqa: E402
 from compare.workloads import default_workloads  # noqa: E402
 
 from sgl_bench.metrics import RequestResult, compute_metrics  # noqa: E402
@@ -188,10 +188,12 @@ def test_repeated_cells_report_the_median_run_and_the_range() -> None:
             ("vllm", 32): [(500.0, 0.3), (520.0, 0.31), (480.0, 0.29)],
             ("sgl", 1): [(40.0, 0.05), (41.0, 0.06), (39.0, 0.04)],
             ("vllm", 1): [(35.0, 0.08), (35.5, 0.07), (36.0, 0.09)]}
-    for cell in doc["cells"]:
-        measured = [_metrics(tps, ttft) for tps, ttft in runs[cell["engine"], cell["concurrency"]]]
-        cell["metrics"] = report.median_run(measured)
-        cell["runs"] = [report.run_summary(m) for m in measured]
+    random_w = default_workloads()[0]
+    doc["cells"] = []
+    for (engine, c), figures in runs.items():  # as the compare records its runs
+        _record(doc, engine, random_w, c, [_metrics(tps, ttft) for tps, ttft in figures])
+    assert [r["output_throughput"] for r in doc["cells"][0]["runs"]] == pytest.approx(
+        [430.0, 390.0, 400.0])
     text = report.markdown(doc, {})
     assert "3 runs per cell on 2026-11-29" in text
     cols = [c.strip() for c in next(line for line in text.splitlines()
@@ -203,6 +205,16 @@ def test_repeated_cells_report_the_median_run_and_the_range() -> None:
     # TTFT at concurrency 1 from the median-throughput runs: sgl's 40 tok/s run (50 ms)
     assert report.cell(doc, "sgl", "random", 1)["ttft_ms"]["mean"] == pytest.approx(50.0)
     json.dumps(doc)
+
+
+def test_a_single_run_is_recorded_without_a_range() -> None:
+    doc = recorded_run()
+    doc["cells"] = []
+    _record(doc, "sgl", default_workloads()[0], 32, [_metrics(400.0, 0.2)])
+    assert "runs" not in doc["cells"][0]
+    row = next(line for line in report.markdown(doc, {}).splitlines()
+               if line.startswith("| sgl | 32 |"))
+    assert "| 400.0 |" in row and "(" not in row
 
 
 def test_median_run_of_an_even_count_is_a_real_run() -> None:
