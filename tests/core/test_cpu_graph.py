@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sgl.engine.batch_builder import BatchSeq, make_forward_batch
+from sgl.engine.cpu_graph import split_parts
 from sgl.forward_batch import ForwardMode
 from sgl.engine.model_runner import ModelRunner
 from sgl.kernels import cpu
@@ -31,9 +32,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def make_runner(path: Path, dtype: str, **kwargs: Any) -> ModelRunner:
     pm = create_plugin_manager()
+    kwargs.setdefault("max_running_requests", 8)
     return ModelRunner(model_path=str(path), dtype=dtype, registries=pm.registries,
-                       plugin_manager=pm, max_total_tokens=2048, max_running_requests=8,
-                       show_progress=False, **kwargs)
+                       plugin_manager=pm, max_total_tokens=2048, show_progress=False, **kwargs)
 
 
 class Sequences:
@@ -95,6 +96,43 @@ def test_replay_equals_the_model_code(model_dir: Path, dtype: str,
     # the recording ran on copies: the batch it was recorded from is not overwritten by replays
     for name, value in kept.items():
         assert torch.equal(getattr(first, name), value), name
+
+
+def test_batches_split_in_parts_with_two_kernel_threads() -> None:
+    assert [split_parts(size, 2) for size in (1, 8, 15, 16, 17, 64)] == [1, 1, 1, 2, 2, 2]
+    assert [split_parts(size, threads) for size, threads in ((64, 1), (64, 3), (256, 4))] \
+        == [1, 1, 1]
+
+
+@pytest.mark.usefixtures("restore_kernel_threads")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_large_batch_replays_in_two_parts(model_dir: Path, dtype: str) -> None:
+    """With two kernel threads a batch of 17 is recorded as parts of 8 and 9 sequences, replayed
+    at once, one thread each: its hidden states are the model code's, bit for bit; with one
+    kernel thread the same batch is one part."""
+    assert cpu.set_threads(2) == 2
+    runner = make_runner(model_dir, dtype, max_running_requests=20)
+    graphs = runner.cpu_graphs
+    assert graphs is not None
+    prompts = [[(7 * i + j) % 50 + 1 for j in range(1 + i % 5)] for i in range(17)]
+    seqs = Sequences(runner, prompts)
+    for step in range(5):
+        batch = seqs.decode_batch()
+        eager, replayed = eager_then_graph(runner, batch)
+        assert torch.equal(replayed, eager), f"step {step}"
+        seqs.next = seqs.pick(replayed, batch)
+    assert (graphs.captures, graphs.replays) == (1, 3)
+    graph = graphs.graphs[(17, 2, 1)]
+    assert graph is not None
+    assert [(part.start, part.end) for part in graph.parts] == [(0, 8), (8, 17)]
+    assert all(len(part.tape) == len(graph.parts[0].tape) for part in graph.parts)
+    cpu.set_threads(1)
+    for step in range(3):
+        batch = seqs.decode_batch()
+        eager, replayed = eager_then_graph(runner, batch)
+        assert torch.equal(replayed, eager), f"one thread, step {step}"
+        seqs.next = seqs.pick(replayed, batch)
+    assert len(graphs.graphs[(17, 1, 1)].parts) == 1
 
 
 def test_batch_sizes_are_recorded_separately_and_evicted(model_dir: Path) -> None:

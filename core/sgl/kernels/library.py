@@ -122,6 +122,13 @@ class KernelLibrary(abc.ABC):
     def replay(self, tape: KernelTape) -> None:
         """Run ``tape``'s calls again, in one go; RuntimeError naming the first that fails."""
 
+    def replay_parts(self, tapes: list[KernelTape]) -> None:
+        """Run several tapes that write no tensor in common, one kernel thread on each where the
+        library can (the parts of a split decode batch, :mod:`sgl.engine.cpu_graph`); by
+        default one after the other. RuntimeError naming the first call that fails."""
+        for tape in tapes:
+            tape.replay()
+
     def call_names(self, tape: KernelTape) -> list[str]:
         """The kernel of each call on ``tape``, in order (for logs and tests)."""
         return [f"call {i}" for i in range(tape.count)]

@@ -262,6 +262,42 @@ def test_replay_reports_the_call_that_failed(kernels: KernelLibrary) -> None:
     assert torch.equal(rows, table[[1, 3]])
 
 
+@pytest.mark.usefixtures("restore_kernel_threads")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_parts_replay_at_once_each_as_alone(kernels: KernelLibrary, threads: int) -> None:
+    """Tapes replayed as the parts of one call (one kernel thread each where there are two; the
+    kernels inside a part then run their loops on its thread alone) give what each gives alone,
+    and a part that fails names its call while the other part still runs."""
+    assert cpu.set_threads(threads) == threads
+    tables, ids, outs = [], [], []
+    tapes = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        tables.append(torch.randn(50, 96))
+        ids.append(torch.randint(0, 50, (64,)))  # enough rows to share out over two threads
+        with cpu.recording() as tape:
+            rows = sgl_ops.embedding(tables[-1], ids[-1])
+            outs.append(sgl_ops.silu_mul(sgl_ops.rmsnorm(rows, torch.ones(1, 96), 1e-6)))
+        tapes.append(tape)
+
+    def expected(part: int) -> torch.Tensor:
+        return sgl_ops.silu_mul(sgl_ops.rmsnorm(tables[part][ids[part]], torch.ones(1, 96), 1e-6))
+
+    for part in (0, 1):
+        ids[part].copy_(torch.randint(0, 50, (64,)))
+        outs[part].zero_()
+    kernels.replay_parts(tapes)
+    for part in (0, 1):
+        assert torch.equal(outs[part], expected(part)), part
+    ids[0][5] = 50  # outside the table: part 0 stops at its first call, part 1 runs
+    ids[1].copy_(torch.randint(0, 50, (64,)))
+    before = outs[0].clone()
+    with pytest.raises(RuntimeError, match=r"sgl_embedding failed on replay \(call 1 of 3\)"):
+        kernels.replay_parts(tapes)
+    assert torch.equal(outs[0], before)
+    assert torch.equal(outs[1], expected(1))
+
+
 def test_replay_refuses_a_call_it_does_not_know(kernels: KernelLibrary) -> None:
     """A recorded row whose kernel the library does not have fails with its kind, and nothing
     after it runs."""

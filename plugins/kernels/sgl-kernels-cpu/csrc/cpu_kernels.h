@@ -61,6 +61,11 @@ int sgl_set_threads(int threads);
 int sgl_run_op(const sgl_op *op);
 /* Run `n` calls in order: 0, or 1 + the index of the first that failed (nothing after it runs). */
 int64_t sgl_replay(const sgl_op *ops, int64_t n);
+/* Run `parts` independent sequences of calls at once, each on one kernel thread with its kernels
+   on that thread alone (the parts of one decode batch, sgl.engine.cpu_graph): failed[p] is
+   sgl_replay's result for part p. With one kernel thread the parts run in turn. */
+void sgl_replay_parts(const sgl_op *const *ops, const int64_t *counts, int64_t parts,
+                      int64_t *failed);
 
 #ifdef __cplusplus
 }

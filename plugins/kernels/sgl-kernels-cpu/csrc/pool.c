@@ -161,8 +161,9 @@ int sgl_set_threads(int threads) {
 
 void sgl_parallel_for(sgl_range_fn fn, void *ctx, int64_t n, int64_t chunk) {
     const int64_t chunks = (n + chunk - 1) / chunk;
-    /* a second caller thread while a job runs (the kernels are called from one thread in sgl,
-     * but ctypes lets any thread in) runs its loop alone instead of sharing the one job slot */
+    /* a call from inside a job's chunk (a kernel of one part of sgl_replay_parts, on the
+     * caller or a helper), or from a second caller thread while a job runs, runs its loop alone
+     * instead of sharing the one job slot */
     if (pool.threads == 1 || chunks <= 1 || chunks > MAX_CHUNKS
         || pthread_mutex_trylock(&pool.busy) != 0) {
         fn(ctx, 0, n);

@@ -11,7 +11,7 @@
 
 #if defined(__x86_64__)
 
-int sgl_kernels_version(void) { return 10; }
+int sgl_kernels_version(void) { return 11; }
 
 /* the AVX-512 levels' kernels in use: compiled for the CPU, or emulated (sgl_set_emulation) */
 static const sgl_avx512_kernels *avx512 = &sgl_avx512_kernels_native;
@@ -113,6 +113,28 @@ int64_t sgl_replay(const sgl_op *ops, int64_t n) {
     return 0;
 }
 
+/* The parts are the chunks of one pool job, one per thread (a thread still free when its own
+   part is done takes a part not begun yet). The pool is busy with that job while the parts run,
+   so the kernels they call run their own loops on the calling thread alone (pool.c,
+   sgl_parallel_for): each part is a sequence of single-threaded kernel calls, with no barrier
+   between the threads until the end. */
+typedef struct {
+    const sgl_op *const *ops;
+    const int64_t *counts;
+    int64_t *failed;
+} replay_parts_job;
+
+static void replay_part_range(void *ctx, int64_t begin, int64_t end) {
+    const replay_parts_job *j = ctx;
+    for (int64_t p = begin; p < end; p++) j->failed[p] = sgl_replay(j->ops[p], j->counts[p]);
+}
+
+void sgl_replay_parts(const sgl_op *const *ops, const int64_t *counts, int64_t parts,
+                      int64_t *failed) {
+    replay_parts_job job = {ops, counts, failed};
+    sgl_parallel_for(replay_part_range, &job, parts, 1);
+}
+
 #undef P
 
 #else
@@ -122,4 +144,8 @@ int sgl_set_emulation(int on) { return !on; }
 int sgl_set_threads(int threads) { (void)threads; return 1; }
 int sgl_run_op(const sgl_op *op) { (void)op; return -100; }
 int64_t sgl_replay(const sgl_op *ops, int64_t n) { (void)ops; return n > 0 ? 1 : 0; }
+void sgl_replay_parts(const sgl_op *const *ops, const int64_t *counts, int64_t parts,
+                      int64_t *failed) {
+    for (int64_t p = 0; p < parts; p++) failed[p] = sgl_replay(ops[p], counts[p]);
+}
 #endif

@@ -114,6 +114,23 @@ int64_t replay(const Tensor& ops) {
   return sgl_replay(reinterpret_cast<const sgl_op*>(ops.data_ptr<int64_t>()), ops.size(0));
 }
 
+// Each part's result as replay's (0, or 1 + the index of the call that failed).
+std::vector<int64_t> replay_parts(at::TensorList parts) {
+  std::vector<const sgl_op*> ops;
+  std::vector<int64_t> counts, failed(parts.size());
+  for (const Tensor& calls : parts) {
+    TORCH_CHECK_VALUE(calls.device().is_cpu() && calls.scalar_type() == at::kLong &&
+                          calls.dim() == 2 && calls.size(1) == 1 + SGL_OP_ARGS &&
+                          calls.is_contiguous(),
+                      "sgl_cpu::replay_parts: expected contiguous int64 [n, ", 1 + SGL_OP_ARGS,
+                      "] tensors of record_end");
+    ops.push_back(reinterpret_cast<const sgl_op*>(calls.data_ptr<int64_t>()));
+    counts.push_back(calls.size(0));
+  }
+  sgl_replay_parts(ops.data(), counts.data(), static_cast<int64_t>(ops.size()), failed.data());
+  return failed;
+}
+
 // --- building one call -----------------------------------------------------------------------
 
 int64_t ptr(const Tensor& t) { return reinterpret_cast<intptr_t>(t.data_ptr()); }
@@ -531,6 +548,7 @@ TORCH_LIBRARY(sgl_cpu, m) {
   m.def("record_begin() -> ()", &record_begin);
   m.def("record_end() -> (Tensor, Tensor[], Tensor[])", &record_end);
   m.def("replay(Tensor ops) -> int", &replay);
+  m.def("replay_parts(Tensor[] parts) -> int[]", &replay_parts);
 }
 
 TORCH_LIBRARY_IMPL(sgl, CPU, m) {

@@ -33,7 +33,7 @@ KERNEL_NAMES = {1: "sgl_linear_bf16_amx", 2: "sgl_linear_f32", 3: "sgl_rmsnorm",
                 18: "sgl_extend_attention_avx2", 19: "sgl_linear_quant_avx2",
                 20: "sgl_embedding_quant", 21: "sgl_linear_quant_avx512"}
 #: what ``sgl_kernels_version`` of a build of this source returns
-VERSION = 10
+VERSION = 11
 
 _lock = threading.Lock()
 _loaded_path: Path | None = None
@@ -135,6 +135,13 @@ class CpuKernelLibrary(KernelLibrary):
         if failed:
             name = self.call_names(tape)[failed - 1]
             raise RuntimeError(f"{name} failed on replay (call {failed} of {tape.count})")
+
+    def replay_parts(self, tapes: list[KernelTape]) -> None:
+        failed = self._ops.replay_parts([tape.calls for tape in tapes])
+        for tape, call in zip(tapes, failed):
+            if call:
+                name = self.call_names(tape)[call - 1]
+                raise RuntimeError(f"{name} failed on replay (call {call} of {tape.count})")
 
     def pack_linear(self, weight: torch.Tensor,
                     bias: torch.Tensor | None) -> PackedWeight | None:
