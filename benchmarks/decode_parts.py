@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from decode_stages import Decoder, make_runner
+from decode_stages import Decoder
 from sgl.engine import cpu_graph
 from sgl.engine.model_runner import ModelRunner
 from sgl.kernels import cpu
@@ -49,6 +49,9 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="16,32")
     p.add_argument("--context", type=int, default=192)
     p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--gap-ms", type=float, default=0.0,
+                   help="idle time before each replay, as a server's sampling and scheduling "
+                        "leave between steps (the kernels' helper threads sleep after 0.2 ms)")
     args = p.parse_args()
     torch.set_num_threads(1)
     if cpu.set_threads(cpu_graph.SPLIT_THREADS) != cpu_graph.SPLIT_THREADS:
@@ -58,7 +61,10 @@ def main() -> None:
           "| parts / whole |")
     print("|---:|---:|---:|---:|")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        runner = make_runner(pm, args.dtype, batch)
+        runner = ModelRunner(model_path=None, dtype=args.dtype, registries=pm.registries,
+                             plugin_manager=pm, max_total_tokens=batch * (args.context + 64),
+                             max_running_requests=batch, context_length=args.context + 64,
+                             show_progress=False, quantization="none")
         decoder = Decoder(runner, batch, args.context)
         graph_parts = recorded(runner, decoder, cpu_graph.SPLIT_THREADS)
         graph_whole = recorded(runner, decoder, 1)
@@ -69,9 +75,11 @@ def main() -> None:
                 mine.copy_(whole[part.start:part.end])
         times: dict[str, list[float]] = {"whole": [], "parts": []}
         for _ in range(args.reps):
+            time.sleep(args.gap_ms / 1e3)
             start = time.perf_counter()
             graph_whole.parts[0].tape.replay()
             times["whole"].append(time.perf_counter() - start)
+            time.sleep(args.gap_ms / 1e3)
             start = time.perf_counter()
             library.replay_parts(tapes)
             times["parts"].append(time.perf_counter() - start)
