@@ -17,7 +17,8 @@ import torch
 import zmq
 
 from sgl.config import load_settings
-from sgl.engine.messages import AbortRequest, GenerateRequest, LogprobOptions, TokenBatch
+from sgl.engine.messages import (AbortRequest, GenerateRequest, LogprobOptions, TokenBatch,
+                                 TokenOutput)
 from sgl.engine.scheduler import Scheduler
 from sgl.plugins import SglPluginManager, create_plugin_manager
 from sgl.sampling import SamplingParams
@@ -60,6 +61,8 @@ class Harness:
         self.pull.bind(endpoints["outputs"])
         self.scheduler = Scheduler(settings, pm or create_plugin_manager(), endpoints)
         self.tokenizer = self.scheduler.tokenizer
+        #: the final output of every request seen to finish (run, receive)
+        self.finished: dict[str, TokenOutput] = {}
 
     def chat_ids(self, question: str) -> list[int]:
         ids = self.tokenizer.apply_chat_template([{"role": "user", "content": question}],
@@ -84,20 +87,41 @@ class Harness:
             for rid, at in (abort or {}).items():
                 if step == at:
                     self.push.send_pyobj(AbortRequest(rid))
-            while self.pull.poll(0):
-                batch: TokenBatch = self.pull.recv_pyobj()
-                for out in batch.outputs:
-                    r = results[out.rid]
-                    r.output_ids += out.new_token_ids
-                    r.finish_reason, r.error = out.finish_reason, out.error
-                    r.cached_tokens = out.cached_tokens
-                    for name in ("input_token_logprobs", "output_token_logprobs",
-                                 "input_top_logprobs", "output_top_logprobs"):
-                        getattr(r, name).extend(getattr(out, name))
+            for out in self.receive():
+                if out.rid not in results:
+                    raise AssertionError(self.stray(out, step))
+                r = results[out.rid]
+                r.output_ids += out.new_token_ids
+                r.finish_reason, r.error = out.finish_reason, out.error
+                r.cached_tokens = out.cached_tokens
+                for name in ("input_token_logprobs", "output_token_logprobs",
+                             "input_top_logprobs", "output_top_logprobs"):
+                    getattr(r, name).extend(getattr(out, name))
             done = all(r.finish_reason for rid, r in results.items() if rid not in (abort or {}))
             if done and s.idle:
                 return results
         raise AssertionError("requests did not finish")
+
+    def receive(self) -> list[TokenOutput]:
+        """The outputs that have arrived, noting which requests they finish."""
+        outputs = []
+        while self.pull.poll(0):
+            batch: TokenBatch = self.pull.recv_pyobj()
+            for out in batch.outputs:
+                if out.finish_reason is not None:
+                    self.finished[out.rid] = out
+                outputs.append(out)
+        return outputs
+
+    def stray(self, out: TokenOutput, step: int) -> str:
+        """What to say of an output for a request that is not one of this run's."""
+        before = self.finished.get(out.rid)
+        history = (f"it had finished earlier ({before.finish_reason}, "
+                   f"{before.completion_tokens} tokens)" if before is not None
+                   else "no output of it had ended it")
+        return (f"step {step}: an output for {out.rid}, not a request of this run; {history}; "
+                f"this one: {out.new_token_ids} new tokens, finish {out.finish_reason}, "
+                f"{out.completion_tokens} tokens, error {out.error}")
 
     def assert_memory_empty(self) -> None:
         """Every slot is either free or held (unlocked) by the prefix cache, and after a flush

@@ -195,8 +195,7 @@ def test_per_request_and_server_counts(pair: tuple[Harness, Harness]) -> None:
     for _ in range(400):
         s.recv_requests(block=False)
         s.step()
-        while spec.pull.poll(0):
-            outputs += [o for o in spec.pull.recv_pyobj().outputs if o.rid == rid]
+        outputs += [o for o in spec.receive() if o.rid == rid]
         if outputs and outputs[-1].finish_reason:
             break
     final = outputs[-1]
