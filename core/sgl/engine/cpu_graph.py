@@ -295,8 +295,8 @@ class CpuGraphRunner:
             return None, output, nbytes, (f"{watch.kernel_calls - len(tape)} of its "
                                           f"{watch.kernel_calls} kernel calls were not recorded")
         if watch.compute:
-            ops = ", ".join(sorted(set(watch.compute)))
-            return None, output, nbytes, f"it runs torch ops ({ops})"
+            names = ", ".join(sorted(set(watch.compute)))
+            return None, output, nbytes, f"it runs torch ops ({names})"
         return _Part(start, end, tape, inputs, output), output, nbytes, ""
 
     def clear(self) -> None:
