@@ -109,6 +109,11 @@ class ServerSettings:
         False, "Run every decode forward through the model's Python code instead of replaying "
         "the kernel calls recorded for its batch size (CPU; what --disable-cuda-graph is on a "
         "GPU).")
+    cpu_graph_max_bs: int | None = _opt(
+        None, "Largest decode batch whose forward is recorded at start-up for replays, every "
+        "size from 1 up (a few seconds; their activations share one arena); larger batches "
+        "are recorded when their size recurs. Default: --max-running-requests, at most 64. 0: "
+        "record only sizes that recur. --device cpu only.", minimum=0)
     disable_cuda_graph: bool = _opt(
         False, "Run every decode forward eagerly instead of replaying the CUDA graph captured "
         "at start-up for its batch size (--device cuda; on CPU see --disable-cpu-graph).")
@@ -541,6 +546,9 @@ def _check_device(s: ServerSettings, fail: Any) -> None:
         if s.sources.get("disable_cpu_graph", "default") != "default":
             fail("disable_cpu_graph", "it applies to --device cpu; on a GPU use "
                  "--disable-cuda-graph")
+        if s.sources.get("cpu_graph_max_bs", "default") != "default":
+            fail("cpu_graph_max_bs", "it applies to --device cpu; on a GPU use "
+                 "--cuda-graph-max-bs")
 
 
 def settings_from_dict(data: Mapping[str, Any], plugin_classes: Mapping[str, type]) -> ServerSettings:

@@ -3,6 +3,7 @@ on a tiny random-weight Llama saved by transformers, at each kernel level of the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -191,13 +192,103 @@ def test_cpu_graphs_can_be_turned_off(model_dir: Path) -> None:
 
 
 def test_scheduler_passes_the_setting(tmp_path: Path) -> None:
+    """--disable-cpu-graph turns the replays off; --cpu-graph-max-bs N records sizes 1 to N
+    before serving (0: none), by default up to --max-running-requests or 64."""
     from test_scheduler import Harness  # same folder
 
-    for disable in (True, False):
-        folder = tmp_path / str(disable)
+    for disable, max_bs, recorded in ((True, 2, None), (False, 3, [1, 2, 3]), (False, 0, [])):
+        folder = tmp_path / f"{disable}-{max_bs}"
         folder.mkdir()
-        harness = Harness(folder, disable_cpu_graph=disable)
+        harness = Harness(folder, disable_cpu_graph=disable, cpu_graph_max_bs=max_bs)
         try:
-            assert (harness.scheduler.runner.cpu_graphs is None) is disable
+            scheduler = harness.scheduler
+            graphs = scheduler.runner.cpu_graphs
+            assert (graphs is None) is disable
+            if graphs is None:
+                continue
+            assert sorted(key[0] for key in graphs.graphs) == recorded
+            assert (graphs.arena is None) is (not recorded)
+            if recorded:
+                continue
+            scheduler.settings = dataclasses.replace(scheduler.settings, cpu_graph_max_bs=None,
+                                                     max_running_requests=3)
+            assert scheduler.record_decode_forwards() == [3, 2, 1]
+            asked: list[int] = []  # the largest size asked for (recording 64 takes seconds)
+            graphs.record_batch_sizes = lambda max_bs, **_: asked.append(max_bs) or []
+            for max_bs, running in ((None, 80), (100, 80), (100, 120)):
+                scheduler.settings = dataclasses.replace(
+                    scheduler.settings, cpu_graph_max_bs=max_bs, max_running_requests=running)
+                scheduler.record_decode_forwards()
+            assert asked == [64, 80, 100]
         finally:
             harness.close()
+
+
+@pytest.mark.usefixtures("restore_kernel_threads")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sizes_recorded_at_start_up_share_one_arena(model_dir: Path, threads: int,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """record_batch_sizes records every size from the largest down, their activations in one
+    arena the size of the largest's: batches of those sizes, in any order, replay the model
+    code's hidden states bit for bit (each replay overwrites what the one before left in the
+    arena), and no size is recorded again while serving."""
+    caplog.set_level(logging.INFO, logger="sgl")
+    assert cpu.set_threads(threads) == threads
+    runner = make_runner(model_dir, "bfloat16", max_running_requests=64)
+    graphs = runner.cpu_graphs
+    assert graphs is not None
+    assert graphs.record_batch_sizes(20, show_progress=False) == list(range(20, 0, -1))
+    assert "recorded the decode forwards of 20 batch sizes (1 to 20)" in caplog.text
+    assert sorted(key[0] for key in graphs.graphs) == list(range(1, 21))
+    arena = graphs.arena
+    assert arena is not None
+    storage = arena.untyped_storage().data_ptr()
+    for graph in graphs.graphs.values():
+        assert graph is not None
+        for part in graph.parts:
+            assert part.tape.outputs and all(
+                t.untyped_storage().data_ptr() == storage for t in part.tape.outputs)
+    largest = graphs.graphs[(20, threads, 1)]
+    assert len(largest.parts) == split_parts(20, threads)
+    assert largest.arena_bytes <= arena.numel()
+    # the arena is the largest graph's activations, not the sum of all twenty
+    assert arena.numel() < 2 * largest.arena_bytes
+    assert graphs.nbytes < arena.numel() + 20 * 2**16
+    captures = graphs.captures
+    prompts = [[(5 * i + j) % 50 + 1 for j in range(1 + i % 6)] for i in range(20)]
+    runs = {size: Sequences(runner, prompts[:size]) for size in (20, 17, 9, 3, 1)}
+    for round_, size in enumerate((20, 3, 17, 1, 9, 20, 9, 3, 17, 1)):
+        replays = graphs.replays
+        batch = runs[size].decode_batch()
+        eager, replayed = eager_then_graph(runner, batch)
+        assert torch.equal(replayed, eager), f"round {round_}, batch of {size}"
+        assert graphs.replays == replays + 1
+        runs[size].next = runs[size].pick(replayed, batch)
+    assert graphs.captures == captures
+
+
+def test_the_arena_is_held_to_the_graphs_memory(model_dir: Path) -> None:
+    """Where the largest batch's activations would pass half of max_bytes, the sizes recorded at
+    start-up stop at the largest batch whose activations fit in that half, the arena too; a
+    larger batch is still recorded when it recurs, its activations beyond the arena on their
+    own, in the other half."""
+    runner = make_runner(model_dir, "bfloat16", max_running_requests=64)
+    graphs = runner.cpu_graphs
+    assert graphs is not None
+    graphs.record_batch_sizes(16, show_progress=False)
+    needed = graphs.arena.numel()
+    small = make_runner(model_dir, "bfloat16", max_running_requests=64)
+    graphs = small.cpu_graphs
+    graphs.max_bytes = needed
+    recorded = graphs.record_batch_sizes(16, show_progress=False)
+    assert recorded == list(range(recorded[0], 0, -1)) and 6 <= recorded[0] <= 8
+    assert graphs.arena.numel() <= needed // 2
+    seqs = Sequences(small, [[(3 * i + 1) % 50 + 1, i + 2] for i in range(12)])
+    for step in range(3):  # seen, recorded (in part beyond the arena), replayed
+        batch = seqs.decode_batch()
+        eager, replayed = eager_then_graph(small, batch)
+        assert torch.equal(replayed, eager), f"step {step}"
+        seqs.next = seqs.pick(replayed, batch)
+    graph = graphs.graphs[(12, cpu.kernel_threads(), 1)]
+    assert graph is not None and graph.nbytes > 0
+    assert graphs.replays == 1

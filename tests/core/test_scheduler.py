@@ -49,10 +49,12 @@ class Harness:
         # must be exact at any batch size: int8 activations (the default "auto" rounds decode
         # steps of 8 or more sequences where the kernels are faster) would make them differ by
         # design. tests/core/test_quantized_layers.py covers the rounded products.
+        # Decode forwards of batch sizes 1-4 are recorded at start-up (the default, up to 48
+        # here, would take seconds per harness; test_cpu_graph tests the default).
         settings = load_settings(env={}, cli={
             "dtype": "float32", "max_total_tokens": POOL_TOKENS, "max_running_requests": 48,
             "chunked_prefill_size": 512, "num_threads": 1, "int8_activations": "off",
-            **overrides})
+            "cpu_graph_max_bs": 4, **overrides})
         self.ctx = zmq.Context()
         endpoints = {"requests": f"ipc://{tmp}/req", "outputs": f"ipc://{tmp}/out"}
         self.push = self.ctx.socket(zmq.PUSH)

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from sgl.attention.base import BaseAttentionBackend
     from sgl.kvcache.pool import KVPool, ReqToTokenPool
 
-__all__ = ["CudaGraphRunner", "CudaGraphUnsupported", "capture_batch_sizes"]
+__all__ = ["CudaGraphRunner", "CudaGraphUnsupported", "capture_batch_sizes", "padding_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -140,14 +140,9 @@ class CudaGraphRunner:
 
     def _padding_batch(self, bs: int) -> ForwardBatch:
         """A decode batch of ``bs`` padding rows over the first rows of the static tensors."""
-        for name, tensor in self._static.items():
-            tensor.fill_(_PADDING[name])
-        return ForwardBatch(
-            mode=ForwardMode.DECODE,
-            **{name: tensor[:bs] for name, tensor in self._static.items()},
-            **{f"{name}_cpu": [_PADDING[name]] * bs for name in _host_copies()},
-            req_to_token_pool=self.req_to_token_pool, kv_pool=self.kv_pool,
-            attn_backend=self.attn_backend)
+        return padding_batch(bs, self._static, kv_pool=self.kv_pool,
+                             req_to_token_pool=self.req_to_token_pool,
+                             attn_backend=self.attn_backend)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -267,6 +262,25 @@ class CudaGraphRunner:
                     f"rows, {captured.dtype} {tuple(captured.shape)} when captured: a graph "
                     "input's shape may depend on the batch size only")
             captured.copy_(new)
+
+
+def padding_batch(bs: int, tensors: dict[str, torch.Tensor] | None = None, *,
+                  kv_pool: KVPool, req_to_token_pool: ReqToTokenPool,
+                  attn_backend: BaseAttentionBackend,
+                  device: torch.device | str = "cpu") -> ForwardBatch:
+    """A decode batch of ``bs`` padding rows (token 0 at position 0 of request row 0, written
+    at the KV pool's padding slot 0): over the first rows of ``tensors`` (one int64 tensor per
+    batch tensor, of at least ``bs`` rows), which it fills, or over new tensors on ``device``."""
+    if tensors is None:
+        tensors = {name: torch.empty(bs, dtype=torch.int64, device=device)
+                   for name in _BATCH_TENSORS}
+    for name, tensor in tensors.items():
+        tensor.fill_(_PADDING[name])
+    return ForwardBatch(
+        mode=ForwardMode.DECODE,
+        **{name: tensor[:bs] for name, tensor in tensors.items()},
+        **{f"{name}_cpu": [_PADDING[name]] * bs for name in _host_copies()},
+        req_to_token_pool=req_to_token_pool, kv_pool=kv_pool, attn_backend=attn_backend)
 
 
 def _pad(batch: ForwardBatch, bs: int) -> ForwardBatch:

@@ -35,6 +35,7 @@ import torch
 import zmq
 
 from sgl.engine.batch_builder import make_forward_batch
+from sgl.engine.cpu_graph import CPU_GRAPH_MAX_BS
 from sgl.engine.disaggregation import disaggregation_side
 from sgl.engine.grammar_manager import IDLE_WAIT, make_grammar_manager
 from sgl.engine.logprobs import LogprobRows
@@ -200,6 +201,23 @@ class Scheduler:
             self.poller.register(self.disagg.wake, zmq.POLLIN)  # its events wake an idle loop
             if self.disagg.mode == "prefill":
                 self.admission.max_output = 1
+        self.record_decode_forwards()
+
+    def record_decode_forwards(self) -> list[int]:
+        """Record the decode forwards of batch sizes 1 to ``--cpu-graph-max-bs`` before
+        serving (:meth:`~sgl.engine.cpu_graph.CpuGraphRunner.record_batch_sizes`), where the
+        runner replays them and plain decode batches will run: not with speculative decoding
+        (its verify batches are what decode) nor on the prefill side of a disaggregated
+        server. The sizes recorded."""
+        graphs = self.runner.cpu_graphs
+        if graphs is None or self.spec is not None or (
+                self.disagg is not None and self.disagg.mode == "prefill"):
+            return []
+        max_bs = self.settings.cpu_graph_max_bs
+        if max_bs is None:
+            max_bs = CPU_GRAPH_MAX_BS
+        return graphs.record_batch_sizes(min(max_bs, self.settings.max_running_requests),
+                                         show_progress=get_tp_group().rank == 0)
 
     @property
     def cache(self) -> BaseCachePolicy:

@@ -82,21 +82,23 @@ def fits(*tensors: torch.Tensor | None) -> bool:
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[KernelTape]:
-    """Record the kernel calls this thread makes inside the block; the tape is filled when the
-    block ends (empty without the kernels)."""
+def recording(arena: torch.Tensor | None = None) -> Iterator[KernelTape]:
+    """Record the kernel calls this thread makes inside the block, their outputs carved from
+    ``arena`` where given (:meth:`~sgl.kernels.library.KernelLibrary.record_begin`); the tape
+    is filled when the block ends (empty without the kernels)."""
     tape = KernelTape()
     library = load()
     if library is None:
         yield tape
         return
-    library.record_begin()
+    library.record_begin(arena)
     try:
         yield tape
     finally:
         recorded = library.record_end()
         tape.library, tape.calls, tape.count = recorded.library, recorded.calls, recorded.count
         tape.inputs, tape.outputs = recorded.inputs, recorded.outputs
+        tape.arena_bytes = recorded.arena_bytes
 
 
 def detected_isa() -> str:

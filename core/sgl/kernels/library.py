@@ -53,13 +53,17 @@ class KernelTape:
     """The kernel calls one thread made between :meth:`KernelLibrary.record_begin` and
     :meth:`KernelLibrary.record_end`: ``calls`` in the library's own encoding, and every tensor
     they read (``inputs``) or allocated (``outputs``), kept alive so their memory is never handed
-    to anything else. :meth:`replay` runs the calls again on whatever those tensors hold now."""
+    to anything else. :meth:`replay` runs the calls again on whatever those tensors hold now.
+
+    Outputs recorded with an arena are views of it (those that fit); ``arena_bytes`` is how much
+    of an arena the calls' outputs take, measured with or without one."""
 
     library: KernelLibrary | None = None
     calls: Any = None
     inputs: list[torch.Tensor] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
     count: int = 0  # the number of calls
+    arena_bytes: int = 0
 
     def __len__(self) -> int:
         return self.count
@@ -69,13 +73,15 @@ class KernelTape:
         """The kernel of each call, in order (for logs and tests)."""
         return self.library.call_names(self) if self.library is not None else []
 
-    @property
-    def output_bytes(self) -> int:
-        """Memory of the tensors the calls allocated (the activations a replay reuses)."""
+    def output_bytes(self, arena: torch.Tensor | None = None) -> int:
+        """Memory of the tensors the calls allocated (the activations a replay reuses), those
+        in ``arena`` left out."""
+        skip = arena.untyped_storage().data_ptr() if arena is not None else None
         seen: dict[int, int] = {}
         for t in self.outputs:
             storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+            if storage.data_ptr() != skip:
+                seen[storage.data_ptr()] = storage.nbytes()
         return sum(seen.values())
 
     def replay(self) -> None:
@@ -111,8 +117,11 @@ class KernelLibrary(abc.ABC):
         """Use ``threads`` threads (the caller included) in the kernels; the number in use."""
 
     @abc.abstractmethod
-    def record_begin(self) -> None:
-        """Start keeping this thread's kernel calls (RuntimeError if it already does)."""
+    def record_begin(self, arena: torch.Tensor | None = None) -> None:
+        """Start keeping this thread's kernel calls (RuntimeError if it already does). With
+        ``arena`` (a contiguous 1-D uint8 tensor) the calls' outputs are carved from it, one
+        after the other, as far as it holds them; recordings that share an arena must never
+        replay at the same time."""
 
     @abc.abstractmethod
     def record_end(self) -> KernelTape:

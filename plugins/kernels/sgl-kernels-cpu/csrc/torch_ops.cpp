@@ -85,25 +85,54 @@ struct Tape {
   std::vector<sgl_op> ops;
   std::vector<Tensor> inputs;   // what the ops read (weights, activations, tables)
   std::vector<Tensor> outputs;  // what the ops allocated
+  // A uint8 block the ops' outputs are carved from while recording (undefined: each its own
+  // allocation), and the bytes carved so far: counted with or without a block, so that a first
+  // recording says how large a block its forward needs. An output that does not fit in the
+  // block is allocated on its own.
+  Tensor arena;
+  int64_t arena_used = 0;
 };
 
 thread_local Tape tape;
 
-void record_begin() {
+void record_begin(const OptTensor& arena) {
   TORCH_CHECK(!tape.on, "sgl_cpu::record_begin: this thread is already recording");
+  if (arena.has_value())
+    TORCH_CHECK_VALUE(arena->device().is_cpu() && arena->scalar_type() == at::kByte &&
+                          arena->dim() == 1 && arena->is_contiguous(),
+                      "sgl_cpu::record_begin: the arena must be a contiguous 1-D uint8 CPU "
+                      "tensor");
   tape = Tape{};
   tape.on = true;
+  if (arena.has_value()) tape.arena = *arena;
 }
 
-std::tuple<Tensor, std::vector<Tensor>, std::vector<Tensor>> record_end() {
+std::tuple<Tensor, std::vector<Tensor>, std::vector<Tensor>, int64_t> record_end() {
   TORCH_CHECK(tape.on, "sgl_cpu::record_end: this thread is not recording");
   const int64_t n = static_cast<int64_t>(tape.ops.size());
   Tensor ops = at::empty({n, 1 + SGL_OP_ARGS}, at::kLong);
   static_assert(sizeof(sgl_op) == (1 + SGL_OP_ARGS) * sizeof(int64_t), "sgl_op has padding");
   if (n) std::memcpy(ops.data_ptr<int64_t>(), tape.ops.data(), n * sizeof(sgl_op));
-  auto result = std::make_tuple(ops, std::move(tape.inputs), std::move(tape.outputs));
+  auto result = std::make_tuple(ops, std::move(tape.inputs), std::move(tape.outputs),
+                                tape.arena_used);
   tape = Tape{};
   return result;
+}
+
+// An op's output: while recording, the next 64-byte aligned bytes of the arena where they fit
+// (a replay of any recording that shares the arena overwrites it: the recorded forwards write
+// every output before they read it); otherwise a tensor of its own.
+Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  if (!tape.on) return at::empty(sizes, options);
+  const int64_t bytes = c10::multiply_integers(sizes) * static_cast<int64_t>(
+                                                            options.dtype().itemsize());
+  const int64_t start = (tape.arena_used + 63) / 64 * 64;
+  tape.arena_used = start + bytes;
+  if (!tape.arena.defined() || start + bytes > tape.arena.numel() || bytes == 0)
+    return at::empty(sizes, options);
+  return tape.arena.narrow(0, start, bytes)
+      .view(options.dtype().toScalarType())
+      .view(sizes);
 }
 
 int64_t replay(const Tensor& ops) {
@@ -220,7 +249,7 @@ Tensor linear(const char* op, const Tensor& x, const Tensor& packed, int64_t n,
     check_contiguous(op, "bias", *bias, at::kFloat);
     TORCH_CHECK_VALUE(bias->numel() == n, op, ": bias has ", bias->numel(), " values, not ", n);
   }
-  Tensor y = at::empty({m, n}, x.options());
+  Tensor y = new_output({m, n}, x.options());
   Call call(dtype == at::kFloat ? at_level(SGL_OP_LINEAR_F32, SGL_OP_LINEAR_F32_AVX2)
             : g_level == AMX    ? SGL_OP_LINEAR_BF16_AMX
             : g_level == AVX2   ? SGL_OP_LINEAR_BF16_AVX2
@@ -260,7 +289,7 @@ Tensor linear_quant(const char* op, const Tensor& x, const Tensor& qweight, cons
     check_contiguous(op, "bias", *bias, at::kFloat);
     TORCH_CHECK_VALUE(bias->numel() == n, op, ": bias has ", bias->numel(), " values, not ", n);
   }
-  Tensor y = at::empty({m, n}, x.options());
+  Tensor y = new_output({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   Call call(at_level(SGL_OP_LINEAR_QUANT_AVX512, SGL_OP_LINEAR_QUANT_AVX2));
   // the AVX-512 kernel's last argument: the level has AVX512-BF16 (vdpbf16ps for bfloat16 rows)
@@ -298,7 +327,7 @@ Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps) {
   check_rows(op, "x", x);
   check_norm_weight(op, x, weight, x.size(1));
   const int64_t t = x.size(0), h = x.size(1);
-  Tensor out = at::empty({t, h}, x.options());
+  Tensor out = new_output({t, h}, x.options());
   Call call(at_level(SGL_OP_RMSNORM, SGL_OP_RMSNORM_AVX2));
   call << ptr(x) << x.stride(0) << 0 << 0 << 0 << h << ptr(weight) << ptr(out) << h << t << h
        << 1 << bits(static_cast<float>(eps)) << dtype_code(x);
@@ -315,8 +344,8 @@ std::tuple<Tensor, Tensor> add_rmsnorm(const Tensor& x, const Tensor& residual,
                     " and x ", x.sizes(), " differ");
   check_norm_weight(op, x, weight, x.size(1));
   const int64_t t = x.size(0), h = x.size(1);
-  Tensor out = at::empty({t, h}, x.options());
-  Tensor summed = at::empty({t, h}, x.options());
+  Tensor out = new_output({t, h}, x.options());
+  Tensor summed = new_output({t, h}, x.options());
   Call call(at_level(SGL_OP_RMSNORM, SGL_OP_RMSNORM_AVX2));
   call << ptr(x) << x.stride(0) << ptr(residual) << residual.stride(0) << ptr(summed) << h
        << ptr(weight) << ptr(out) << h << t << h << 1 << bits(static_cast<float>(eps))
@@ -332,7 +361,7 @@ Tensor rmsnorm_heads(const Tensor& x, const Tensor& weight, double eps, int64_t 
                     " values are not whole heads of ", head_dim);
   check_norm_weight(op, x, weight, head_dim);
   const int64_t t = x.size(0), heads = x.size(1) / head_dim;
-  Tensor out = at::empty({t, x.size(1)}, x.options());
+  Tensor out = new_output({t, x.size(1)}, x.options());
   Call call(at_level(SGL_OP_RMSNORM, SGL_OP_RMSNORM_AVX2));
   call << ptr(x) << x.stride(0) << 0 << 0 << 0 << 0 << ptr(weight) << ptr(out) << head_dim
        << t * heads << head_dim << heads << bits(static_cast<float>(eps)) << dtype_code(x);
@@ -345,7 +374,7 @@ Tensor silu_mul(const Tensor& x) {
   check_rows(op, "x", x);
   TORCH_CHECK_VALUE(x.size(1) % 2 == 0, op, ": x must have an even width, got ", x.size(1));
   const int64_t t = x.size(0), d = x.size(1) / 2;
-  Tensor out = at::empty({t, d}, x.options());
+  Tensor out = new_output({t, d}, x.options());
   Call call(at_level(SGL_OP_SILU_MUL, SGL_OP_SILU_MUL_AVX2));
   call << ptr(x) << x.stride(0) << ptr(out) << d << t << d << dtype_code(x);
   run(call, {x}, {out});
@@ -370,7 +399,7 @@ Tensor rotary(const Tensor& x, int64_t heads, int64_t head_dim, int64_t rotary_d
     TORCH_CHECK_INDEX(t <= cos_sin.size(0), op, ": ", t, " tokens but ", cos_sin.size(0),
                       " rows in the rotary table");
   }
-  Tensor out = at::empty({t, heads * head_dim}, x.options());
+  Tensor out = new_output({t, heads * head_dim}, x.options());
   Call call(at_level(SGL_OP_ROTARY, SGL_OP_ROTARY_AVX2));
   call << ptr(x) << x.stride(0) << ptr(cos_sin) << cos_sin.stride(0) << ptr(positions)
        << cos_sin.size(0) << ptr(out) << t << heads << head_dim << rotary_dim << dtype_code(x);
@@ -387,7 +416,7 @@ Tensor embedding(const Tensor& weight, const Tensor& ids) {
                     ": weight must be a 2-D CPU tensor with unit stride in its rows");
   check_contiguous(op, "ids", ids, at::kLong);
   const int64_t t = ids.numel(), h = weight.size(1);
-  Tensor out = at::empty({t, h}, weight.options());
+  Tensor out = new_output({t, h}, weight.options());
   Call call(SGL_OP_EMBEDDING);
   call << ptr(weight) << weight.stride(0) << weight.size(0) << ptr(ids) << t << ptr(out) << h
        << h << weight.element_size();
@@ -421,7 +450,7 @@ Tensor embedding_q(const Tensor& qweight, const Tensor& scales, const Tensor& id
   TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16, op,
                     ": dtype must be float32 or bfloat16, got ", dtype);
   const int64_t t = ids.numel();
-  Tensor out = at::empty({t, k}, qweight.options().dtype(dtype));
+  Tensor out = new_output({t, k}, qweight.options().dtype(dtype));
   Call call(SGL_OP_EMBEDDING_QUANT);
   call << ptr(qweight) << ptr(scales) << n << k << ptr(ids) << t << ptr(out) << k
        << (dtype == at::kBFloat16 ? 1 : 0) << (q4 ? 4 : 8);
@@ -435,7 +464,7 @@ Tensor argmax(const Tensor& logits) {
   check_rows(op, "logits", logits, at::kFloat);
   TORCH_CHECK_VALUE(logits.size(1) > 0, op, ": empty rows");
   const int64_t b = logits.size(0), v = logits.size(1);
-  Tensor out = at::empty({b}, logits.options().dtype(at::kLong));
+  Tensor out = new_output({b}, logits.options().dtype(at::kLong));
   Call call(at_level(SGL_OP_ARGMAX_F32, SGL_OP_ARGMAX_F32_AVX2));
   call << ptr(logits) << logits.stride(0) << b << v << ptr(out);
   run(call, {logits}, {out});
@@ -466,7 +495,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tenso
   check_contiguous(op, "loc", loc, at::kLong);
   TORCH_CHECK_VALUE(rows.numel() == tokens && lens.numel() == tokens && loc.numel() == tokens, op,
                     ": rows, lens and loc must hold one value per token");
-  Tensor out = at::empty({tokens, num_heads * v_dim}, q.options());
+  Tensor out = new_output({tokens, num_heads * v_dim}, q.options());
   Call call(at_level(SGL_OP_DECODE_ATTENTION, SGL_OP_DECODE_ATTENTION_AVX2));
   call << ptr(q) << q.stride(0) << head_dim << ptr(k) << k.stride(0) << ptr(v) << v.stride(0)
        << ptr(k_pool) << ptr(v_pool) << ptr(table) << table.stride(0) << ptr(rows) << ptr(lens)
@@ -545,8 +574,8 @@ TORCH_LIBRARY(sgl_cpu, m) {
   m.def("emulation() -> bool", &emulation);
   m.def("level() -> str", &level);
   m.def("set_threads(int threads) -> int", &set_threads);
-  m.def("record_begin() -> ()", &record_begin);
-  m.def("record_end() -> (Tensor, Tensor[], Tensor[])", &record_end);
+  m.def("record_begin(Tensor? arena=None) -> ()", &record_begin);
+  m.def("record_end() -> (Tensor, Tensor[], Tensor[], int)", &record_end);
   m.def("replay(Tensor ops) -> int", &replay);
   m.def("replay_parts(Tensor[] parts) -> int[]", &replay_parts);
 }

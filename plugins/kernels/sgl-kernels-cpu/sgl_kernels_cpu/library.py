@@ -33,7 +33,7 @@ KERNEL_NAMES = {1: "sgl_linear_bf16_amx", 2: "sgl_linear_f32", 3: "sgl_rmsnorm",
                 18: "sgl_extend_attention_avx2", 19: "sgl_linear_quant_avx2",
                 20: "sgl_embedding_quant", 21: "sgl_linear_quant_avx512"}
 #: what ``sgl_kernels_version`` of a build of this source returns
-VERSION = 11
+VERSION = 12
 
 _lock = threading.Lock()
 _loaded_path: Path | None = None
@@ -118,12 +118,13 @@ class CpuKernelLibrary(KernelLibrary):
     def set_threads(self, threads: int) -> int:
         return int(self._ops.set_threads(threads))
 
-    def record_begin(self) -> None:
-        self._ops.record_begin()
+    def record_begin(self, arena: torch.Tensor | None = None) -> None:
+        self._ops.record_begin(arena)
 
     def record_end(self) -> KernelTape:
-        calls, inputs, outputs = self._ops.record_end()
-        return KernelTape(self, calls, list(inputs), list(outputs), calls.shape[0])
+        calls, inputs, outputs, arena_used = self._ops.record_end()
+        return KernelTape(self, calls, list(inputs), list(outputs), calls.shape[0],
+                          int(arena_used))
 
     def call_names(self, tape: KernelTape) -> list[str]:
         if not tape.count:
