@@ -180,6 +180,33 @@ def test_rmsnorm_and_silu(kernels: KernelLibrary, dtype: torch.dtype, rows: int,
         torch.testing.assert_close(silu, silu_expected, rtol=1e-6, atol=1e-6)
 
 
+def test_bfloat16_rounding_of_denormal_results(kernels: KernelLibrary) -> None:
+    """Results in the denormal range (sums of tiny values, SiLU of gates below -88, rotations
+    of tiny features) are rounded to bfloat16 as torch rounds them, not flushed to zero as
+    vcvtneps2bf16 would; at the emulated levels this also needs VSCALEFPS's single rounding of
+    p * 2^128 (the exponential of SiLU's -gate), which SIMDe's version overflows."""
+    torch.manual_seed(9)
+    tiny = torch.randn(6, 64) * 1e-39  # float32 denormals, rounded to bfloat16 denormals
+    x = torch.cat([tiny, torch.randn(6, 64)], 0).to(torch.bfloat16)
+    residual = torch.cat([tiny.flip(0), torch.randn(6, 64)], 0).to(torch.bfloat16)
+    weight = (torch.rand(64) + 0.5).to(torch.bfloat16)
+    out, summed = sgl_ops.add_rmsnorm(x, residual, weight.view(1, -1), 1e-5)
+    assert torch.equal(summed, x + residual)
+    assert (summed[:6] != 0).any() and (summed[:6].abs() < 1.2e-38).all()  # denormals, kept
+    assert torch.equal(out, reference_rmsnorm(x + residual, weight, 1e-5))
+    gate_up = torch.cat([torch.rand(12, 64) * -10 - 88, torch.randn(12, 64) * 4], 1)
+    gate_up = gate_up.to(torch.bfloat16)
+    silu = sgl_ops.silu_mul(gate_up)
+    assert torch.equal(silu, F.silu(gate_up[:, :64]) * gate_up[:, 64:])
+    assert (silu != 0).any()
+    rope = RotaryEmbedding(64, 64, 128, {"rope_type": "default", "rope_theta": 10000.0})
+    positions = torch.arange(12)
+    cos, sin = rope._rows(positions, torch.bfloat16)
+    q = x.repeat(1, 3)
+    assert torch.equal(sgl_ops.rotary(q, 3, 64, 64, rope._table_rows(positions, torch.bfloat16),
+                                      None), rope._rotate(q, cos, sin))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (64, 48), (96, 40), (128, 128)])
 def test_rotary_bit_identical(kernels: KernelLibrary, dtype: torch.dtype, head_dim: int,

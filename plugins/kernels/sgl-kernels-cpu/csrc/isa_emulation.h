@@ -17,6 +17,7 @@
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -149,6 +150,22 @@ static inline float emu_mm512_reduce_add_ps(simde__m512 v) {
     return t[0];
 }
 
+/* VSCALEFPS: a * 2^floor(b) rounded once (SIMDe multiplies by exp2(floor(b)), which is
+   already infinite at b = 128, where a < 1 would still give a finite product) */
+static inline simde__m512 emu_mm512_scalef_ps(simde__m512 a, simde__m512 b) {
+    simde__m512_private x = simde__m512_to_private(a), y = simde__m512_to_private(b), r;
+    for (int i = 0; i < 16; i++) {
+        const float n = y.f32[i];
+        if (n != n || x.f32[i] != x.f32[i]) {
+            r.f32[i] = x.f32[i] + n;
+        } else {
+            const float e = floorf(n < -400.0f ? -400.0f : n > 400.0f ? 400.0f : n);
+            r.f32[i] = ldexpf(x.f32[i], (int)e);
+        }
+    }
+    return simde__m512_from_private(r);
+}
+
 static inline float emu_mm512_reduce_max_ps(simde__m512 v) {
     simde__m512_private a = simde__m512_to_private(v);
     float t[16];
@@ -170,6 +187,7 @@ static inline float emu_mm512_reduce_max_ps(simde__m512 v) {
 #undef _mm512_reduce_add_ps
 #undef _mm512_reduce_max_ps
 #undef _mm512_shuffle_f32x4
+#undef _mm512_scalef_ps
 #define _mm512_cvtneps_pbh(v) emu_mm512_cvtneps_pbh(v)
 #define _mm512_maskz_loadu_ps(k, p) emu_mm512_maskz_loadu_ps((k), (p))
 #define _mm512_mask_storeu_ps(p, k, v) emu_mm512_mask_storeu_ps((p), (k), (v))
@@ -181,6 +199,7 @@ static inline float emu_mm512_reduce_max_ps(simde__m512 v) {
 #define _mm512_reduce_add_ps(v) emu_mm512_reduce_add_ps(v)
 #define _mm512_reduce_max_ps(v) emu_mm512_reduce_max_ps(v)
 #define _mm512_shuffle_f32x4(a, b, imm) simde_mm512_shuffle_f32x4((a), (b), (imm))
+#define _mm512_scalef_ps(a, b) emu_mm512_scalef_ps((a), (b))
 #undef _mm512_cvtepu8_epi32
 #undef _mm512_cvtepi8_epi32
 #undef _mm512_cvtepi32_ps
