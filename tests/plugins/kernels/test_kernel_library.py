@@ -4,6 +4,7 @@ their pure-torch references, visible to torch's profiler."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import subprocess
@@ -450,6 +451,42 @@ def test_the_pool_runs_every_chunk_once_at_any_thread_count(n: int) -> None:
         mine, theirs = [_clone(a) for a in decode], [_clone(a) for a in decode]
         torch.testing.assert_close(torch.ops.sgl.decode_attention(*mine).float(),
                                    ops.decode_attention(*theirs).float(), rtol=0.02, atol=0.02)
+
+
+def _largest_share(n: int, chunk: int, threads: int) -> int:
+    """Items in the largest share when the pool deals n items out in chunks of ``chunk``
+    (pool.c, sgl_parallel_for: one contiguous run of chunks per thread)."""
+    chunks = -(-n // chunk)
+    shares = min(chunks, threads)
+    return max(min(chunks * (s + 1) // shares * chunk, n) - chunks * s // shares * chunk
+               for s in range(shares))
+
+
+def test_chunks_share_the_items_evenly() -> None:
+    """The matmuls' chunk size deals their column panels out evenly: SmolLM2's o and down
+    projections (18 panels) on two threads in claims of 2 gave shares of 8 and 10 panels, and
+    ran 10% slower than the evenly shared shapes. Among the sizes from the cap down to half of
+    it, the chosen one leaves the smallest largest share, and the cap itself where that is
+    even."""
+    from sgl_kernels_cpu.library import compiled_path
+
+    path = compiled_path()
+    if path is None:
+        pytest.skip("sgl-kernels-cpu was installed without its compiled library")
+    choose = ctypes.CDLL(str(path)).sgl_balanced_chunk
+    choose.restype, choose.argtypes = ctypes.c_int64, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    assert _largest_share(18, 2, 2) == 10  # what the old choice gave
+    assert _largest_share(18, choose(18, 2, 2), 2) == 9
+    assert choose(96, 4, 2) == 4 and choose(30, 3, 2) == 3  # already even: unchanged
+    for threads in (1, 2, 3, 4, 7, 16):
+        for n in (1, 5, 18, 19, 30, 48, 96, 97, 1536):
+            cap = max(1, min(4, n // (4 * threads)))
+            for cap in (cap, max(1, n // (4 * threads))):
+                got = choose(n, cap, threads)
+                assert cap // 2 <= got <= cap or got == 1
+                best = min(_largest_share(n, c, threads)
+                           for c in range(max(1, -(-cap // 2)), cap + 1))
+                assert _largest_share(n, got, threads) == best, (n, cap, threads, got)
 
 
 POOL_ON_ONE_CORE = """

@@ -53,11 +53,11 @@ PREFETCH_INLINE void prefetch_panel_share(const char *share, int64_t lines, int6
 }
 
 /* chunks per thread of the decode attention, the rows of x the quantized matmuls round and
-   the AVX2 quantized matmuls (no prefetch from one claim's columns to the next): a thread the
-   OS delays then costs a quarter of its share */
+   the AVX2 quantized matmuls (no prefetch from one claim's columns to the next): about a
+   quarter of a thread's share, so that a thread the OS delays costs no more than that */
 static inline int64_t chunk_of(int64_t n) {
-    const int64_t chunk = n / (4 * (int64_t)sgl_pool_threads());
-    return chunk < 1 ? 1 : chunk;
+    const int threads = sgl_pool_threads();
+    return sgl_balanced_chunk(n, n / (4 * (int64_t)threads), threads);
 }
 
 /* column panels per claim of the bfloat16 and float32 matmuls: a few, so that a thread the OS
@@ -68,8 +68,9 @@ static inline int64_t chunk_of(int64_t n) {
    19.4 ms on two Zen 4 cores against 17.3 ms with one claim per thread (docs/benchmarks.md,
    "Where concurrency 32 goes"). */
 static inline int64_t panel_chunk(int64_t n) {
-    const int64_t chunk = n / (4 * (int64_t)sgl_pool_threads());
-    return chunk < 1 ? 1 : chunk > 4 ? 4 : chunk;
+    const int threads = sgl_pool_threads();
+    const int64_t chunk = n / (4 * (int64_t)threads);
+    return sgl_balanced_chunk(n, chunk > 4 ? 4 : chunk, threads);
 }
 
 /* column panels per claim of the quantized matmuls, whose prefetch stops at the end of a

@@ -17,6 +17,9 @@ typedef void (*sgl_range_fn)(void *ctx, int64_t begin, int64_t end);
 void sgl_parallel_for(sgl_range_fn fn, void *ctx, int64_t n, int64_t chunk);
 /* The threads in use (sgl_set_threads). */
 int sgl_pool_threads(void);
+/* The chunk size, from `cap` down to half of it, that deals n items out over `threads` shares
+ * most evenly (pool.c). */
+int64_t sgl_balanced_chunk(int64_t n, int64_t cap, int threads);
 /* Rows per chunk for a row-wise kernel over T rows. */
 int64_t sgl_row_chunk(int64_t T);
 /* This thread's buffer `slot` (0: bfloat16 copies, 1: float32 work), grown to at least `bytes`
