@@ -18,6 +18,10 @@ class OutOfSlotsError(RuntimeError):
 class KVPool:
     """Key and value buffers for ``size`` tokens of every layer, handed out slot by slot."""
 
+    #: set_kv copies at most this many runs of consecutive slots; more go through torch's
+    #: indexed write
+    MAX_RUNS = 16
+
     def __init__(self, *, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, page_size: int = 1,
                  v_head_dim: int | None = None) -> None:
@@ -35,6 +39,8 @@ class KVPool:
         self.v_buffer = [torch.zeros(shape_v, dtype=dtype, device=device) for _ in range(num_layers)]
         self._free = torch.arange(1, size + 1, dtype=torch.int64)
         self._num_free = size
+        #: a copy of the last ``loc`` set_kv wrote, and its runs of slots (``_runs``)
+        self._runs_of: tuple[torch.Tensor, list[tuple[int, int, int]] | None] | None = None
 
     @staticmethod
     def bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -70,8 +76,41 @@ class KVPool:
         self._num_free += n
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        """Write the rows of ``k`` and ``v`` into slots ``loc`` of layer ``layer_id``."""
+        k_buffer, v_buffer = self.k_buffer[layer_id], self.v_buffer[layer_id]
+        runs = None
+        if (loc.device.type == "cpu" and loc.dtype == torch.int64 and loc.dim() == 1
+                and loc.numel() == k.shape[0] == v.shape[0] > 0):
+            runs = self._runs(loc)
+        if runs is None:
+            k_buffer[loc] = k.to(self.dtype)
+            v_buffer[loc] = v.to(self.dtype)
+            return
+        for slot, row, n in runs:
+            k_buffer[slot:slot + n].copy_(k[row:row + n])
+            v_buffer[slot:slot + n].copy_(v[row:row + n])
+
+    def _runs(self, loc: torch.Tensor) -> list[tuple[int, int, int]] | None:
+        """``loc`` as runs of consecutive slots, ``(first slot, first row, length)``; None when
+        it has more than MAX_RUNS of them or a slot outside the pool. The slots of a forward's
+        new tokens come from the free list in order, so they are
+        mostly one run, and every layer writes the same ones: the runs of the last ``loc`` are
+        kept with a copy of it, and used again while the slots are the same. A copy per run
+        takes about a tenth of torch's indexed write (``k_buffer[loc] = k``: 170 µs a layer for
+        a 540-token prefill chunk in place, 5 ms of its forward)."""
+        cached = self._runs_of
+        if cached is not None and cached[0].shape == loc.shape and torch.equal(cached[0], loc):
+            return cached[1]
+        runs: list[tuple[int, int, int]] | None = None
+        breaks = (loc[1:] - loc[:-1] != 1).nonzero().flatten().tolist()
+        if len(breaks) < self.MAX_RUNS:
+            starts = [0, *(b + 1 for b in breaks)]
+            ends = [*(b + 1 for b in breaks), loc.numel()]
+            runs = [(slot, a, b - a) for slot, a, b in zip(loc[starts].tolist(), starts, ends)]
+            if not all(0 <= slot and slot + n <= self.size + 1 for slot, _, n in runs):
+                runs = None  # torch's indexed write says what is wrong
+        self._runs_of = (loc.clone(), runs)
+        return runs
 
 
 class ReqToTokenPool:
