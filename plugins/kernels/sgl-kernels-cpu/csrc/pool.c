@@ -206,13 +206,24 @@ void *sgl_scratch(int slot, size_t bytes) {
     return scratch_buffer[slot];
 }
 
+/* rows per chunk of the elementwise kernels on the kernel threads (fewer rows run inline) */
+#define ROWS_PER_CHUNK 8
+
+int64_t sgl_row_chunk(int64_t T) {
+    const int64_t c = T / (2 * (int64_t)pool.threads);
+    return c < ROWS_PER_CHUNK ? ROWS_PER_CHUNK : c;
+}
+
+#endif
+
 /* sgl_parallel_for deals a job's chunks out in one share per thread, and a thread that
  * finishes early can take over only whole chunks, so the chunk size matters as much as the
  * number of chunks: 18 panels (SmolLM2's o and down projections) in claims of 2 make 9 chunks,
  * shares of 4 and 5, and one thread runs 10 panels while the other waits after 8 (those
  * projections ran at 410 GFLOP/s against 450 for the evenly shared q/k/v and gate/up, 512 rows
  * on two Zen 4 cores). Of the chunk sizes from `cap` down to half of it, the one whose largest
- * share holds the fewest items; the largest on a tie. */
+ * share holds the fewest items; the largest on a tie. Built on every architecture (the tests
+ * call it through ctypes). */
 int64_t sgl_balanced_chunk(int64_t n, int64_t cap, int threads) {
     if (cap < 1) cap = 1;
     if (threads < 1) threads = 1;
@@ -232,13 +243,3 @@ int64_t sgl_balanced_chunk(int64_t n, int64_t cap, int threads) {
     }
     return best;
 }
-
-/* rows per chunk of the elementwise kernels on the kernel threads (fewer rows run inline) */
-#define ROWS_PER_CHUNK 8
-
-int64_t sgl_row_chunk(int64_t T) {
-    const int64_t c = T / (2 * (int64_t)pool.threads);
-    return c < ROWS_PER_CHUNK ? ROWS_PER_CHUNK : c;
-}
-
-#endif
