@@ -84,13 +84,13 @@ class ServerSettings:
         "and LM head to 8 bits). gguf, compressed-tensors, gptq, awq: as auto, but only for "
         "that kind of checkpoint.")
     int8_activations: Literal["auto", "on", "off"] = _opt(
-        "auto", "Round the activations to int8 per block of 32 before each 4-bit quantized "
+        "off", "Round the activations to int8 per block of 32 before each 4-bit quantized "
         "matmul of a decode step and multiply integers, as llama.cpp does with every matmul. "
-        "auto: in steps of 8 or more sequences, on CPUs whose kernels are faster so "
-        "(AVX512-VNNI: 1.1x bfloat16 weights at batch 32, where exact products give 0.8x); "
-        "on: also in steps of 1-3 sequences (about 1.6x faster matmuls at batch 1); off: every "
-        "product exact. Rounding moves the logits by about 0.5, so the output then depends on "
-        "the batch size (auto: on the load) and on prefix-cache hits.")
+        "off (default): every product exact, and greedy output the same alone, in any batch "
+        "and after a prefix-cache hit. auto: in steps of 8 or more sequences, on CPUs whose "
+        "kernels are faster so (AVX512-VNNI); on: also in steps of 1-3 sequences. Rounding "
+        "moves the logits by about 0.5, so with auto or on the output depends on the batch "
+        "size (auto: on the load).")
     num_threads: int | None = _opt(
         None, "torch intra-op threads of the scheduler; default: 1 where sgl's CPU kernels run "
         "(they need it), else one less than the usable cores (the process's CPU affinity).",

@@ -51,6 +51,12 @@ class ForwardBatch:
     # ``positions`` are then their depths after the prefix, and row ``prefix + i`` of
     # ``req_to_token`` is token i's slot.
     tree_masks: list[torch.Tensor | None] | None = None
+    # in EXTEND, how many leading sequences are decode rows: one generated token of a running
+    # request each (a mixed step's), which a backend may attend with its decode kernel; the
+    # others are prompt tokens, a lone last one after a prefix-cache hit included, and take the
+    # extend path, so that a token's arithmetic does not depend on the cache. None: not said
+    # (a backend then takes no row for a decode row).
+    decode_seqs: int | None = None
     # whatever the attention backend computed in init_forward_metadata
     attn_metadata: Any = None
 

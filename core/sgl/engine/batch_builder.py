@@ -92,7 +92,8 @@ def _validate(runner: ModelRunner, mode: ForwardMode, seqs: Sequence[BatchSeq]) 
 
 def make_forward_batch(runner: ModelRunner, mode: ForwardMode,
                        seqs: Sequence[BatchSeq | tuple[int, int, Sequence[int]]], *,
-                       slots: torch.Tensor | None = None) -> ForwardBatch:
+                       slots: torch.Tensor | None = None,
+                       decode_seqs: int | None = None) -> ForwardBatch:
     """Take KV slots for the new tokens, record them in ``req_to_token`` and pack the batch.
 
     :param runner: supplies the pools, the attention backend and the device.
@@ -101,6 +102,8 @@ def make_forward_batch(runner: ModelRunner, mode: ForwardMode,
     :param seqs: :class:`BatchSeq` objects or ``(row, prefix_len, token_ids)`` tuples.
     :param slots: the new tokens' KV slots, in token order, when the caller manages them (a
         draft head writing at its target's slots); None takes them from ``runner.kv_pool``.
+    :param decode_seqs: in ``EXTEND``, how many leading sequences are decode rows (one
+        generated token each; see ``ForwardBatch.decode_seqs``); None: not said.
     :return: the batch; ``batch.out_cache_loc`` holds the slots just taken, in token order.
     :raises sgl.kvcache.OutOfSlotsError: when the pool has too few free slots (nothing is taken).
     :raises ValueError: on inconsistent input (see :class:`BatchSeq`).
@@ -161,6 +164,7 @@ def make_forward_batch(runner: ModelRunner, mode: ForwardMode,
         extend_seq_lens_cpu=new_lens,
         req_pool_indices_cpu=[s.row for s in items],
         tree_masks=tree_masks,
+        decode_seqs=decode_seqs,
     )
 
 

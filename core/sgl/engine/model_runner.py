@@ -259,7 +259,7 @@ class ModelRunner:
     """
 
     def __init__(self, *, model_path: str | None = None, dtype: str = "auto",
-                 quantization: str = "auto", int8_activations: str = "auto",
+                 quantization: str = "auto", int8_activations: str = "off",
                  attention_backend: str = "torch",
                  registries: Registries,
                  plugin_manager: Any = None, max_total_tokens: int | None = None,

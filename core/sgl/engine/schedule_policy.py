@@ -148,8 +148,22 @@ class ScheduledBatch:
         return [req for req, _ in self.items]
 
     @property
+    def decode_seqs(self) -> int:
+        """How many leading requests run one generated token each (a decode step's rows).
+        A prompt's last token, even alone after a prefix-cache hit, is a prefill row: prompt
+        tokens always take the extend attention and generated ones the decode attention, so a
+        request's tokens do not depend on what the cache held."""
+        count = 0
+        for req, n in self.items:
+            if not (n == 1 and req.pending == 1 and not req.draft
+                    and req.kv_len >= len(req.input_ids)):
+                break
+            count += 1
+        return count
+
+    @property
     def mode(self) -> ForwardMode:
-        decode = all(n == 1 and req.pending == 1 for req, n in self.items)
+        decode = self.decode_seqs == len(self.items)
         return ForwardMode.DECODE if decode else ForwardMode.EXTEND
 
     @property

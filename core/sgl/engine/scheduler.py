@@ -360,7 +360,8 @@ class Scheduler:
     def run_batch(self, batch: ScheduledBatch) -> torch.Tensor:
         """One forward over the batch's tokens; returns the hidden states, one row a token.
         The requests' KV now covers the tokens that ran."""
-        forward = make_forward_batch(self.runner, batch.mode, batch.seqs())
+        forward = make_forward_batch(self.runner, batch.mode, batch.seqs(),
+                                     decode_seqs=batch.decode_seqs)
         self._step_slots = forward.out_cache_loc
         hidden = self.runner.forward(forward)
         self._step_slots = None  # from here on the requests own them

@@ -4,8 +4,10 @@ CPU kernels (``sgl::decode_attention``, ``sgl::extend_attention``) where they ru
 On CPU with the kernels, decode and extend are one kernel call per layer that reads the keys
 and values straight from the pool through ``req_to_token`` and shares the batch out over the
 kernels' threads; in a mixed step (the running requests' one new token each, then prompt
-chunks) the leading one-token sequences go to the decode kernel, which attends them 2-3x faster
-than the extend kernel's tiles of query rows. Otherwise, extend runs one SDPA call per sequence
+chunks) the running requests' rows (``ForwardBatch.decode_seqs``) go to the decode kernel, which
+attends them 2-3x faster than the extend kernel's tiles of query rows; a prompt's tokens always
+take the extend kernel, so that a token computed after a prefix-cache hit is computed as it is
+cold. Otherwise, extend runs one SDPA call per sequence
 over its cached prefix plus its new tokens, so there is no padding to the longest sequence. When
 a sequence has no cached prefix its new keys are used directly and SDPA's causal mode does the
 masking.
@@ -169,11 +171,13 @@ class TorchAttentionBackend(BaseAttentionBackend):
             kernels = None  # a tree of more than 32 tokens: the torch path
         if kernels is not None and table.dtype == torch.int64 and table.stride(1) == 1:
             seqs = plan.extend
-            # a leading run of one-token sequences, each row i of q, goes to the decode kernel
+            # the leading decode rows (generated tokens, each row i of q) go to the decode
+            # kernel; prompt tokens, a lone last one after a cache hit too, to the extend kernel
             d = 0
+            limit = batch.decode_seqs or 0
             if tree_bits is None:
-                while (d < len(seqs) and seqs[d].q_start == d and seqs[d].q_end == d + 1
-                       and seqs[d].prefix_len > 0):
+                while (d < min(limit, len(seqs)) and seqs[d].q_start == d
+                       and seqs[d].q_end == d + 1 and seqs[d].prefix_len > 0):
                     d += 1
             decodes = None
             if d:

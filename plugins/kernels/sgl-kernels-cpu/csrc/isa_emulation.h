@@ -96,6 +96,24 @@ static inline simde__m256i emu_mm512_cvtepi32_epi16(simde__m512i v) {
     return simde__m256i_from_private(r);
 }
 
+/* VCVTNE2PS2BF16: words 0-15 from b, 16-31 from a, each rounded as VCVTNEPS2BF16 */
+static inline simde__m512i emu_mm512_cvtne2ps_pbh(simde__m512 a, simde__m512 b) {
+    simde__m512_private pa = simde__m512_to_private(a), pb = simde__m512_to_private(b);
+    simde__m512i_private r;
+    for (int i = 0; i < 16; i++) {
+        r.u16[i] = emu_bf16_of_f32(pb.f32[i]);
+        r.u16[16 + i] = emu_bf16_of_f32(pa.f32[i]);
+    }
+    return simde__m512i_from_private(r);
+}
+
+/* VPSRAD with an immediate: each int32 lane shifted right arithmetically (sign bits in) */
+static inline simde__m512i emu_mm512_srai_epi32(simde__m512i v, unsigned int n) {
+    simde__m512i_private a = simde__m512i_to_private(v), r;
+    for (int i = 0; i < 16; i++) r.i32[i] = n > 31 ? (a.i32[i] < 0 ? -1 : 0) : a.i32[i] >> n;
+    return simde__m512i_from_private(r);
+}
+
 /* 16 uint16 lanes zero-extended to int32 */
 static inline simde__m512i emu_mm512_cvtepu16_epi32(simde__m256i v) {
     simde__m256i_private a = simde__m256i_to_private(v);
@@ -195,6 +213,8 @@ static inline float emu_mm512_reduce_max_ps(simde__m512 v) {
 #define _mm256_mask_storeu_epi16(p, k, v) emu_mm256_mask_storeu_epi16((p), (k), (v))
 #define _mm512_cvtepi32_epi16(v) emu_mm512_cvtepi32_epi16(v)
 #define _mm512_cvtepu16_epi32(v) emu_mm512_cvtepu16_epi32(v)
+#define _mm512_srai_epi32(v, n) emu_mm512_srai_epi32((v), (n))
+#define _mm512_cvtne2ps_pbh(a, b) emu_mm512_cvtne2ps_pbh((a), (b))
 #define _mm512_cmp_epi32_mask(a, b, p) emu_mm512_cmp_epi32_mask((a), (b), (p))
 #define _mm512_reduce_add_ps(v) emu_mm512_reduce_add_ps(v)
 #define _mm512_reduce_max_ps(v) emu_mm512_reduce_max_ps(v)

@@ -6,15 +6,19 @@
  * bfloat16 x is widened once, into scratch); the sums are float32, the result rounded once to
  * x's dtype. Two paths, by the number of rows:
  *
- *   below Q_PANEL_ROWS: tiles of up to 8 rows x 1 column, each block widened to d q + m once
- *                       (bytes to int32 to fp32, then one FMA per 8 values) for all the tile's
- *                       rows; up to 4 rows keep 2 or 4 chains of sums per row, so that a
- *                       block's FMAs do not wait on each other's latency.
+ *   below Q_PANEL_ROWS: 32 columns at a time, each block widened to d q + m (bytes to int32
+ *                       to fp32, one FMA per 8 values) into a 32 x 32 panel on the stack,
+ *                       which every row multiplies one k at a time.
  *   Q_PANEL_ROWS up:    32 columns at a time widened into one panel of sgl_linear_f32's layout
  *                       in the thread's scratch (8 x 8 transposes), then multiplied by the
  *                       float32 matmul's 6 x 16 tiles.
  *
- * Columns (pairs, or panels of 32) are shared out over the pool's threads.
+ * Both paths do the same float32 operations in the same order for every row and column (one
+ * chain of FMAs over k in order, then the bias), so a row's result does not depend on the
+ * other rows of the call: a request's tokens are the same alone, in a batch or after a
+ * prefix-cache hit.
+ *
+ * Columns (in groups of 32) are shared out over the pool's threads.
  *
  * With round_x (any M) each block of each row of x is first rounded to int8 (sgl_round_x_blocks,
  * llama.cpp's Q8 activations) and the products are integers: vpmaddubsw / vpmaddwd per block,
@@ -73,57 +77,179 @@ AVX2_TARGET INLINE void dequant_block(const uint8_t *q, const uint16_t *s, const
     for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[i]), d, m);
 }
 
-/* y[r0 .. r0 + ROWS, n], the column's blocks widened once for all the rows; few rows keep
-   several chains of sums each (value group i in chain i % split), so that a block's FMAs do not
-   wait on each other's latency */
-AVX2_TARGET INLINE void quant_tile(const linear_quant_job *j, int64_t r0, int64_t n,
-                                   const int BITS, const int ROWS) {
-    const int split = ROWS <= 2 ? 4 : ROWS <= 4 ? 2 : 1;
-    __m256 acc[8][4];
-    const int64_t KB = j->KB, qb = BITS == 4 ? 16 : 32, ldx = j->ldx;
+/* -- few rows: the panels' arithmetic, a block at a time ------------------------------------
+ * Below Q_PANEL_ROWS rows the columns are taken 32 at a time; each block of them is widened to
+ * d q + m (the FMA of dequant_block) into a 32 x 32 panel on the stack, and every row carries
+ * its 32 sums along K one value at a time, as sgl_f32_panel_avx2 does on the panels of many
+ * rows: per row and column one chain of FMAs over k = 0 .. K - 1 in order, then the bias added
+ * once. So a row's result is the same bits whatever other rows share the call, and whether
+ * the call took this path or the panels (greedy decoding must not depend on the batch). */
+
+/* out[i], lane c: bytes 4i .. 4i + 3 of column c's 16 bytes at src + c * stride (c < cols;
+   zero past them) */
+AVX2_TARGET INLINE void qs_transpose8x4(const uint8_t *src, int64_t stride, int64_t cols,
+                                       __m256i out[4]) {
+    __m128i row[8];
     #pragma GCC unroll 8
+    for (int c = 0; c < 8; c++)
+        row[c] = c < cols ? _mm_loadu_si128((const __m128i *)(src + c * stride))
+                          : _mm_setzero_si128();
+    __m256i r[4]; /* r[c]: column c in the low lane, column c + 4 in the high one */
+    #pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) r[c] = _mm256_set_m128i(row[c + 4], row[c]);
+    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    out[0] = _mm256_unpacklo_epi64(t0, t2);
+    out[1] = _mm256_unpackhi_epi64(t0, t2);
+    out[2] = _mm256_unpacklo_epi64(t1, t3);
+    out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* The scales of block kb of the 8 columns n0 .. n0 + cols as float32 (d, m), and its integers
+   with byte b of dword i of t[i] in lane c (q4: values 4i + b and 4i + b + 16 as nibbles; q8:
+   t[0..7], value 4i + b). Columns past cols are zero. */
+AVX2_TARGET INLINE void qs_block8(const linear_quant_job *j, int64_t n0, int64_t cols,
+                                  int64_t kb, __m256 *d, __m256 *m, __m256i t[8],
+                                  const int BITS) {
+    const int64_t KB = j->KB, qb = BITS == 4 ? 16 : 32;
+    uint32_t pairs[8]; /* each column's float16 (d, m) of the block */
+    for (int c = 0; c < 8; c++)
+        if (c < cols) memcpy(pairs + c, j->sc + ((n0 + c) * KB + kb) * 2, 4);
+        else pairs[c] = 0;
+    const __m256i dm = _mm256_loadu_si256((const __m256i *)pairs);
+    const __m256i halves = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(dm, _mm256_set1_epi32(0xFFFF)),
+                            _mm256_srli_epi32(dm, 16)), 0xD8);
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+    *m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
+    const uint8_t *q = j->qw + (n0 * KB + kb) * qb;
+    qs_transpose8x4(q, KB * qb, cols, t);
+    if (BITS == 8) qs_transpose8x4(q + 16, KB * qb, cols, t + 4);
+}
+
+/* value k (< 32, constant after unrolling) of the block as 8 columns' d q + m, from qs_block8 */
+AVX2_TARGET INLINE __m256 qs_value(const __m256i t[8], __m256 d, __m256 m, const int k,
+                                   const int BITS) {
+    __m256i v;
+    if (BITS == 4) { /* k = 16 h + 4 i + b */
+        const int h = k >> 4, i = (k >> 2) & 3, b = k & 3;
+        v = _mm256_and_si256(_mm256_srli_epi32(t[i], 8 * b + 4 * h), _mm256_set1_epi32(0x0F));
+    } else { /* k = 4 i + b, signed */
+        v = _mm256_srai_epi32(_mm256_slli_epi32(t[k >> 2], 24 - 8 * (k & 3)), 24);
+    }
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m);
+}
+
+/* block kb of the 8 columns n0 .. n0 + cols (zero past them) widened into w[k * 32], k < 32 */
+AVX2_TARGET INLINE void qs_widen8(const linear_quant_job *j, int64_t n0, int64_t cols,
+                                  int64_t kb, float *w, const int BITS) {
+    if (cols <= 0) {
+        for (int k = 0; k < 32; k++) _mm256_storeu_ps(w + k * 32, _mm256_setzero_ps());
+        return;
+    }
+    __m256 d, m;
+    __m256i t[8];
+    qs_block8(j, n0, cols, kb, &d, &m, t, BITS);
+    #pragma GCC unroll 32
+    for (int k = 0; k < 32; k++) _mm256_storeu_ps(w + k * 32, qs_value(t, d, m, k, BITS));
+}
+
+/* One or two rows: the 32 columns' sums in registers over all of K, each block's values
+   widened and used at once (no panel); the same chains as qs_rows */
+AVX2_TARGET INLINE void qs_direct(const linear_quant_job *j, int64_t n0, int64_t cols,
+                                  __m256 *acc, const int BITS, const int ROWS) {
+    __m256 a[2][4];
+    #pragma GCC unroll 2
     for (int r = 0; r < ROWS; r++)
         #pragma GCC unroll 4
-        for (int s = 0; s < split; s++) acc[r][s] = _mm256_setzero_ps();
-    const float *x = j->xf + r0 * ldx;
-    const uint8_t *q = j->qw + n * KB * qb;
-    const uint16_t *sc = j->sc + n * KB * 2;
-    for (int64_t kb = 0; kb < KB; kb++) {
-        __m256 w[4];
-        dequant_block(q + kb * qb, sc + kb * 2, BITS, w);
-        #pragma GCC unroll 8
-        for (int r = 0; r < ROWS; r++)
-            #pragma GCC unroll 4
-            for (int i = 0; i < 4; i++)
-                acc[r][i % split] = _mm256_fmadd_ps(
-                    w[i], _mm256_loadu_ps(x + r * ldx + kb * 32 + 8 * i), acc[r][i % split]);
-    }
-    #pragma GCC unroll 8
-    for (int r = 0; r < ROWS; r++) {
-        __m256 total = acc[r][0];
+        for (int g = 0; g < 4; g++) a[r][g] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < j->KB; kb++) {
+        __m256 d[4], m[4];
+        __m256i t[4][8];
         #pragma GCC unroll 4
-        for (int s = 1; s < split; s++) total = _mm256_add_ps(total, acc[r][s]);
-        const float v = hsum8(total) + (j->bias ? j->bias[n] : 0.0f);
-        const int64_t at = (r0 + r) * j->ldy + n;
-        if (j->dtype) ((uint16_t *)j->y)[at] = quant_bf16_of(v);
-        else ((float *)j->y)[at] = v;
+        for (int g = 0; g < 4; g++)
+            if (8 * g < cols) qs_block8(j, n0 + 8 * g, cols - 8 * g, kb, d + g, m + g, t[g], BITS);
+        const float *x = j->xf + kb * 32;
+        #pragma GCC unroll 32
+        for (int k = 0; k < 32; k++) {
+            #pragma GCC unroll 4
+            for (int g = 0; g < 4; g++) {
+                if (8 * g >= cols) continue;
+                const __m256 w = qs_value(t[g], d[g], m[g], k, BITS);
+                #pragma GCC unroll 2
+                for (int r = 0; r < ROWS; r++)
+                    a[r][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * j->ldx + k), w, a[r][g]);
+            }
+        }
+    }
+    #pragma GCC unroll 2
+    for (int r = 0; r < ROWS; r++)
+        #pragma GCC unroll 4
+        for (int g = 0; g < 4; g++) acc[r * 4 + g] = a[r][g];
+}
+
+/* acc[r][0..3] (the 32 columns' sums of ROWS rows) carried over one block's 32 values of k */
+AVX2_TARGET INLINE void qs_rows(const float *x, int64_t ldx, const float *w, __m256 *acc,
+                                const int ROWS) {
+    __m256 a[2][4];
+    #pragma GCC unroll 2
+    for (int r = 0; r < ROWS; r++)
+        #pragma GCC unroll 4
+        for (int g = 0; g < 4; g++) a[r][g] = acc[r * 4 + g];
+    for (int k = 0; k < 32; k++) {
+        __m256 wv[4];
+        #pragma GCC unroll 4
+        for (int g = 0; g < 4; g++) wv[g] = _mm256_loadu_ps(w + k * 32 + 8 * g);
+        #pragma GCC unroll 2
+        for (int r = 0; r < ROWS; r++) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+            #pragma GCC unroll 4
+            for (int g = 0; g < 4; g++) a[r][g] = _mm256_fmadd_ps(xv, wv[g], a[r][g]);
+        }
+    }
+    #pragma GCC unroll 2
+    for (int r = 0; r < ROWS; r++)
+        #pragma GCC unroll 4
+        for (int g = 0; g < 4; g++) acc[r * 4 + g] = a[r][g];
+}
+
+/* the groups of 32 columns g_begin .. g_end, for all M (< Q_PANEL_ROWS) rows */
+AVX2_TARGET INLINE void qs_groups(const linear_quant_job *j, int64_t g_begin, int64_t g_end,
+                                  const int BITS) {
+    float w[32 * 32] __attribute__((aligned(32)));
+    __m256 acc[Q_PANEL_ROWS * 4];
+    const int64_t M = j->M;
+    for (int64_t g = g_begin; g < g_end; g++) {
+        const int64_t n0 = 32 * g, cols = j->N - n0 < 32 ? j->N - n0 : 32;
+        if (M <= 2) {
+            if (M == 2) qs_direct(j, n0, cols, acc, BITS, 2);
+            else qs_direct(j, n0, cols, acc, BITS, 1);
+        }
+        for (int64_t i = 0; M > 2 && i < M * 4; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t kb = 0; M > 2 && kb < j->KB; kb++) {
+            #pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) qs_widen8(j, n0 + 8 * c, cols - 8 * c, kb, w + 8 * c, BITS);
+            const float *x = j->xf + kb * 32;
+            int64_t r = 0;
+            for (; r + 2 <= M; r += 2) qs_rows(x + r * j->ldx, j->ldx, w, acc + r * 4, 2);
+            if (r < M) qs_rows(x + r * j->ldx, j->ldx, w, acc + r * 4, 1);
+        }
+        for (int64_t r = 0; r < M; r++)
+            for (int c = 0; c < 4; c++) {
+                if (8 * c >= cols) break;
+                const __m256 b = j->bias ? load8n(j->bias + n0 + 8 * c, cols - 8 * c, 0)
+                                         : _mm256_setzero_ps();
+                store8n((char *)j->y + ((r * j->ldy + n0 + 8 * c) << (j->dtype ? 1 : 2)),
+                        _mm256_add_ps(acc[r * 4 + c], b), cols - 8 * c, j->dtype);
+            }
     }
 }
 
-/* y[:, n] in tiles of up to 8 rows (constant tile shapes keep the sums in registers) */
-AVX2_TARGET INLINE void quant_column(const linear_quant_job *j, int64_t n, const int BITS) {
-    int64_t r = 0;
-    for (; j->M - r >= 8; r += 8) quant_tile(j, r, n, BITS, 8);
-    switch (j->M - r) {
-    case 7: quant_tile(j, r, n, BITS, 7); break;
-    case 6: quant_tile(j, r, n, BITS, 6); break;
-    case 5: quant_tile(j, r, n, BITS, 5); break;
-    case 4: quant_tile(j, r, n, BITS, 4); break;
-    case 3: quant_tile(j, r, n, BITS, 3); break;
-    case 2: quant_tile(j, r, n, BITS, 2); break;
-    case 1: quant_tile(j, r, n, BITS, 1); break;
-    default: break;
-    }
+/* Below Q_PANEL_ROWS rows: the groups of 32 columns g_begin .. g_end */
+AVX2_TARGET static void linear_quant_small(void *ctx, int64_t g_begin, int64_t g_end) {
+    const linear_quant_job *j = ctx;
+    if (j->bits == 4) qs_groups(j, g_begin, g_end, 4); /* a constant width: no branch per block */
+    else qs_groups(j, g_begin, g_end, 8);
 }
 
 /* -- x rounded to int8 per block (round_x) --------------------------------------------------- */
@@ -175,16 +301,6 @@ AVX2_TARGET void sgl_round_x_blocks(const float *xf, int64_t ldx, int64_t M, int
         }
 }
 
-/* Below Q_PANEL_ROWS rows: the columns of pairs p_begin .. p_end, each in turn */
-AVX2_TARGET static void linear_quant_pairs(void *ctx, int64_t p_begin, int64_t p_end) {
-    const linear_quant_job *j = ctx;
-    const int64_t n1 = 2 * p_end < j->N ? 2 * p_end : j->N;
-    for (int64_t n = 2 * p_begin; n < n1; n++) {
-        if (j->bits == 4) quant_column(j, n, 4); /* a constant width: no branch per block */
-        else quant_column(j, n, 8);
-    }
-}
-
 /* dst[r * ld + c] = rows[c][off + r] for r, c < 8: an 8 x 8 transpose */
 AVX2_TARGET INLINE void transpose8_store(float rows[8][32], int64_t off, float *dst, int64_t ld) {
     __m256 a[8], t[8];
@@ -217,7 +333,7 @@ AVX2_TARGET static void linear_quant_panels(void *ctx, int64_t np_begin, int64_t
     const int64_t K = j->KB * 32, qb = j->bits == 4 ? 16 : 32, M = j->M;
     float *panel = sgl_scratch(0, (size_t)(K * 32 + (j->dtype ? M * 32 : 0)) * 4);
     if (!panel) {
-        linear_quant_pairs(ctx, 16 * np_begin, 16 * np_end); /* no memory: the tiles */
+        linear_quant_small(ctx, np_begin, np_end); /* no memory: the same sums, a block at a time */
         return;
     }
     float *yt = panel + K * 32; /* the panel's fp32 results when y is bfloat16 */
@@ -291,8 +407,8 @@ AVX2_TARGET int sgl_linear_quant_avx2(const void *x, int64_t ldx, const uint8_t 
         const int64_t panels = (N + 31) / 32;
         sgl_parallel_for(linear_quant_panels, &job, panels, chunk_of(panels));
     } else {
-        const int64_t pairs = (N + 1) / 2;
-        sgl_parallel_for(linear_quant_pairs, &job, pairs, chunk_of(pairs));
+        const int64_t groups = (N + 31) / 32;
+        sgl_parallel_for(linear_quant_small, &job, groups, chunk_of(groups));
     }
     return 0;
 }

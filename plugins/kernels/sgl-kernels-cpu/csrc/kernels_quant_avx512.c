@@ -28,6 +28,7 @@
 
 #define VNNI512_TARGET
 #define PANEL512_TARGET
+#define BF16_512_TARGET
 #define HAS_VNNI() 1
 #elif defined(__x86_64__)
 #include <immintrin.h>
@@ -35,6 +36,8 @@
 #define VNNI512_TARGET \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 #define PANEL512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define BF16_512_TARGET \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
 #define HAS_VNNI() __builtin_cpu_supports("avx512vnni")
 #endif
 
@@ -174,6 +177,285 @@ PANEL512_TARGET static int q512_linear_panels(const uint16_t *x, int64_t ldx, co
     return atomic_load(&job.no_memory) ? -1 : 0;
 }
 
+/* dwords p0 .. p3 (4 bytes each) of the 16 columns' 16-byte rows src[c] (stride bytes apart),
+   transposed: dword i of column c goes to dword c of out[i] */
+PANEL512_TARGET Q512_INLINE void i8g_transpose16x4(const uint8_t *src, int64_t stride,
+                                                  int64_t cols, __m512i out[4]) {
+    __m128i row[16];
+    #pragma GCC unroll 16
+    for (int c = 0; c < 16; c++)
+        row[c] = c < cols ? _mm_loadu_si128((const __m128i *)(src + c * stride))
+                          : _mm_setzero_si128();
+    __m512i z[4]; /* z[g]'s 128-bit lane l: column 4 l + g */
+    #pragma GCC unroll 4
+    for (int g = 0; g < 4; g++)
+        z[g] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(
+            _mm512_castsi128_si512(row[g]), row[4 + g], 1), row[8 + g], 2), row[12 + g], 3);
+    /* 4 x 4 transposes in each lane: dword g of lane l then holds column 4 l + g */
+    const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    out[0] = _mm512_unpacklo_epi64(t0, t2);
+    out[1] = _mm512_unpackhi_epi64(t0, t2);
+    out[2] = _mm512_unpacklo_epi64(t1, t3);
+    out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* -- bfloat16 rows below Q512_PANEL_ROWS: the panels' products, a block at a time -----------
+ * The columns are taken 32 at a time (two vectors of 16); each block of them is widened to the
+ * panels' bfloat16 pairs (d q + m rounded, value 2p in the low half of dword p) into a 2 KiB
+ * panel on the stack, which every row multiplies pair by pair with the panels' steps (vdpbf16ps,
+ * or the two FMAs of the widened kernel). Per row and column that is the chain of
+ * sgl_bf16_panel_avx512 over the same values in the same order, so a row's result does not
+ * depend on how many rows the call has: a request's tokens are the same alone, in a batch, or
+ * after a prefix-cache hit. The integers come with the 16 columns in the lanes (a byte
+ * transpose), so no 16 x 16 transpose per block is needed. */
+
+/* block kb's scales of the 16 columns n0 .. n0 + cols as float32 (zero past them), and its
+   integers: t[i], lane c = bytes 4i .. 4i + 3 of column c (q4: t[0..3]; q8: t[0..7]) */
+PANEL512_TARGET Q512_INLINE void q512s_block16(const q512_panel_job *j, int64_t n0,
+                                               int64_t cols, int64_t kb, __m512 *d, __m512 *m,
+                                               __m512i t[8], const int BITS) {
+    const int64_t KB = j->KB, qb = BITS == 4 ? 16 : 32;
+    uint32_t pairs[16]; /* each column's float16 (d, m) of the block */
+    for (int c = 0; c < 16; c++)
+        if (c < cols) memcpy(pairs + c, j->sc + ((n0 + c) * KB + kb) * 2, 4);
+        else pairs[c] = 0;
+    const __m512i dm = _mm512_loadu_si512((const void *)pairs);
+    const __m256i dh = _mm512_cvtepi32_epi16(dm);
+    const __m256i mh = _mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16));
+    float df[16], mf[16];
+    _mm256_storeu_ps(df, _mm256_cvtph_ps(_mm256_castsi256_si128(dh)));
+    _mm256_storeu_ps(df + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(dh, 1)));
+    _mm256_storeu_ps(mf, _mm256_cvtph_ps(_mm256_castsi256_si128(mh)));
+    _mm256_storeu_ps(mf + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(mh, 1)));
+    *d = _mm512_loadu_ps(df);
+    *m = _mm512_loadu_ps(mf);
+    const uint8_t *q = j->qw + (n0 * KB + kb) * qb;
+    i8g_transpose16x4(q, KB * qb, cols, t);
+    if (BITS == 8) i8g_transpose16x4(q + 16, KB * qb, cols, t + 4);
+}
+
+/* d q + m rounded to bfloat16 (ties to even; the weights are finite), as q512_block_pairs */
+PANEL512_TARGET Q512_INLINE __m512i q512s_rounded(__m512i q, __m512 d, __m512 m) {
+    const __m512i u = _mm512_castps_si512(_mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+}
+
+/* the integers of values 2p (e) and 2p + 1 (o) of the block, p < 16 constant after unrolling,
+   for the 16 columns of q512s_block16 */
+PANEL512_TARGET Q512_INLINE void q512s_ints(const __m512i t[8], const int p, const int BITS,
+                                           __m512i *e, __m512i *o) {
+    const int b = 2 * (p & 1); /* value 2p is byte b of its dword */
+    if (BITS == 4) { /* value 2p: nibble h of byte 4i + b, 2p = 16 h + 4 i + b */
+        const int h = p >> 3, i = (p >> 1) & 3;
+        const __m512i low = _mm512_set1_epi32(0x0F);
+        *e = _mm512_and_si512(_mm512_srli_epi32(t[i], 8 * b + 4 * h), low);
+        *o = _mm512_and_si512(_mm512_srli_epi32(t[i], 8 * b + 8 + 4 * h), low);
+    } else { /* value 2p: byte b of dword p / 2, signed */
+        *e = _mm512_srai_epi32(_mm512_slli_epi32(t[p >> 1], 24 - 8 * b), 24);
+        *o = _mm512_srai_epi32(_mm512_slli_epi32(t[p >> 1], 16 - 8 * b), 24);
+    }
+}
+
+/* pair p of the block for the 16 columns: values 2p (low half) and 2p + 1 as bfloat16 */
+PANEL512_TARGET Q512_INLINE __m512i q512s_pair(const __m512i t[8], __m512 d, __m512 m,
+                                              const int p, const int BITS) {
+    __m512i e, o;
+    q512s_ints(t, p, BITS, &e, &o);
+    return _mm512_or_si512(_mm512_srli_epi32(q512s_rounded(e, d, m), 16),
+                           _mm512_and_si512(q512s_rounded(o, d, m),
+                                            _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* q512s_pair with AVX512-BF16's rounding instruction: the same bits (ties to even; the values
+   d q + m are multiples of 2^-24, so never denormal, which the instruction would flush), the
+   two halves then interleaved by one word permute */
+BF16_512_TARGET Q512_INLINE __m512i q512s_pair_bf16(const __m512i t[8], __m512 d, __m512 m,
+                                                   const int p, const int BITS) {
+    __m512i e, o;
+    q512s_ints(t, p, BITS, &e, &o);
+    const __m512i words = (__m512i)_mm512_cvtne2ps_pbh(
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(o), d, m), _mm512_fmadd_ps(_mm512_cvtepi32_ps(e), d, m));
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                           16, 0);
+    return _mm512_permutexvar_epi16(order, words);
+}
+
+/* block kb of the 32 columns n0 .. n0 + cols (zero past them) as w[p * 2 + half] */
+#define Q512S_WIDEN(NAME, TARGET, PAIR)                                                        \
+    TARGET Q512_INLINE void NAME(const q512_panel_job *j, int64_t n0, int64_t cols,           \
+                                 int64_t kb, __m512i *w, const int BITS) {                    \
+        _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {                        \
+            if (16 * half >= cols) {                                                           \
+                for (int p = 0; p < 16; p++) w[p * 2 + half] = _mm512_setzero_si512();         \
+                continue;                                                                      \
+            }                                                                                  \
+            __m512 d, m;                                                                       \
+            __m512i t[8];                                                                      \
+            q512s_block16(j, n0 + 16 * half, cols - 16 * half, kb, &d, &m, t, BITS);           \
+            _Pragma("GCC unroll 16") for (int p = 0; p < 16; p++)                              \
+                w[p * 2 + half] = PAIR(t, d, m, p, BITS);                                      \
+        }                                                                                      \
+    }
+Q512S_WIDEN(q512s_widen_dp, BF16_512_TARGET, q512s_pair_bf16)
+Q512S_WIDEN(q512s_widen, PANEL512_TARGET, q512s_pair)
+
+/* acc[r * 2 + half] of ROWS rows carried over one block (x at the block's first value): the
+   steps of bf16_panel_dp (DP) or bf16_panel_widen */
+#define Q512S_ROWS(NAME, TARGET, DP)                                                           \
+    TARGET Q512_INLINE void NAME(const uint16_t *x, int64_t ldx, const __m512i *w,           \
+                                 __m512 *acc, const int ROWS) {                                \
+        __m512 a[4][2];                                                                        \
+        _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {                               \
+            a[r][0] = acc[r * 2];                                                              \
+            a[r][1] = acc[r * 2 + 1];                                                          \
+        }                                                                                      \
+        const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);                                \
+        for (int p = 0; p < 16; p++) {                                                         \
+            const __m512i w0 = w[p * 2], w1 = w[p * 2 + 1];                                    \
+            _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {                           \
+                uint32_t pair;                                                                 \
+                memcpy(&pair, x + r * ldx + 2 * p, 4);                                         \
+                const __m512i xv = _mm512_set1_epi32((int)pair);                               \
+                if (DP) {                                                                      \
+                    a[r][0] = Q512S_DP(a[r][0], xv, w0);                                       \
+                    a[r][1] = Q512S_DP(a[r][1], xv, w1);                                       \
+                } else {                                                                       \
+                    const __m512 xe = _mm512_castsi512_ps(_mm512_slli_epi32(xv, 16));          \
+                    const __m512 xo = _mm512_castsi512_ps(_mm512_and_si512(xv, hi));           \
+                    a[r][0] = _mm512_fmadd_ps(xo, _mm512_castsi512_ps(_mm512_and_si512(w0, hi)), \
+                        _mm512_fmadd_ps(xe, _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)), a[r][0])); \
+                    a[r][1] = _mm512_fmadd_ps(xo, _mm512_castsi512_ps(_mm512_and_si512(w1, hi)), \
+                        _mm512_fmadd_ps(xe, _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)), a[r][1])); \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {                               \
+            acc[r * 2] = a[r][0];                                                              \
+            acc[r * 2 + 1] = a[r][1];                                                          \
+        }                                                                                      \
+    }
+
+#define Q512S_DP(acc, xv, wv) _mm512_dpbf16_ps((acc), (__m512bh)(xv), (__m512bh)(wv))
+Q512S_ROWS(q512s_rows_dp, BF16_512_TARGET, 1)
+#undef Q512S_DP
+#define Q512S_DP(acc, xv, wv) (acc)
+Q512S_ROWS(q512s_rows_widen, PANEL512_TARGET, 0)
+#undef Q512S_DP
+
+/* One row: its 32 sums in registers over all of K, each pair vector used as it is made (no
+   stack panel); the same steps in the same order as the rows functions */
+#define Q512S_DIRECT(NAME, TARGET, PAIR, DP)                                                   \
+    TARGET Q512_INLINE void NAME(const q512_panel_job *j, int64_t n0, int64_t cols,           \
+                                 __m512 *acc, const int BITS) {                                \
+        __m512 a[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};                              \
+        const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);                                \
+        for (int64_t kb = 0; kb < j->KB; kb++) {                                               \
+            __m512 d[2], m[2];                                                                 \
+            __m512i t[2][8];                                                                   \
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                                \
+                if (16 * h < cols) q512s_block16(j, n0 + 16 * h, cols - 16 * h, kb, d + h,     \
+                                                 m + h, t[h], BITS);                           \
+            const uint16_t *x = j->x + kb * 32;                                                \
+            _Pragma("GCC unroll 16") for (int p = 0; p < 16; p++) {                            \
+                uint32_t pair;                                                                 \
+                memcpy(&pair, x + 2 * p, 4);                                                   \
+                const __m512i xv = _mm512_set1_epi32((int)pair);                               \
+                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                          \
+                    if (16 * h >= cols) continue;                                              \
+                    const __m512i w = PAIR(t[h], d[h], m[h], p, BITS);                         \
+                    if (DP) {                                                                  \
+                        a[h] = Q512S_DP(a[h], xv, w);                                          \
+                    } else {                                                                   \
+                        const __m512 xe = _mm512_castsi512_ps(_mm512_slli_epi32(xv, 16));      \
+                        const __m512 xo = _mm512_castsi512_ps(_mm512_and_si512(xv, hi));       \
+                        a[h] = _mm512_fmadd_ps(xo, _mm512_castsi512_ps(_mm512_and_si512(w, hi)), \
+                            _mm512_fmadd_ps(xe, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), a[h])); \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        acc[0] = a[0];                                                                         \
+        acc[1] = a[1];                                                                         \
+    }
+
+#define Q512S_DP(acc, xv, wv) _mm512_dpbf16_ps((acc), (__m512bh)(xv), (__m512bh)(wv))
+Q512S_DIRECT(q512s_direct_dp, BF16_512_TARGET, q512s_pair_bf16, 1)
+#undef Q512S_DP
+#define Q512S_DP(acc, xv, wv) (acc)
+Q512S_DIRECT(q512s_direct_widen, PANEL512_TARGET, q512s_pair, 0)
+#undef Q512S_DP
+
+/* the groups of 32 columns g_begin .. g_end for all M (< Q512_PANEL_ROWS) rows */
+#define Q512S_GROUPS(NAME, TARGET, ROWS_FN, WIDEN, DIRECT)                                                    \
+    TARGET static void NAME(void *ctx, int64_t g_begin, int64_t g_end) {                      \
+        const q512_panel_job *j = ctx;                                                         \
+        __m512i w[32];                                                                         \
+        __m512 acc[Q512_PANEL_ROWS * 2];                                                       \
+        const int64_t M = j->M;                                                                \
+        for (int64_t g = g_begin; g < g_end; g++) {                                            \
+            const int64_t n0 = 32 * g, cols = j->N - n0 < 32 ? j->N - n0 : 32;                 \
+            if (M == 1) {                                                                      \
+                if (j->bits == 4) DIRECT(j, n0, cols, acc, 4);                                 \
+                else DIRECT(j, n0, cols, acc, 8);                                              \
+            }                                                                                  \
+            for (int64_t i = 0; M > 1 && i < 2 * M; i++) acc[i] = _mm512_setzero_ps();         \
+            for (int64_t kb = 0; M > 1 && kb < j->KB; kb++) {                                  \
+                if (j->bits == 4) WIDEN(j, n0, cols, kb, w, 4);                                \
+                else WIDEN(j, n0, cols, kb, w, 8);                                             \
+                const uint16_t *x = j->x + kb * 32;                                            \
+                int64_t r = 0;                                                                 \
+                for (; r + 4 <= M; r += 4) ROWS_FN(x + r * j->ldx, j->ldx, w, acc + 2 * r, 4); \
+                switch (M - r) {                                                               \
+                case 3: ROWS_FN(x + r * j->ldx, j->ldx, w, acc + 2 * r, 3); break;             \
+                case 2: ROWS_FN(x + r * j->ldx, j->ldx, w, acc + 2 * r, 2); break;             \
+                case 1: ROWS_FN(x + r * j->ldx, j->ldx, w, acc + 2 * r, 1); break;             \
+                default: break;                                                                \
+                }                                                                              \
+            }                                                                                  \
+            const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);          \
+            const __mmask16 m1 = cols >= 32 ? 0xFFFF                                           \
+                                 : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;       \
+            const __m512 b0 = j->bias ? _mm512_maskz_loadu_ps(m0, j->bias + n0)               \
+                                      : _mm512_setzero_ps();                                   \
+            const __m512 b1 = j->bias && m1 ? _mm512_maskz_loadu_ps(m1, j->bias + n0 + 16)    \
+                                            : _mm512_setzero_ps();                             \
+            for (int64_t r = 0; r < M; r++) {                                                  \
+                q512s_store(j->y + r * j->ldy + n0, _mm512_add_ps(acc[2 * r], b0), m0);        \
+                if (m1) q512s_store(j->y + r * j->ldy + n0 + 16,                               \
+                                    _mm512_add_ps(acc[2 * r + 1], b1), m1);                    \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+/* v rounded to bfloat16 (ties to even; a NaN stays a NaN) into the lanes of `keep` */
+PANEL512_TARGET Q512_INLINE void q512s_store(uint16_t *y, __m512 v, __mmask16 keep) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i h = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    h = _mm512_mask_mov_epi32(h, nan, _mm512_srli_epi32(
+        _mm512_or_si512(u, _mm512_set1_epi32(0x400000)), 16));
+    _mm256_mask_storeu_epi16(y, keep, _mm512_cvtepi32_epi16(h));
+}
+
+Q512S_GROUPS(q512s_groups_dp, BF16_512_TARGET, q512s_rows_dp, q512s_widen_dp, q512s_direct_dp)
+Q512S_GROUPS(q512s_groups_widen, PANEL512_TARGET, q512s_rows_widen, q512s_widen, q512s_direct_widen)
+
+/* bfloat16 x [M, K] below Q512_PANEL_ROWS rows, the panels' products a block at a time */
+PANEL512_TARGET static void q512_linear_small(const uint16_t *x, int64_t ldx, const uint8_t *qw,
+                                              const uint16_t *sc, uint16_t *y, int64_t ldy,
+                                              int64_t M, int64_t N, int64_t K,
+                                              const float *bias, int bits, int dp) {
+    q512_panel_job job = {x, NULL, qw, sc, y, bias, ldx, K, ldy, M, N, K / 32, bits, dp, 0};
+    const int64_t groups = (N + 31) / 32;
+    sgl_parallel_for(dp ? q512s_groups_dp : q512s_groups_widen, &job, groups,
+                     panels_per_thread(groups));
+}
+
 /* -- round_x: integer products with VNNI (quant_round_x.h) ---------------------------------- */
 
 #define ROUND_X_TARGET VNNI512_TARGET
@@ -195,29 +477,6 @@ typedef struct {
     const float *xd, *xs; /* per row and block: dx, dx * sum(q) */
     atomic_int no_memory;
 } i8g_job;
-
-/* dwords p0 .. p3 (4 bytes each) of the 16 columns' 16-byte rows src[c] (stride bytes apart),
-   transposed: dword i of column c goes to dword c of out[i] */
-VNNI512_TARGET Q512_INLINE void i8g_transpose16x4(const uint8_t *src, int64_t stride,
-                                                  int64_t cols, __m512i out[4]) {
-    __m128i row[16];
-    #pragma GCC unroll 16
-    for (int c = 0; c < 16; c++)
-        row[c] = c < cols ? _mm_loadu_si128((const __m128i *)(src + c * stride))
-                          : _mm_setzero_si128();
-    __m512i z[4]; /* z[g]'s 128-bit lane l: column 4 l + g */
-    #pragma GCC unroll 4
-    for (int g = 0; g < 4; g++)
-        z[g] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(
-            _mm512_castsi128_si512(row[g]), row[4 + g], 1), row[8 + g], 2), row[12 + g], 3);
-    /* 4 x 4 transposes in each lane: dword g of lane l then holds column 4 l + g */
-    const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-    const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-    out[0] = _mm512_unpacklo_epi64(t0, t2);
-    out[1] = _mm512_unpackhi_epi64(t0, t2);
-    out[2] = _mm512_unpacklo_epi64(t1, t3);
-    out[3] = _mm512_unpackhi_epi64(t1, t3);
-}
 
 /* the 16 columns n0 .. n0 + cols of every block, in vpdpbusd's layout: w[kb][i], lane c holds
    the block's values 4i .. 4i + 3 of column n0 + c as unsigned bytes (q4: 0..15; q8: q + 128),
@@ -449,6 +708,10 @@ PANEL512_TARGET int sgl_linear_quant_avx512(const void *x, int64_t ldx, const ui
     if (bits != 4 && bits != 8) return -2;
     if (!round_x && dtype && M >= Q512_PANEL_ROWS)
         return q512_linear_panels(x, ldx, qw, sc, y, ldy, M, N, K, bias, bits, bf16_dot);
+    if (!round_x && dtype) {
+        q512_linear_small(x, ldx, qw, sc, y, ldy, M, N, K, bias, bits, bf16_dot);
+        return 0;
+    }
     if (!round_x || !HAS_VNNI())
         return sgl_linear_quant_avx2(x, ldx, qw, sc, y, ldy, M, N, K, bias, dtype, bits,
                                      round_x);
