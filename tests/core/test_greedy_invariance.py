@@ -1,0 +1,139 @@
+"""What users run, held to what temperature 0 promises: the bundled SmolLM2 GGUF with the
+default settings (dtype auto, its quantized weights, int8 activations off, the radix cache on)
+gives each prompt the same greedy tokens cold, after a full or partial prefix-cache hit, alone,
+in batches of any size and mix, and chunked -- at every instruction-set level this CPU runs
+(``model_isa``; the kernels of the levels above it are held to the same property one operator
+at a time, emulated, in tests/plugins/kernels/test_batch_invariance.py).
+
+The scheduler runs in this process (test_scheduler's Harness) with the default dtype and
+quantization; the prompts, their chat templating, the batch compositions and what the cache
+holds beforehand are drawn by hypothesis, so that the next such defect is found here and not
+by a user who asked the same question twice (issue 54).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_scheduler import Harness  # same folder
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 8
+TEXTS = ["What is the capital of France?", "Name three colors.", "Who wrote Hamlet?",
+         "Write a haiku about the sea.", "What is 12 times 12?", "Explain gravity briefly.",
+         "Translate 'good morning' into Spanish.", "List two prime numbers.",
+         "The quick brown fox jumps over the lazy dog because",
+         "Once upon a time, in a small village by the mountains, there lived"]
+
+
+class Invariance:
+    """A harness at one level and each prompt's cold, alone greedy tokens."""
+
+    def __init__(self, tmp: Path, level: str) -> None:
+        self.harness = Harness(tmp, cpu_isa=level, dtype="auto", int8_activations="off",
+                               max_total_tokens=8192, max_running_requests=64)
+        self.cold: dict[tuple[int, ...], list[int]] = {}
+
+    def ids(self, text: str, chat: bool) -> list[int]:
+        if chat:
+            return self.harness.chat_ids(text)
+        return list(self.harness.tokenizer(text)["input_ids"])
+
+    def flush(self) -> None:
+        s = self.harness.scheduler
+        assert s.idle and s.flush_cache()["success"]
+
+    def run(self, prompts: list[list[int]]) -> list[list[int]]:
+        rids = [self.harness.submit(p, max_new_tokens=NEW_TOKENS, temperature=0,
+                                    ignore_eos=True) for p in prompts]
+        results = self.harness.run(rids)
+        return [results[r].output_ids for r in rids]
+
+    def alone_cold(self, prompt: list[int]) -> list[int]:
+        key = tuple(prompt)
+        if key not in self.cold:
+            self.flush()
+            self.cold[key] = self.run([prompt])[0]
+        return self.cold[key]
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory: pytest.TempPathFactory, model_isa: str) -> Iterator[Invariance]:
+    inv = Invariance(tmp_path_factory.mktemp(f"greedy-{model_isa}"), model_isa)
+    runner = inv.harness.scheduler.runner
+    assert runner.dtype == (torch.bfloat16 if model_isa in ("amx", "avx512_bf16")
+                            else torch.float32), "dtype auto"
+    assert runner.quantization == "gguf"
+    with torch.inference_mode():
+        yield inv
+    inv.harness.close()
+
+
+prompt_strategy = st.tuples(st.sampled_from(TEXTS), st.booleans())
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(prompt_strategy, min_size=1, max_size=6),
+       warm=st.sampled_from(["none", "same", "prefix"]), data=st.data())
+def test_tokens_do_not_depend_on_cache_or_batch(check: Invariance, batch: list,
+                                                warm: str, data: st.DataObject) -> None:
+    """A batch of drawn prompts, after the cache was flushed, warmed with the same prompts,
+    or warmed with a drawn prefix of each (the cache then holds 1 to N tokens less than the
+    prompt): each prompt's tokens are its cold, alone ones."""
+    prompts = [check.ids(text, chat) for text, chat in batch]
+    expected = [check.alone_cold(p) for p in prompts]
+    check.flush()
+    if warm == "same":
+        check.run(prompts)
+    elif warm == "prefix":
+        cuts = [data.draw(st.integers(1, len(p) - 1), label="cached prefix") for p in prompts]
+        check.run([p[:cut] for p, cut in zip(prompts, cuts)])
+    got = check.run(prompts)
+    for prompt, g, e in zip(prompts, got, expected):
+        assert g == e, (f"{check.harness.tokenizer.decode(prompt)!r} after warm={warm}: "
+                        f"{check.harness.tokenizer.decode(g)!r} != cold alone "
+                        f"{check.harness.tokenizer.decode(e)!r}")
+    check.harness.assert_memory_empty()
+
+
+def test_repeated_chat_request(check: Invariance) -> None:
+    """Issue 54 as reported: the same chat request twice, the second from the cache."""
+    prompt = check.ids("What is the capital of France?", chat=True)
+    check.flush()
+    first, again = check.run([prompt]), check.run([prompt])
+    assert again == first
+    assert "Paris" in check.harness.tokenizer.decode(first[0])
+
+
+def test_large_mixed_batches(check: Invariance) -> None:
+    """64 prompts of mixed lengths at once (decode steps of every size up to 64, prefills mixed
+    with decodes as they finish at different times), then each prompt again in a batch of 16
+    that hits the cache: every result is the prompt's alone, cold one."""
+    prompts = [check.ids(TEXTS[i % len(TEXTS)] + " " * (i // len(TEXTS)), chat=i % 2 == 0)
+               for i in range(64)]
+    expected = [check.alone_cold(p) for p in prompts[:16]]
+    check.flush()
+    together = check.run(prompts)
+    assert together[:16] == expected
+    again = check.run(prompts[:16])
+    assert again == expected
+
+
+def test_chunked_prefill(check: Invariance) -> None:
+    """A prompt longer than the harness's chunked-prefill size (512) runs in chunks; cold, it
+    gives what it gives with most of it cached and with a running request beside it."""
+    long = check.ids(" ".join(TEXTS) * 6, chat=True)
+    assert len(long) > 512
+    check.flush()
+    cold = check.run([long])[0]
+    assert check.run([long])[0] == cold  # all but the last token cached
+    check.flush()
+    short = check.ids(TEXTS[0], chat=True)
+    assert check.run([short, long])[1] == cold
