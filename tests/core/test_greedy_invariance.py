@@ -129,7 +129,7 @@ def test_large_mixed_batches(check: Invariance) -> None:
 def test_chunked_prefill(check: Invariance) -> None:
     """A prompt longer than the harness's chunked-prefill size (512) runs in chunks; cold, it
     gives what it gives with most of it cached and with a running request beside it."""
-    long = check.ids(" ".join(TEXTS) * 6, chat=True)
+    long = check.ids(" ".join(TEXTS) * 8, chat=True)
     assert len(long) > 512
     check.flush()
     cold = check.run([long])[0]

@@ -135,10 +135,15 @@ class Scheduler:
 
         self.settings = settings
         self.plugins = pm
-        self.threads = prepare_process(settings, pm)
         # the tokenizer (for stop strings) loads while the model does; transformers' lazy
         # module is not safe to import from two threads at once, so import it here first
         from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+        # likewise torch._dynamo: the first call of some torch.ops.sgl operators imports it
+        # (torch._compile), during decode-graph recording, while a grammar backend's thread may
+        # be importing torch modules too; the race once failed a start with "cannot import
+        # name 'IndentedBuffer' from 'torch._inductor.utils'"
+        import torch._dynamo  # noqa: F401
+        self.threads = prepare_process(settings, pm)
 
         self._tokenizer: Future[Any] = ThreadPoolExecutor(1).submit(
             load_tokenizer, resolve_model_path(settings.model_path))

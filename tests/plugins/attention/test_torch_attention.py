@@ -68,12 +68,12 @@ class Harness:
                      for n in lengths]
         self.done = [0] * len(lengths)
 
-    def step(self, mode: ForwardMode, new: list[int]) -> None:
+    def step(self, mode: ForwardMode, new: list[int], decode_seqs: int | None = None) -> None:
         seqs = [BatchSeq(row, self.done[i], [0] * n) for i, (row, n) in
                 enumerate(zip(self.rows, new)) if n]
         index = [i for i, n in enumerate(new) if n]
         assert all(self.done[i] + new[i] <= len(self.full[i]["q"]) for i in index)
-        batch = make_forward_batch(self.runner, mode, seqs)
+        batch = make_forward_batch(self.runner, mode, seqs, decode_seqs=decode_seqs)
         parts = {name: torch.cat([self.full[i][name][self.done[i]:self.done[i] + new[i]]
                                   for i in index]) for name in "qkv"}
         self.backend.init_forward_metadata(batch)
@@ -138,21 +138,24 @@ def test_decode_head_dim_64(dtype: torch.dtype, heads: tuple[int, int], window: 
 def test_mixed_step_attends_its_decodes_with_the_decode_kernel(
         dtype: torch.dtype, window: int | None, softcap: float | None, cpu_isa: str) -> None:
     """A mixed step (the running requests' one new token each, then prompt chunks) gives its
-    leading one-token sequences to the decode kernel and the rest to the extend kernel; a
-    one-token sequence after a longer one stays in the extend call."""
+    decode rows (``decode_seqs``, leading one-token sequences) to the decode kernel and the rest
+    to the extend kernel: a one-token sequence after a longer one, or a prompt's lone last
+    token (one new token on a cached prefix, not a decode row), stays in the extend call."""
     from sgl.kernels import cpu
 
     torch.manual_seed(4)
     spec = AttentionLayerSpec(layer_id=0, num_heads=9, num_kv_heads=3, head_dim=64,
                               scaling=0.125, sliding_window=window, logit_softcap=softcap)
-    harness = Harness(spec, lengths=[40, 9, 23, 30, 12], dtype=dtype)
+    harness = Harness(spec, lengths=[40, 9, 26, 30, 14], dtype=dtype)
     harness.step(ForwardMode.EXTEND, [30, 1, 20, 10, 0])
     kernels = cpu.load()
     native = kernels is not None and kernels.extend_attention_faster(dtype)
-    for new, decodes in (([1, 1, 1, 6, 12], 3), ([2, 1, 1, 1, 0], 0)):
+    for new, decode_seqs, decodes in (([1, 1, 1, 6, 12], 3, 3), ([1, 1, 1, 1, 0], 2, 2),
+                                      ([2, 1, 1, 1, 0], 3, 0), ([1, 1, 1, 1, 1], None, 0)):
         seqs = [BatchSeq(row, harness.done[i], [0] * n)
                 for i, (row, n) in enumerate(zip(harness.rows, new)) if n]
-        batch = make_forward_batch(harness.runner, ForwardMode.EXTEND, seqs)
+        batch = make_forward_batch(harness.runner, ForwardMode.EXTEND, seqs,
+                                   decode_seqs=decode_seqs)
         harness.backend.init_forward_metadata(batch)
         plan = batch.attn_metadata.native_extend
         assert (plan is not None) == (kernels is not None)
@@ -160,7 +163,7 @@ def test_mixed_step_attends_its_decodes_with_the_decode_kernel(
             assert (0 if plan.decodes is None else plan.decodes.rows.shape[0]) == decodes
             assert plan.rows.shape[0] == len(seqs) - decodes
         with cpu.recording() as tape:
-            harness.step(ForwardMode.EXTEND, new)
+            harness.step(ForwardMode.EXTEND, new, decode_seqs)
         assert any(name.startswith("sgl_decode_attention") for name in tape.names) == (
             native and decodes > 0)
         assert any(name.startswith("sgl_extend_attention") for name in tape.names) == native
