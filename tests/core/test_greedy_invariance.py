@@ -137,3 +137,21 @@ def test_chunked_prefill(check: Invariance) -> None:
     check.flush()
     short = check.ids(TEXTS[0], chat=True)
     assert check.run([short, long])[1] == cold
+
+
+def test_next_turn_holding_the_answer(check: Invariance) -> None:
+    """A prompt that holds an earlier answer (a chat's next turn, a program's next call) gives
+    what it gives cold: the cache keeps the earlier prompt, not the answer that decode steps
+    computed (their attention sums in another order than a prefill's)."""
+    first = check.ids("Name a large ocean.", chat=True)
+    follow = check.ids(" And a small sea?", chat=False)
+    check.flush()
+    answer = check.run([first])[0]
+    turn = first + answer + follow
+    expected = check.alone_cold(turn)
+    check.flush()
+    assert check.run([first])[0] == answer
+    rid = check.harness.submit(turn, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    result = check.harness.run([rid])[rid]
+    assert result.output_ids == expected
+    assert result.cached_tokens >= len(first) - 1  # the earlier prompt came from the cache

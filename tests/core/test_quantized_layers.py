@@ -269,7 +269,7 @@ def runner(quantization: str, dtype: str = "float32", **kwargs: Any) -> ModelRun
 
 @pytest.fixture(scope="module")
 def smollm2() -> dict[str, ModelRunner]:
-    return {"gguf": runner("auto"), "none": runner("none"),
+    return {"gguf": runner("auto", int8_activations="auto"), "none": runner("none"),
             "int8x": runner("auto", int8_activations="on"),
             "exact": runner("auto", int8_activations="off")}
 
