@@ -200,6 +200,40 @@ PANEL512_TARGET Q512_INLINE void i8g_transpose16x4(const uint8_t *src, int64_t s
     out[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
+/* The scales of every block of the 16 columns n0 .. n0 + cols (zero past them) as float32:
+   d[kb * 16 + c], m[kb * 16 + c] (64-byte aligned), each column's (d, m) pairs of 16 blocks
+   read as dwords and transposed to a block's 16 columns. minus_128d: m - 128 d (q8 as unsigned
+   bytes in vpdpbusd; 128 d is exact, one rounding). */
+PANEL512_TARGET static void q512_scales16(const uint16_t *sc, int64_t KB, int64_t n0,
+                                          int64_t cols, float *d, float *m, int minus_128d) {
+    for (int64_t kb0 = 0; kb0 < KB; kb0 += 16) {
+        const int64_t n = KB - kb0 < 16 ? KB - kb0 : 16;
+        const __mmask16 blocks = (__mmask16)((1u << n) - 1);
+        __m512i pairs[16];
+        #pragma GCC unroll 16
+        for (int c = 0; c < 16; c++)
+            pairs[c] = c < cols ? _mm512_castps_si512(_mm512_maskz_loadu_ps(
+                                      blocks, sc + ((n0 + c) * KB + kb0) * 2))
+                                : _mm512_setzero_si512();
+        q512_transpose16(pairs);
+        for (int64_t b = 0; b < n; b++) {
+            const __m256i dh = _mm512_cvtepi32_epi16(pairs[b]);
+            const __m256i mh = _mm512_cvtepi32_epi16(_mm512_srli_epi32(pairs[b], 16));
+            float *db = d + (kb0 + b) * 16, *mb = m + (kb0 + b) * 16;
+            #pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const __m256 dv = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(dh, 1)
+                                                    : _mm256_castsi256_si128(dh));
+                __m256 mv = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(mh, 1)
+                                              : _mm256_castsi256_si128(mh));
+                if (minus_128d) mv = _mm256_fnmadd_ps(_mm256_set1_ps(128.0f), dv, mv);
+                _mm256_store_ps(db + 8 * h, dv);
+                _mm256_store_ps(mb + 8 * h, mv);
+            }
+        }
+    }
+}
+
 /* -- bfloat16 rows below Q512_PANEL_ROWS: the panels' products, a block at a time -----------
  * The columns are taken 32 at a time (two vectors of 16); each block of them is widened to the
  * panels' bfloat16 pairs (d q + m rounded, value 2p in the low half of dword p) into a 2 KiB
@@ -210,29 +244,33 @@ PANEL512_TARGET Q512_INLINE void i8g_transpose16x4(const uint8_t *src, int64_t s
  * after a prefix-cache hit. The integers come with the 16 columns in the lanes (a byte
  * transpose), so no 16 x 16 transpose per block is needed. */
 
-/* block kb's scales of the 16 columns n0 .. n0 + cols as float32 (zero past them), and its
-   integers: t[i], lane c = bytes 4i .. 4i + 3 of column c (q4: t[0..3]; q8: t[0..7]) */
+/* block kb's scales of the 16 columns n0 .. n0 + cols (from q512_scales16's ds, ms), and its
+   integers: t[i], lane c = bytes 4i .. 4i + 3 of column c (zero past cols; q4: t[0..3], q8:
+   t[0..7]) */
 PANEL512_TARGET Q512_INLINE void q512s_block16(const q512_panel_job *j, int64_t n0,
-                                               int64_t cols, int64_t kb, __m512 *d, __m512 *m,
+                                               int64_t cols, int64_t kb, const float *ds,
+                                               const float *ms, __m512 *d, __m512 *m,
                                                __m512i t[8], const int BITS) {
     const int64_t KB = j->KB, qb = BITS == 4 ? 16 : 32;
-    uint32_t pairs[16]; /* each column's float16 (d, m) of the block */
-    for (int c = 0; c < 16; c++)
-        if (c < cols) memcpy(pairs + c, j->sc + ((n0 + c) * KB + kb) * 2, 4);
-        else pairs[c] = 0;
-    const __m512i dm = _mm512_loadu_si512((const void *)pairs);
-    const __m256i dh = _mm512_cvtepi32_epi16(dm);
-    const __m256i mh = _mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16));
-    float df[16], mf[16];
-    _mm256_storeu_ps(df, _mm256_cvtph_ps(_mm256_castsi256_si128(dh)));
-    _mm256_storeu_ps(df + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(dh, 1)));
-    _mm256_storeu_ps(mf, _mm256_cvtph_ps(_mm256_castsi256_si128(mh)));
-    _mm256_storeu_ps(mf + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(mh, 1)));
-    *d = _mm512_loadu_ps(df);
-    *m = _mm512_loadu_ps(mf);
+    *d = _mm512_load_ps(ds + kb * 16);
+    *m = _mm512_load_ps(ms + kb * 16);
     const uint8_t *q = j->qw + (n0 * KB + kb) * qb;
     i8g_transpose16x4(q, KB * qb, cols, t);
     if (BITS == 8) i8g_transpose16x4(q + 16, KB * qb, cols, t + 4);
+}
+
+/* The 32 columns' integers read across the rows, 16 bytes (q4) or 32 (q8) from each at a
+   time, which the hardware's prefetchers do not follow: when block kb starts a cache line of
+   every column's row, the line Q512S_AHEAD lines on comes into L1. */
+#define Q512S_AHEAD 2
+PANEL512_TARGET Q512_INLINE void q512s_prefetch(const q512_panel_job *j, int64_t n0, int64_t cols,
+                                               int64_t kb, const int BITS) {
+    const int64_t qb = BITS == 4 ? 16 : 32;
+    if ((kb * qb) % 64) return;
+    const int64_t at = (kb * qb) + Q512S_AHEAD * 64;
+    if (at >= j->KB * qb) return;
+    for (int64_t c = 0; c < cols; c++)
+        _mm_prefetch((const char *)(j->qw + (n0 + c) * j->KB * qb + at), _MM_HINT_T0);
 }
 
 /* d q + m rounded to bfloat16 (ties to even; the weights are finite), as q512_block_pairs */
@@ -286,7 +324,7 @@ BF16_512_TARGET Q512_INLINE __m512i q512s_pair_bf16(const __m512i t[8], __m512 d
 /* block kb of the 32 columns n0 .. n0 + cols (zero past them) as w[p * 2 + half] */
 #define Q512S_WIDEN(NAME, TARGET, PAIR)                                                        \
     TARGET Q512_INLINE void NAME(const q512_panel_job *j, int64_t n0, int64_t cols,           \
-                                 int64_t kb, __m512i *w, const int BITS) {                    \
+                                 int64_t kb, const float *sc, __m512i *w, const int BITS) {   \
         _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {                        \
             if (16 * half >= cols) {                                                           \
                 for (int p = 0; p < 16; p++) w[p * 2 + half] = _mm512_setzero_si512();         \
@@ -294,7 +332,8 @@ BF16_512_TARGET Q512_INLINE __m512i q512s_pair_bf16(const __m512i t[8], __m512 d
             }                                                                                  \
             __m512 d, m;                                                                       \
             __m512i t[8];                                                                      \
-            q512s_block16(j, n0 + 16 * half, cols - 16 * half, kb, &d, &m, t, BITS);           \
+            q512s_block16(j, n0 + 16 * half, cols - 16 * half, kb, sc + half * 32 * j->KB,     \
+                          sc + (half * 32 + 16) * j->KB, &d, &m, t, BITS);                     \
             _Pragma("GCC unroll 16") for (int p = 0; p < 16; p++)                              \
                 w[p * 2 + half] = PAIR(t, d, m, p, BITS);                                      \
         }                                                                                      \
@@ -349,15 +388,17 @@ Q512S_ROWS(q512s_rows_widen, PANEL512_TARGET, 0)
    stack panel); the same steps in the same order as the rows functions */
 #define Q512S_DIRECT(NAME, TARGET, PAIR, DP)                                                   \
     TARGET Q512_INLINE void NAME(const q512_panel_job *j, int64_t n0, int64_t cols,           \
-                                 __m512 *acc, const int BITS) {                                \
+                                 const float *sc, __m512 *acc, const int BITS) {              \
         __m512 a[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};                              \
         const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);                                \
         for (int64_t kb = 0; kb < j->KB; kb++) {                                               \
+            q512s_prefetch(j, n0, cols, kb, BITS);                                             \
             __m512 d[2], m[2];                                                                 \
             __m512i t[2][8];                                                                   \
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                                \
-                if (16 * h < cols) q512s_block16(j, n0 + 16 * h, cols - 16 * h, kb, d + h,     \
-                                                 m + h, t[h], BITS);                           \
+                if (16 * h < cols)                                                             \
+                    q512s_block16(j, n0 + 16 * h, cols - 16 * h, kb, sc + h * 32 * j->KB,      \
+                                  sc + (h * 32 + 16) * j->KB, d + h, m + h, t[h], BITS);       \
             const uint16_t *x = j->x + kb * 32;                                                \
             _Pragma("GCC unroll 16") for (int p = 0; p < 16; p++) {                            \
                 uint32_t pair;                                                                 \
@@ -391,20 +432,31 @@ Q512S_DIRECT(q512s_direct_widen, PANEL512_TARGET, q512s_pair, 0)
 /* the groups of 32 columns g_begin .. g_end for all M (< Q512_PANEL_ROWS) rows */
 #define Q512S_GROUPS(NAME, TARGET, ROWS_FN, WIDEN, DIRECT)                                                    \
     TARGET static void NAME(void *ctx, int64_t g_begin, int64_t g_end) {                      \
-        const q512_panel_job *j = ctx;                                                         \
+        q512_panel_job *j = ctx;                                                               \
         __m512i w[32];                                                                         \
+        /* per half of the group: d [KB][16], then m [KB][16] */                               \
+        float *sc = sgl_scratch(0, (size_t)(j->KB * 64) * 4);                                  \
+        if (!sc) {                                                                             \
+            atomic_store(&j->no_memory, 1);                                                    \
+            return;                                                                            \
+        }                                                                                      \
         __m512 acc[Q512_PANEL_ROWS * 2];                                                       \
         const int64_t M = j->M;                                                                \
         for (int64_t g = g_begin; g < g_end; g++) {                                            \
             const int64_t n0 = 32 * g, cols = j->N - n0 < 32 ? j->N - n0 : 32;                 \
+            for (int64_t h = 0; h < 2 && 16 * h < cols; h++)                                   \
+                q512_scales16(j->sc, j->KB, n0 + 16 * h, cols - 16 * h, sc + h * 32 * j->KB,   \
+                              sc + (h * 32 + 16) * j->KB, 0);                                  \
             if (M == 1) {                                                                      \
-                if (j->bits == 4) DIRECT(j, n0, cols, acc, 4);                                 \
-                else DIRECT(j, n0, cols, acc, 8);                                              \
+                if (j->bits == 4) DIRECT(j, n0, cols, sc, acc, 4);                             \
+                else DIRECT(j, n0, cols, sc, acc, 8);                                          \
             }                                                                                  \
             for (int64_t i = 0; M > 1 && i < 2 * M; i++) acc[i] = _mm512_setzero_ps();         \
             for (int64_t kb = 0; M > 1 && kb < j->KB; kb++) {                                  \
-                if (j->bits == 4) WIDEN(j, n0, cols, kb, w, 4);                                \
-                else WIDEN(j, n0, cols, kb, w, 8);                                             \
+                if (j->bits == 4) q512s_prefetch(j, n0, cols, kb, 4);                          \
+                else q512s_prefetch(j, n0, cols, kb, 8);                                       \
+                if (j->bits == 4) WIDEN(j, n0, cols, kb, sc, w, 4);                            \
+                else WIDEN(j, n0, cols, kb, sc, w, 8);                                         \
                 const uint16_t *x = j->x + kb * 32;                                            \
                 int64_t r = 0;                                                                 \
                 for (; r + 4 <= M; r += 4) ROWS_FN(x + r * j->ldx, j->ldx, w, acc + 2 * r, 4); \
@@ -446,7 +498,7 @@ Q512S_GROUPS(q512s_groups_dp, BF16_512_TARGET, q512s_rows_dp, q512s_widen_dp, q5
 Q512S_GROUPS(q512s_groups_widen, PANEL512_TARGET, q512s_rows_widen, q512s_widen, q512s_direct_widen)
 
 /* bfloat16 x [M, K] below Q512_PANEL_ROWS rows, the panels' products a block at a time */
-PANEL512_TARGET static void q512_linear_small(const uint16_t *x, int64_t ldx, const uint8_t *qw,
+PANEL512_TARGET static int q512_linear_small(const uint16_t *x, int64_t ldx, const uint8_t *qw,
                                               const uint16_t *sc, uint16_t *y, int64_t ldy,
                                               int64_t M, int64_t N, int64_t K,
                                               const float *bias, int bits, int dp) {
@@ -454,6 +506,7 @@ PANEL512_TARGET static void q512_linear_small(const uint16_t *x, int64_t ldx, co
     const int64_t groups = (N + 31) / 32;
     sgl_parallel_for(dp ? q512s_groups_dp : q512s_groups_widen, &job, groups,
                      panels_per_thread(groups));
+    return atomic_load(&job.no_memory) ? -1 : 0;
 }
 
 /* -- round_x: integer products with VNNI (quant_round_x.h) ---------------------------------- */
@@ -504,35 +557,7 @@ VNNI512_TARGET static void i8g_pack(const i8g_job *j, int64_t n0, int64_t cols, 
             for (int i = 0; i < 4; i++) dst[4 + i] = _mm512_xor_si512(t[i], flip);
         }
     }
-    /* the scales: each column's (d, m) pairs of 16 blocks as dwords, transposed to a block's
-       16 columns, then widened */
-    for (int64_t kb0 = 0; kb0 < KB; kb0 += 16) {
-        const int64_t n = KB - kb0 < 16 ? KB - kb0 : 16;
-        const __mmask16 blocks = (__mmask16)((1u << n) - 1);
-        __m512i pairs[16];
-        #pragma GCC unroll 16
-        for (int c = 0; c < 16; c++)
-            pairs[c] = c < cols ? _mm512_castps_si512(_mm512_maskz_loadu_ps(
-                                      blocks, j->sc + ((n0 + c) * KB + kb0) * 2))
-                                : _mm512_setzero_si512();
-        q512_transpose16(pairs);
-        for (int64_t b = 0; b < n; b++) {
-            const __m256i dh = _mm512_cvtepi32_epi16(pairs[b]);
-            const __m256i mh = _mm512_cvtepi32_epi16(_mm512_srli_epi32(pairs[b], 16));
-            float *db = d + (kb0 + b) * 16, *mb = m + (kb0 + b) * 16;
-            #pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) {
-                const __m256 dv = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(dh, 1)
-                                                    : _mm256_castsi256_si128(dh));
-                __m256 mv = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(mh, 1)
-                                              : _mm256_castsi256_si128(mh));
-                if (j->bits == 8) /* m - 128 d: 128 d is exact, one rounding */
-                    mv = _mm256_fnmadd_ps(_mm256_set1_ps(128.0f), dv, mv);
-                _mm256_store_ps(db + 8 * h, dv);
-                _mm256_store_ps(mb + 8 * h, mv);
-            }
-        }
-    }
+    q512_scales16(j->sc, KB, n0, cols, d, m, j->bits == 8);
 }
 
 /* y[r0 .. r0 + ROWS, n0 .. n0 + cols]: per block, each row's 4-byte groups broadcast into
@@ -708,10 +733,8 @@ PANEL512_TARGET int sgl_linear_quant_avx512(const void *x, int64_t ldx, const ui
     if (bits != 4 && bits != 8) return -2;
     if (!round_x && dtype && M >= Q512_PANEL_ROWS)
         return q512_linear_panels(x, ldx, qw, sc, y, ldy, M, N, K, bias, bits, bf16_dot);
-    if (!round_x && dtype) {
-        q512_linear_small(x, ldx, qw, sc, y, ldy, M, N, K, bias, bits, bf16_dot);
-        return 0;
-    }
+    if (!round_x && dtype)
+        return q512_linear_small(x, ldx, qw, sc, y, ldy, M, N, K, bias, bits, bf16_dot);
     if (!round_x || !HAS_VNNI())
         return sgl_linear_quant_avx2(x, ldx, qw, sc, y, ldy, M, N, K, bias, dtype, bits,
                                      round_x);
