@@ -91,6 +91,12 @@ class ServerSettings:
         "kernels are faster so (AVX512-VNNI); on: also in steps of 1-3 sequences. Rounding "
         "moves the logits by about 0.5, so with auto or on the output depends on the batch "
         "size (auto: on the load).")
+    enable_deterministic_inference: bool = _opt(
+        False, "Refuse the settings under which greedy output depends on the batch (SGLang's "
+        "flag): --int8-activations auto or on, and a GPU device (its attention kernels are not "
+        "batch-invariant). On the CPU sgl's kernels give a token the same result alone, in any "
+        "batch and after a prefix-cache hit with or without it (docs/kernels.md, Batch "
+        "invariance).")
     num_threads: int | None = _opt(
         None, "torch intra-op threads of the scheduler; default: 1 where sgl's CPU kernels run "
         "(they need it), else one less than the usable cores (the process's CPU affinity).",
@@ -529,7 +535,8 @@ def _check_device(s: ServerSettings, fail: Any) -> None:
     the answer depends on whether it sees a GPU."""
     gpu_flags = [key for key in ("disable_cuda_graph", "cuda_graph_max_bs")
                  if s.sources.get(key, "default") != "default"]
-    if s.device == "cpu" or not (s.device == "cuda" or gpu_flags):
+    if s.device == "cpu" or not (s.device == "cuda" or gpu_flags
+                                   or s.enable_deterministic_inference):
         device = s.device
     else:
         from sgl.devices import resolve_device
@@ -538,6 +545,14 @@ def _check_device(s: ServerSettings, fail: Any) -> None:
             device = resolve_device(s.device).type
         except ValueError as exc:
             fail("device", str(exc))
+    if s.enable_deterministic_inference:
+        if s.int8_activations != "off":
+            fail("int8_activations", f"{s.int8_activations} rounds decode steps' activations "
+                 "by batch size, so greedy output depends on the batch; "
+                 "--enable-deterministic-inference needs off (the default)")
+        if device != "cpu":
+            fail("enable_deterministic_inference", f"sgl's batch-invariant kernels are CPU "
+                 f"kernels; on {device} the attention backends' sums depend on the batch")
     if device == "cpu":
         for key in gpu_flags:
             fail(key, "CUDA graphs need --device cuda (this server runs on the CPU, where "

@@ -134,3 +134,18 @@ def test_plugin_options_in_help_flags_and_file(tmp_path: Path) -> None:
     assert shown["plugins.knobs.depth"] == {"value": 8, "source": "flag --knobs-depth"}
     bad = run_cli(["config", "show", "--config", str(cfg), "--knobs-depth", "deep"])
     assert bad.returncode == 2 and "--knobs-depth" in bad.stderr
+
+
+def test_deterministic_inference_refuses_what_depends_on_the_batch() -> None:
+    """SGLang's --enable-deterministic-inference: accepted with the defaults, and a clear
+    error, naming the flag, for int8 activations that round by batch size."""
+    settings = load_settings(env={}, cli={"enable_deterministic_inference": True})
+    assert settings.enable_deterministic_inference and settings.int8_activations == "off"
+    for mode in ("auto", "on"):
+        with pytest.raises(ConfigError, match=f"int8_activations.*{mode} rounds decode steps"):
+            load_settings(env={}, cli={"enable_deterministic_inference": True,
+                                       "int8_activations": mode})
+    result = run_cli(["serve", "--enable-deterministic-inference", "--int8-activations", "on"])
+    assert result.returncode != 0
+    assert "--enable-deterministic-inference needs off" in result.stderr
+    assert "Traceback" not in result.stderr
