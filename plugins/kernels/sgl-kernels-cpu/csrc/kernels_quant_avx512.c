@@ -608,15 +608,7 @@ VNNI512_TARGET Q512_INLINE void i8g_tile(const i8g_job *j, const __m512i *w, con
             _mm512_mask_storeu_ps((float *)j->y + at, keep, v);
             continue;
         }
-        /* to bfloat16, ties to even (the sums of finite weights; a NaN stays a NaN) */
-        const __m512i u = _mm512_castps_si512(v);
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        __m512i h = _mm512_srli_epi32(
-            _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        h = _mm512_mask_mov_epi32(h, nan, _mm512_srli_epi32(
-            _mm512_or_si512(u, _mm512_set1_epi32(0x400000)), 16));
-        _mm256_mask_storeu_epi16((uint16_t *)j->y + at, keep, _mm512_cvtepi32_epi16(h));
+        q512s_store((uint16_t *)j->y + at, v, keep);
     }
 }
 
