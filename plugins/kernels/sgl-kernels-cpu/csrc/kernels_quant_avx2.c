@@ -112,11 +112,14 @@ AVX2_TARGET INLINE void qs_block8(const linear_quant_job *j, int64_t n0, int64_t
                                   int64_t kb, __m256 *d, __m256 *m, __m256i t[8],
                                   const int BITS) {
     const int64_t KB = j->KB, qb = BITS == 4 ? 16 : 32;
-    uint32_t pairs[8]; /* each column's float16 (d, m) of the block */
-    for (int c = 0; c < 8; c++)
-        if (c < cols) memcpy(pairs + c, j->sc + ((n0 + c) * KB + kb) * 2, 4);
-        else pairs[c] = 0;
-    const __m256i dm = _mm256_loadu_si256((const __m256i *)pairs);
+    /* each column's float16 (d, m) of the block, gathered (a vector load of pairs stored one
+       by one would stall on store forwarding) */
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i present = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(cols < 8 ? cols : 8)),
+                                               lane);
+    const __m256i dm = _mm256_mask_i32gather_epi32(
+        _mm256_setzero_si256(), (const int *)(j->sc + (n0 * KB + kb) * 2),
+        _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)KB)), present, 4);
     const __m256i halves = _mm256_permute4x64_epi64(
         _mm256_packus_epi32(_mm256_and_si256(dm, _mm256_set1_epi32(0xFFFF)),
                             _mm256_srli_epi32(dm, 16)), 0xD8);
