@@ -13,6 +13,7 @@ by a user who asked the same question twice (issue 54).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -189,3 +190,26 @@ def test_every_dtype_and_quantization(request: pytest.FixtureRequest, tmp_path: 
             assert all(results[r].cached_tokens >= len(p) - 1 for r, p in zip(rids, prompts))
     finally:
         harness.close()
+
+
+@pytest.mark.parametrize("kernel_threads", [1, 2])
+def test_kernel_threads(check: Invariance, tmp_path: Path, kernel_threads: int) -> None:
+    """Another --kernel-threads shares the matmuls' columns and the attention's items out
+    differently; every prompt's tokens stay its cold, alone ones of the default count."""
+    level = check.harness.scheduler.settings.cpu_isa
+    if level == "none":
+        pytest.skip("no kernel threads without sgl's kernels")
+    if kernel_threads > len(os.sched_getaffinity(0)):
+        pytest.skip(f"--kernel-threads {kernel_threads} is more than this process's cores")
+    prompts = [check.ids(TEXTS[i], chat=i % 2 == 0) for i in range(4)]
+    expected = [check.alone_cold(p) for p in prompts]
+    other = Harness(tmp_path, cpu_isa=level, dtype="auto", int8_activations="off",
+                    kernel_threads=kernel_threads, max_total_tokens=4096)
+    try:
+        with torch.inference_mode():
+            rids = [other.submit(p, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+                    for p in prompts]
+            results = other.run(rids)
+    finally:
+        other.close()
+    assert [results[r].output_ids for r in rids] == expected
