@@ -341,6 +341,14 @@ BF16_512_TARGET Q512_INLINE __m512i q512s_pair_bf16(const __m512i t[8], __m512 d
 Q512S_WIDEN(q512s_widen_dp, BF16_512_TARGET, q512s_pair_bf16)
 Q512S_WIDEN(q512s_widen, PANEL512_TARGET, q512s_pair)
 
+/* one pair's step of the widened kernel (bf16_panel_widen): x's even value times the weight's
+   even one, then the odd ones, each an FMA into acc */
+PANEL512_TARGET Q512_INLINE __m512 q512s_fma_pair(__m512 acc, __m512 xe, __m512 xo, __m512i w) {
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    return _mm512_fmadd_ps(xo, _mm512_castsi512_ps(_mm512_and_si512(w, hi)),
+                           _mm512_fmadd_ps(xe, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), acc));
+}
+
 /* acc[r * 2 + half] of ROWS rows carried over one block (x at the block's first value): the
    steps of bf16_panel_dp (DP) or bf16_panel_widen */
 #define Q512S_ROWS(NAME, TARGET, DP)                                                           \
@@ -364,10 +372,8 @@ Q512S_WIDEN(q512s_widen, PANEL512_TARGET, q512s_pair)
                 } else {                                                                       \
                     const __m512 xe = _mm512_castsi512_ps(_mm512_slli_epi32(xv, 16));          \
                     const __m512 xo = _mm512_castsi512_ps(_mm512_and_si512(xv, hi));           \
-                    a[r][0] = _mm512_fmadd_ps(xo, _mm512_castsi512_ps(_mm512_and_si512(w0, hi)), \
-                        _mm512_fmadd_ps(xe, _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)), a[r][0])); \
-                    a[r][1] = _mm512_fmadd_ps(xo, _mm512_castsi512_ps(_mm512_and_si512(w1, hi)), \
-                        _mm512_fmadd_ps(xe, _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)), a[r][1])); \
+                    a[r][0] = q512s_fma_pair(a[r][0], xe, xo, w0);                             \
+                    a[r][1] = q512s_fma_pair(a[r][1], xe, xo, w1);                             \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
@@ -412,8 +418,7 @@ Q512S_ROWS(q512s_rows_widen, PANEL512_TARGET, 0)
                     } else {                                                                   \
                         const __m512 xe = _mm512_castsi512_ps(_mm512_slli_epi32(xv, 16));      \
                         const __m512 xo = _mm512_castsi512_ps(_mm512_and_si512(xv, hi));       \
-                        a[h] = _mm512_fmadd_ps(xo, _mm512_castsi512_ps(_mm512_and_si512(w, hi)), \
-                            _mm512_fmadd_ps(xe, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), a[h])); \
+                        a[h] = q512s_fma_pair(a[h], xe, xo, w);                                \
                     }                                                                          \
                 }                                                                              \
             }                                                                                  \
@@ -430,7 +435,7 @@ Q512S_DIRECT(q512s_direct_widen, PANEL512_TARGET, q512s_pair, 0)
 #undef Q512S_DP
 
 /* the groups of 32 columns g_begin .. g_end for all M (< Q512_PANEL_ROWS) rows */
-#define Q512S_GROUPS(NAME, TARGET, ROWS_FN, WIDEN, DIRECT)                                                    \
+#define Q512S_GROUPS(NAME, TARGET, ROWS_FN, WIDEN, DIRECT)                             \
     TARGET static void NAME(void *ctx, int64_t g_begin, int64_t g_end) {                      \
         q512_panel_job *j = ctx;                                                               \
         __m512i w[32];                                                                         \
