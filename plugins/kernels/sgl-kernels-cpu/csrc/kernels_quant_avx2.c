@@ -216,6 +216,22 @@ AVX2_TARGET INLINE void qs_rows(const float *x, int64_t ldx, const float *w, __m
         for (int g = 0; g < 4; g++) acc[r * 4 + g] = a[r][g];
 }
 
+/* 3 or more rows: each block of the 32 columns widened once into the stack panel w, which
+   the rows take two at a time */
+AVX2_TARGET INLINE void qs_panel_rows(const linear_quant_job *j, int64_t n0, int64_t cols,
+                                      float *w, __m256 *acc, const int BITS) {
+    const int64_t M = j->M;
+    for (int64_t i = 0; i < M * 4; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < j->KB; kb++) {
+        #pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) qs_widen8(j, n0 + 8 * c, cols - 8 * c, kb, w + 8 * c, BITS);
+        const float *x = j->xf + kb * 32;
+        int64_t r = 0;
+        for (; r + 2 <= M; r += 2) qs_rows(x + r * j->ldx, j->ldx, w, acc + r * 4, 2);
+        if (r < M) qs_rows(x + r * j->ldx, j->ldx, w, acc + r * 4, 1);
+    }
+}
+
 /* the groups of 32 columns g_begin .. g_end, for all M (< Q_PANEL_ROWS) rows */
 AVX2_TARGET INLINE void qs_groups(const linear_quant_job *j, int64_t g_begin, int64_t g_end,
                                   const int BITS) {
@@ -224,19 +240,9 @@ AVX2_TARGET INLINE void qs_groups(const linear_quant_job *j, int64_t g_begin, in
     const int64_t M = j->M;
     for (int64_t g = g_begin; g < g_end; g++) {
         const int64_t n0 = 32 * g, cols = j->N - n0 < 32 ? j->N - n0 : 32;
-        if (M <= 2) {
-            if (M == 2) qs_direct(j, n0, cols, acc, BITS, 2);
-            else qs_direct(j, n0, cols, acc, BITS, 1);
-        }
-        for (int64_t i = 0; M > 2 && i < M * 4; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t kb = 0; M > 2 && kb < j->KB; kb++) {
-            #pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) qs_widen8(j, n0 + 8 * c, cols - 8 * c, kb, w + 8 * c, BITS);
-            const float *x = j->xf + kb * 32;
-            int64_t r = 0;
-            for (; r + 2 <= M; r += 2) qs_rows(x + r * j->ldx, j->ldx, w, acc + r * 4, 2);
-            if (r < M) qs_rows(x + r * j->ldx, j->ldx, w, acc + r * 4, 1);
-        }
+        if (M == 1) qs_direct(j, n0, cols, acc, BITS, 1);
+        else if (M == 2) qs_direct(j, n0, cols, acc, BITS, 2);
+        else qs_panel_rows(j, n0, cols, w, acc, BITS);
         for (int64_t r = 0; r < M; r++)
             for (int c = 0; c < 4; c++) {
                 if (8 * c >= cols) break;
