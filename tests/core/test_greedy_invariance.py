@@ -142,8 +142,9 @@ def test_chunked_prefill(check: Invariance) -> None:
 
 def test_next_turn_holding_the_answer(check: Invariance) -> None:
     """A prompt that holds an earlier answer (a chat's next turn, a program's next call) gives
-    what it gives cold: the cache keeps the earlier prompt, not the answer that decode steps
-    computed (their attention sums in another order than a prefill's)."""
+    what it gives cold. With sgl's kernels decode steps attend with a prefill's arithmetic, so
+    the cache keeps the answer too and the next turn reuses it; without them (level none) it
+    keeps the earlier prompt only."""
     first = check.ids("Name a large ocean.", chat=True)
     follow = check.ids(" And a small sea?", chat=False)
     check.flush()
@@ -155,7 +156,34 @@ def test_next_turn_holding_the_answer(check: Invariance) -> None:
     rid = check.harness.submit(turn, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     result = check.harness.run([rid])[rid]
     assert result.output_ids == expected
-    assert result.cached_tokens >= len(first) - 1  # the earlier prompt came from the cache
+    runner = check.harness.scheduler.runner
+    assert runner.decode_matches_prefill == (check.harness.scheduler.settings.cpu_isa != "none")
+    # the answer's last token never ran a forward, so it has no KV to keep
+    kept = len(first) + len(answer) - 1 if runner.decode_matches_prefill else len(first) - 1
+    assert result.cached_tokens >= kept
+
+
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=prompt_strategy, cut=st.integers(1, NEW_TOKENS - 1))
+def test_prompt_continuing_an_answer(check: Invariance, text: tuple, cut: int) -> None:
+    """The prompt plus the first ``cut`` tokens of its greedy answer continues with the rest of
+    that answer: cold (those tokens prefilled) and after the answer's own KV, which decode
+    steps wrote, was cached -- decode and prefill attention agree bit for bit."""
+    prompt = check.ids(*text)
+    answer = check.alone_cold(prompt)
+    longer = prompt + answer[:cut]
+    check.flush()
+    cold = check.run([longer])[0]
+    assert cold[:NEW_TOKENS - cut] == answer[cut:], "cold, the answer's tokens prefilled"
+    check.flush()
+    check.run([prompt])
+    rid = check.harness.submit(longer, max_new_tokens=NEW_TOKENS, temperature=0,
+                               ignore_eos=True)
+    result = check.harness.run([rid])[rid]
+    assert result.output_ids == cold, "after the answer was cached"
+    if check.harness.scheduler.runner.decode_matches_prefill:
+        assert result.cached_tokens == len(longer) - 1
 
 
 @pytest.mark.parametrize("dtype,quantization", [("float32", "auto"), ("bfloat16", "auto"),

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
     from sgl.forward_batch import ForwardBatch
@@ -70,6 +72,17 @@ class BaseAttentionBackend(ABC):
         CUDA graph's launches are fixed at capture). Default: None, the forward of this backend
         is never replayed (on a GPU it then decodes without CUDA graphs)."""
         return None
+
+    def decode_matches_prefill(self, layers: Sequence[AttentionLayerSpec],
+                               dtype: torch.dtype) -> bool:
+        """Whether a token attended in a decode step gets the same bits, for these layers in
+        ``dtype``, as the same token in a prefill or extend (with any cached prefix, any other
+        sequences beside it). Then the KV a request's answer leaves equals what a prefill of the
+        same text writes, and the scheduler lets the prefix cache keep finished answers for
+        later prompts that hold them (a chat's next turn); otherwise it keeps their prompts
+        only, so that greedy output does not depend on what the cache held
+        (docs/kernels.md, "Batch invariance"). Default: False."""
+        return False
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -314,6 +314,10 @@ class ModelRunner:
                                                 device=self.device)
         self.attn_backend: BaseAttentionBackend = backend_cls(
             kv_pool=self.kv_pool, req_to_token_pool=self.req_to_token_pool, device=self.device)
+        #: whether decode steps write the KV a prefill of the same tokens would (then the
+        #: prefix cache may keep finished answers; see BaseAttentionBackend.decode_matches_prefill)
+        self.decode_matches_prefill = self.attn_backend.decode_matches_prefill(
+            [m.spec for m in self.model.modules() if isinstance(m, Attention)], self.dtype)
         #: tells the other tensor-parallel ranks about each forward and logits call (set on
         #: the leader by the parallel strategy); None in a single process
         self.mirror: RunnerMirror | None = None

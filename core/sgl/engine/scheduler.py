@@ -812,13 +812,13 @@ class Scheduler:
         self.settle(req, [])
         slots = self.runner.req_to_token_pool.req_to_token[req.row, :req.kv_len].clone()
         token_ids = req.token_slice(0, req.kv_len)
-        # The cache keeps the prompt's KV, which prefills computed, and frees the answer's,
-        # which decode steps did: a later prompt holding this answer (the next turn of a chat,
-        # a program's next call) computes it as a prefill would cold, so its tokens do not
-        # depend on the cache (decode attention sums in another order than prefill's). A
-        # session continues its own sequence and keeps all of it.
-        keep = len(token_ids) if req.session_id is not None else max(
-            min(len(token_ids), len(req.input_ids)), len(req.prefix))
+        # Where decode steps attend with other arithmetic than prefills (the runner says), the
+        # cache keeps the prompt's KV and frees the answer's: a later prompt holding this answer
+        # (a chat's next turn) then computes it as a prefill would cold, so its tokens do not
+        # depend on the cache. A session continues its own sequence and keeps all of it.
+        keep = len(token_ids)
+        if req.session_id is None and not self.runner.decode_matches_prefill:
+            keep = max(min(len(token_ids), len(req.input_ids)), len(req.prefix))
         if keep < len(token_ids):
             self.runner.kv_pool.free(slots[keep:])
         self.cache.cache_finished(token_ids[:keep], slots[:keep], req.prefix)

@@ -48,6 +48,8 @@ from sgl.kernels.library import KernelLibrary
 from sgl_attn_torch.kernels import attend, decode_mask, extend_mask
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from sgl.forward_batch import ForwardBatch
 
 __all__ = ["DECODE_CHUNK_TOKENS", "TorchAttentionBackend", "TorchAttentionMetadata"]
@@ -145,6 +147,22 @@ class TorchAttentionBackend(BaseAttentionBackend):
 
     name = "torch"
     supports_tree_mask = True
+
+    def decode_matches_prefill(self, layers: Sequence[AttentionLayerSpec],
+                               dtype: torch.dtype) -> bool:
+        """True where every layer runs on sgl's CPU kernels, whose decode kernel gives each
+        query row the extend kernel's arithmetic (``csrc/kernels_avx512.c``, "paged decode
+        attention"); torch's operators sum in orders that depend on the batch."""
+        kernels = cpu.load() if self.device.type == "cpu" else None
+        if kernels is None or not self.kv_pool.v_buffer:
+            return False
+        v_dim = self.kv_pool.v_buffer[0].shape[-1]
+        return (dtype in cpu.DTYPES
+                and kernels.extend_attention_faster(dtype)
+                and all(layer.num_heads // layer.num_kv_heads <= 64
+                        and kernels.decode_attention_fits(layer.num_heads, layer.num_kv_heads,
+                                                          layer.head_dim, v_dim)
+                        for layer in layers))
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         seq_lens = _cpu_list(batch.seq_lens_cpu, batch.seq_lens)

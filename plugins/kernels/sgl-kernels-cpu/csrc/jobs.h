@@ -166,7 +166,7 @@ typedef struct {
     const int64_t *table, *rows, *lens;
     int64_t table_stride;
     void *out;
-    int64_t out_stride_t, B, Hq, Hk, D, Dv, window, max_len, es;
+    int64_t out_stride_t, B, Hq, Hk, D, Dv, window, es;
     float scale, softcap;
     int dtype, bf16_dot;
     atomic_int failed;
@@ -182,7 +182,7 @@ static inline int64_t decode_window_start(const attention_job *j, int64_t b, int
 
 /* Writes the new tokens' K/V into the pools first (when k_new is given). */
 static inline int run_decode_attention(
-    sgl_range_fn seqs_fn, const void *q, int64_t q_stride_t, int64_t q_stride_h,
+    sgl_range_fn items_fn, const void *q, int64_t q_stride_t, int64_t q_stride_h,
     const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride,
     void *k_pool, void *v_pool, const int64_t *table, int64_t table_stride, const int64_t *rows,
     const int64_t *lens, const int64_t *loc, void *out, int64_t out_stride_t, int64_t B,
@@ -193,17 +193,15 @@ static inline int run_decode_attention(
     const int64_t es = dtype ? 2 : 4;
     char *kp = (char *)k_pool, *vp = (char *)v_pool;
     const int64_t k_row = Hk * D * es, v_row = Hk * Dv * es;
-    int64_t max_len = 0;
-    for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
     if (k_new)
         for (int64_t b = 0; b < B; b++) {
             memcpy(kp + loc[b] * k_row, (const char *)k_new + b * k_new_stride * es, (size_t)k_row);
             memcpy(vp + loc[b] * v_row, (const char *)v_new + b * v_new_stride * es, (size_t)v_row);
         }
     attention_job job = {q, q_stride_t, q_stride_h, kp, vp, k_row, v_row, table, rows, lens,
-                         table_stride, out, out_stride_t, B, Hq, Hk, D, Dv, window, max_len, es,
+                         table_stride, out, out_stride_t, B, Hq, Hk, D, Dv, window, es,
                          scale, softcap, dtype, bf16_dot, 0};
-    sgl_parallel_for(seqs_fn, &job, B, chunk_of(B));
+    sgl_parallel_for(items_fn, &job, B * Hk, chunk_of(B * Hk)); /* item: a sequence, a KV head */
     return atomic_load(&job.failed) ? -2 : 0;
 }
 
@@ -228,7 +226,10 @@ typedef struct {
 } extend_job;
 
 /* One item: the new tokens t0 .. t0 + nt of sequence b against KV head hk; its `rows` query rows
-   (row g * nt + i: query head hk * G + g, token t0 + i) see keys k_begin .. p_last. */
+   (row g * nt + i: query head hk * G + g, token t0 + i) see keys k_begin .. p_last. The kernels
+   walk those keys in blocks that begin at k_begin rounded down to even and end at multiples of
+   EXT_KB (the keys a row does not see add exact zeros), so that a row's arithmetic depends on its
+   own position and keys only, not on the item it came in, and the decode kernels repeat it. */
 typedef struct {
     int64_t b, hk, t0, nt, rows, k_begin, p_last;
     const int64_t *slots;

@@ -440,188 +440,251 @@ AVX2_TARGET int sgl_argmax_f32_avx2(const float *x, int64_t stride, int64_t B, i
 }
 
 /* -- paged decode attention ------------------------------------------------------------------
- * The arguments of kernels_avx512.c's sgl_decode_attention (bf16_dot is ignored). Per sequence:
- * q scaled to fp32 once, the scores of 8 tokens at a time for each query head (8 dot products
- * summed across in one transpose), a softmax per head, then the weighted sum of V for two query
- * heads of a KV head at a time over up to 32 columns (8 sums, 4 V vectors in registers), in
- * passes of PV_TOKENS tokens whose fp32 partial sums wait in per-thread scratch. The sequences
- * are shared out over the pool's threads. */
+ * The arguments and the method of kernels_avx512.c's sgl_decode_attention (bf16_dot is ignored):
+ * each query row gets this file's extend kernel's arithmetic operation for operation, so that a
+ * token's attention does not depend on whether it was decoded or prefilled. Here the lanes hold 8
+ * keys (their K rows transposed) for the scores and 8 V columns for the weighted sum; a work item
+ * is one sequence and KV head. */
 
-/* The K and V rows of tokens [t0, t1) (t1 clipped to n) into L2. The QK pass fetches
-   KV_PREFETCH_AHEAD tokens ahead, a few tokens per query head rather than a burst per block. */
-AVX2_TARGET INLINE void prefetch_kv(const char *kp, int64_t k_row, const char *vp, int64_t v_row,
-                                    const int64_t *slots, int64_t t0, int64_t t1, int64_t n) {
-    for (int64_t t = t0; t < t1 && t < n; t++) {
-        prefetch_l2(kp + slots[t] * k_row, k_row);
-        prefetch_l2(vp + slots[t] * v_row, v_row);
+/* cap * tanh(s / cap) as the attention kernels compute it: tanh(y) = 1 - 2 / (e^2y + 1) */
+AVX2_TARGET INLINE __m256 softcapped8(__m256 s, float cap) {
+    const __m256 e2 = exp8(_mm256_mul_ps(s, _mm256_set1_ps(2.0f / cap)));
+    return _mm256_mul_ps(_mm256_set1_ps(cap),
+                         _mm256_sub_ps(_mm256_set1_ps(1.0f),
+                                       _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e2, _mm256_set1_ps(1.0f)))));
+}
+
+/* c[i] lane j = r[j] lane i: an 8 x 8 transpose */
+AVX2_TARGET INLINE void transpose8(const __m256 *r, __m256 *c) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) { /* u[4i + e], 128-bit lane L: element 4L + e of rows 4i .. 4i + 3 */
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int e = 0; e < 4; e++) {
+        c[e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x20);
+        c[4 + e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x31);
     }
 }
 
-/* scores[h * ld + t] for t < n: q_h . k[slots[t]] (q already scaled, fp32 [Hq][D]) */
-AVX2_TARGET INLINE void decode_qk(const float *qs, const char *kp, int64_t k_row, const char *vp,
-                                  int64_t v_row, const int64_t *slots, int64_t n, float *scores,
-                                  int64_t ld, int64_t Hq, int64_t G, int64_t D, const int dtype) {
+/* kt[d][16]: the 16 keys of rows kr transposed, bfloat16 widened */
+AVX2_TARGET INLINE void keys_transposed(const char *const *kr, int64_t D, float *kt, const int dtype) {
     const int64_t es = dtype ? 2 : 4;
-    prefetch_kv(kp, k_row, vp, v_row, slots, 0, KV_PREFETCH_AHEAD, n);
-    for (int64_t t0 = 0; t0 < n; t0 += 8) {
-        const int64_t cnt = n - t0 < 8 ? n - t0 : 8;
-        const char *rows[8];
-        #pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) rows[j] = kp + slots[t0 + (j < cnt ? j : 0)] * k_row;
-        for (int64_t h = 0; h < Hq; h++) {
-            const int64_t ahead = t0 + KV_PREFETCH_AHEAD; /* this head's share of 8 tokens */
-            prefetch_kv(kp, k_row, vp, v_row, slots, ahead + h * 8 / Hq, ahead + (h + 1) * 8 / Hq, n);
-            const float *qh = qs + h * D;
-            const int64_t off = (h / G) * D * es;
-            /* the 8 rows' sums side by side (8 independent chains), each in the order d = 0, 8,
-               ...; a short last block repeats its first row */
-            __m256 acc[8];
-            const __m256 q0 = _mm256_loadu_ps(qh);
-            #pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_mul_ps(q0, load8(rows[j] + off, dtype));
-            for (int64_t d = 8; d < D; d += 8) {
-                const __m256 qd = _mm256_loadu_ps(qh + d);
-                #pragma GCC unroll 8
-                for (int j = 0; j < 8; j++)
-                    acc[j] = _mm256_fmadd_ps(qd, load8(rows[j] + off + d * es, dtype), acc[j]);
-            }
-            store8n(scores + h * ld + t0, sum8x8(acc), cnt, 0);
+    for (int half = 0; half < 2; half++)
+        for (int64_t d0 = 0; d0 < D; d0 += 8) {
+            __m256 r[8], c[8];
+            for (int j = 0; j < 8; j++) r[j] = load8(kr[8 * half + j] + d0 * es, dtype);
+            transpose8(r, c);
+            for (int i = 0; i < 8; i++) _mm256_store_ps(kt + (d0 + i) * 16 + 8 * half, c[i]);
+        }
+}
+
+#define DEC_SLD (EXT_KB + 16) /* floats per query row of the scores: a block and its padding */
+
+/* s[g * DEC_SLD + lane] (16 lanes) = sum over d in order of kt[d][lane] qs[g * D + d], one FMA
+   chain per key and head as ext_qk, for gn (<= 4) heads */
+AVX2_TARGET INLINE void dec_qk(const float *kt, const float *qs, int64_t D, float *s, const int gn) {
+    __m256 acc[4][2];
+    #pragma GCC unroll 4
+    for (int g = 0; g < gn; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m256 k0 = _mm256_load_ps(kt + d * 16), k1 = _mm256_load_ps(kt + d * 16 + 8);
+        #pragma GCC unroll 4
+        for (int g = 0; g < gn; g++) {
+            const __m256 qv = _mm256_broadcast_ss(qs + g * D + d);
+            acc[g][0] = _mm256_fmadd_ps(k0, qv, acc[g][0]);
+            acc[g][1] = _mm256_fmadd_ps(k1, qv, acc[g][1]);
         }
     }
+    #pragma GCC unroll 4
+    for (int g = 0; g < gn; g++) {
+        _mm256_storeu_ps(s + g * DEC_SLD, acc[g][0]);
+        _mm256_storeu_ps(s + g * DEC_SLD + 8, acc[g][1]);
+    }
 }
 
-/* The sums over tokens t < n of p_h[t] v[slots[t]] for columns [off, off + 8 nv) of gn (<= 2)
-   query heads, continued from sums[g * Dv ..] (fp32) unless `first`; kept there again, or, when
-   `out` is given, divided by the softmax sums inv_sum[g] and stored to out[g * out_head ..] */
-AVX2_TARGET INLINE void decode_pv(const float *p, int64_t ld, int64_t n, const char *vp,
-                                  int64_t v_row, int64_t off, const int64_t *slots, float *sums,
-                                  int64_t Dv, int first, char *out, int64_t out_head,
-                                  const float *inv_sum, const int dtype, const int gn,
-                                  const int nv) {
+/* ext_softmax's step for the G query rows of an item over a block of nk keys whose first
+   `masked` (0 or 1) are outside the window: the scores s[g][x] become the exponentials (0 where
+   masked, and past nk up to a multiple of 8), the running maxima m[g] and sums l[g] advance, and
+   alpha[g] is the factor of the output so far. */
+AVX2_TARGET static void dec_softmax(float *s, int64_t G, int64_t nk, int64_t masked, float softcap,
+                                    float *m, float *l, float *alpha) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t g = 0; g < G; g++) {
+        float *row = s + g * DEC_SLD;
+        const float m_old = m[g];
+        float mx = m_old;
+        for (int64_t x = 0; x < nk; x += 8) {
+            __m256 v = _mm256_loadu_ps(row + x);
+            if (softcap > 0) v = softcapped8(v, softcap);
+            const __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32((int)x));
+            const __m256i live = _mm256_andnot_si256(
+                _mm256_cmpgt_epi32(_mm256_set1_epi32((int)masked), key),
+                _mm256_cmpgt_epi32(_mm256_set1_epi32((int)nk), key)); /* masked <= key < nk */
+            v = _mm256_blendv_ps(ninf, v, _mm256_castsi256_ps(live));
+            _mm256_storeu_ps(row + x, v);
+            const float bm = hmax8(v);
+            mx = bm > mx ? bm : mx;
+        }
+        const float m_safe = mx != -INFINITY ? mx : 0.0f;
+        alpha[g] = 0.0f;
+        if (m_old != -INFINITY) { /* the lanes' exp, not the C library's */
+            float lanes[8];
+            _mm256_storeu_ps(lanes, exp8(_mm256_set1_ps(m_old - m_safe)));
+            alpha[g] = lanes[0];
+        }
+        const __m256 mv = _mm256_set1_ps(m_safe);
+        for (int64_t x = 0; x < nk; x += 8) {
+            const __m256 v = _mm256_loadu_ps(row + x);
+            _mm256_storeu_ps(row + x, _mm256_and_ps(_mm256_cmp_ps(v, ninf, _CMP_NEQ_OQ),
+                                                    exp8(_mm256_sub_ps(v, mv))));
+        }
+        m[g] = mx;
+    }
+    /* the sums key by key, as ext_softmax's lanes add them; 8 rows' chains side by side */
+    for (int64_t g0 = 0; g0 < G; g0 += 8) {
+        const int64_t gn = G - g0 < 8 ? G - g0 : 8;
+        float sum[8];
+        for (int64_t g = 0; g < gn; g++) sum[g] = l[g0 + g] * alpha[g0 + g];
+        for (int64_t x = 0; x < nk; x++)
+            for (int64_t g = 0; g < gn; g++) sum[g] += s[(g0 + g) * DEC_SLD + x];
+        for (int64_t g = 0; g < gn; g++) l[g0 + g] = sum[g];
+    }
+}
+
+/* o[g][col ..] = alpha[g] o[g][col ..] + the chain over the block's keys x of p[g][x] v_x, for gn
+   (<= 2) heads and nv (<= 4) vectors of 8 columns, as ext_pv */
+AVX2_TARGET INLINE void dec_pv(const float *p, const char *const *vr, int64_t nk, float *o,
+                               int64_t Dv, int64_t col, const float *alpha, const int dtype,
+                               const int gn, const int nv) {
     const int64_t es = dtype ? 2 : 4;
     __m256 acc[2][4];
-    #pragma GCC unroll 8
+    #pragma GCC unroll 2
     for (int g = 0; g < gn; g++)
-        #pragma GCC unroll 8
+        #pragma GCC unroll 4
         for (int i = 0; i < nv; i++)
-            acc[g][i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + g * Dv + i * 8);
-    int64_t t = 0;
-    if (gn == 1) { /* one head: the odd tokens in a second set of sums, so that 2 nv chains run */
-        __m256 odd[4];
-        #pragma GCC unroll 8
-        for (int i = 0; i < nv; i++) odd[i] = _mm256_setzero_ps();
-        for (; t + 1 < n; t += 2) {
-            const char *v0 = vp + slots[t] * v_row + off, *v1 = vp + slots[t + 1] * v_row + off;
-            const __m256 w0 = _mm256_broadcast_ss(p + t), w1 = _mm256_broadcast_ss(p + t + 1);
-            #pragma GCC unroll 8
-            for (int i = 0; i < nv; i++) {
-                acc[0][i] = _mm256_fmadd_ps(w0, load8(v0 + i * 8 * es, dtype), acc[0][i]);
-                odd[i] = _mm256_fmadd_ps(w1, load8(v1 + i * 8 * es, dtype), odd[i]);
-            }
-        }
-        #pragma GCC unroll 8
-        for (int i = 0; i < nv; i++) acc[0][i] = _mm256_add_ps(acc[0][i], odd[i]);
-    }
-    for (; t < n; t++) {
-        const char *vr = vp + slots[t] * v_row + off;
+            acc[g][i] = _mm256_mul_ps(_mm256_load_ps(o + g * Dv + col + 8 * i), _mm256_set1_ps(alpha[g]));
+    for (int64_t x = 0; x < nk; x++) {
         __m256 vv[4];
-        #pragma GCC unroll 8
-        for (int i = 0; i < nv; i++) vv[i] = load8(vr + i * 8 * es, dtype);
-        #pragma GCC unroll 8
+        #pragma GCC unroll 4
+        for (int i = 0; i < nv; i++) vv[i] = load8(vr[x] + (col + 8 * i) * es, dtype);
+        #pragma GCC unroll 2
         for (int g = 0; g < gn; g++) {
-            const __m256 w = _mm256_broadcast_ss(p + g * ld + t);
-            #pragma GCC unroll 8
-            for (int i = 0; i < nv; i++) acc[g][i] = _mm256_fmadd_ps(w, vv[i], acc[g][i]);
+            const __m256 w = _mm256_broadcast_ss(p + g * DEC_SLD + x);
+            #pragma GCC unroll 4
+            for (int i = 0; i < nv; i++) acc[g][i] = _mm256_fmadd_ps(vv[i], w, acc[g][i]);
         }
     }
-    #pragma GCC unroll 8
-    for (int g = 0; g < gn; g++) {
-        const __m256 f = _mm256_set1_ps(out ? inv_sum[g] : 1.0f);
-        #pragma GCC unroll 8
-        for (int i = 0; i < nv; i++) {
-            if (out) store8(out + (g * out_head + i * 8) * es, _mm256_mul_ps(acc[g][i], f), dtype);
-            else _mm256_storeu_ps(sums + g * Dv + i * 8, acc[g][i]);
-        }
-    }
+    #pragma GCC unroll 2
+    for (int g = 0; g < gn; g++)
+        #pragma GCC unroll 4
+        for (int i = 0; i < nv; i++) _mm256_store_ps(o + g * Dv + col + 8 * i, acc[g][i]);
 }
 
-/* Tokens per pass of the weighted sum of V: the passes over one KV head's columns and query
-   heads read this many rows again from L1 (PV_TOKENS * Dv * 4 bytes), not from memory */
-#define PV_TOKENS 64
+/* A thread's buffers: keys kt [D][16], outputs o [G][Dv], scores s [G][DEC_SLD], queries
+   qs [G][D] (scaled), and per row its maximum, sum and factor. */
+typedef struct {
+    float *qs, *o, *s, *kt, *m, *l, *alpha;
+} dec_buffers;
 
-#define DECODE_PV(GN, NV)                                                                      \
-    decode_pv(scores + h * ld + t0, ld, nt, j->vp, j->v_row, (hk * Dv + col) * es, slots + t0, \
-              sums + h * Dv + col, Dv, t0 == 0, last ? ob + (h * Dv + col) * es : NULL, Dv,     \
-              inv_sum + h, dtype, GN, NV)
-
-AVX2_TARGET INLINE void decode_seq(attention_job *j, int64_t b, float *qs, float *sums,
-                                   float *scores, const int dtype) {
-    const int64_t Hq = j->Hq, Hk = j->Hk, G = Hq / Hk, D = j->D, Dv = j->Dv, es = dtype ? 2 : 4;
+/* Sequence b against KV head hk (dtype constant in each copy). */
+AVX2_TARGET INLINE void decode_item(const attention_job *j, int64_t b, int64_t hk,
+                                    const dec_buffers *w, const int dtype) {
+    const int64_t G = j->Hq / j->Hk, D = j->D, Dv = j->Dv, es = dtype ? 2 : 4;
     int64_t n;
     const int64_t start = decode_window_start(j, b, &n);
-    const int64_t *slots = j->table + j->rows[b] * j->table_stride + start;
-    const int64_t ld = (n + 7) & ~(int64_t)7;
-    float inv_sum[MAX_HEADS];
-    const char *qb = (const char *)j->q + b * j->q_stride_t * es;
-    char *ob = (char *)j->out + b * j->out_stride_t * es;
-    const __m256 sv = _mm256_set1_ps(j->scale);
-    for (int64_t h = 0; h < Hq; h++)
+    n += start; /* keys start .. n - 1 */
+    const int64_t *slots = j->table + j->rows[b] * j->table_stride;
+    const char *qb = (const char *)j->q + (b * j->q_stride_t + hk * G * j->q_stride_h) * es;
+    for (int64_t g = 0; g < G; g++) {
         for (int64_t d = 0; d < D; d += 8)
-            _mm256_storeu_ps(qs + h * D + d,
-                             _mm256_mul_ps(load8(qb + (h * j->q_stride_h + d) * es, dtype), sv));
-    decode_qk(qs, j->kp, j->k_row, j->vp, j->v_row, slots, n, scores, ld, Hq, G, D, dtype);
-    for (int64_t h = 0; h < Hq; h++) { /* softmax; the padding past n is -inf, so e = 0 there */
-        float *s = scores + h * ld;
-        if (j->softcap > 0)
-            for (int64_t t = 0; t < n; t++) s[t] = j->softcap * tanhf(s[t] / j->softcap);
-        for (int64_t t = n; t < ld; t++) s[t] = -INFINITY;
-        __m256 mx = _mm256_set1_ps(-INFINITY), sum = _mm256_setzero_ps();
-        for (int64_t t = 0; t < ld; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t));
-        const __m256 mv = _mm256_set1_ps(hmax8(mx));
-        for (int64_t t = 0; t < ld; t += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
-            _mm256_storeu_ps(s + t, e);
-            sum = _mm256_add_ps(sum, e);
-        }
-        inv_sum[h] = 1.0f / hsum8(sum);
+            _mm256_storeu_ps(w->qs + g * D + d, _mm256_mul_ps(load8(qb + (g * j->q_stride_h + d) * es, dtype),
+                                                             _mm256_set1_ps(j->scale)));
+        w->m[g] = -INFINITY;
+        w->l[g] = 0.0f;
     }
-    for (int64_t hk = 0; hk < Hk; hk++)
-        for (int64_t t0 = 0; t0 < n; t0 += PV_TOKENS) {
-            const int64_t nt = n - t0 < PV_TOKENS ? n - t0 : PV_TOKENS;
-            const int last = t0 + nt == n;
-            for (int64_t t = t0 + nt; t < t0 + 2 * PV_TOKENS && t < n; t++) /* the next pass's */
-                for (int64_t o = 0; o < Dv * es; o += 64)
-                    _mm_prefetch(j->vp + slots[t] * j->v_row + hk * Dv * es + o, _MM_HINT_T0);
-            for (int64_t col = 0; col < Dv; col += 32) {
-                const int64_t nv = Dv - col >= 32 ? 4 : (Dv - col) / 8;
-                for (int64_t g0 = 0; g0 < G; g0 += 2) {
-                    const int64_t h = hk * G + g0;
-                    const int two = G - g0 >= 2;
-                    switch (nv) { /* constant counts keep the sums in registers */
-                    case 4: if (two) DECODE_PV(2, 4); else DECODE_PV(1, 4); break;
-                    case 3: if (two) DECODE_PV(2, 3); else DECODE_PV(1, 3); break;
-                    case 2: if (two) DECODE_PV(2, 2); else DECODE_PV(1, 2); break;
-                    default: if (two) DECODE_PV(2, 1); else DECODE_PV(1, 1);
-                    }
+    memset(w->o, 0, (size_t)(G * Dv) * sizeof(float));
+    const char *kr[EXT_KB], *vr[EXT_KB];
+    for (int64_t k0 = start & ~(int64_t)1; k0 < n;) { /* the extend kernel's blocks */
+        const int64_t k1 = (k0 / EXT_KB + 1) * EXT_KB < n ? (k0 / EXT_KB + 1) * EXT_KB : n;
+        const int64_t nk = k1 - k0;
+        for (int64_t x = 0; x < nk; x++) {
+            kr[x] = j->kp + slots[k0 + x] * j->k_row + hk * D * es;
+            vr[x] = j->vp + slots[k0 + x] * j->v_row + hk * Dv * es;
+        }
+        for (int64_t x = 0; k1 + x < n && x < EXT_KB; x++) { /* the next block, into L2 */
+            prefetch_l2(j->kp + slots[k1 + x] * j->k_row + hk * D * es, D * es);
+            prefetch_l2(j->vp + slots[k1 + x] * j->v_row + hk * Dv * es, Dv * es);
+        }
+        for (int64_t x0 = 0; x0 < nk; x0 += 16) {
+            const char *rows[16]; /* a short last group repeats its first key */
+            for (int i = 0; i < 16; i++) rows[i] = kr[x0 + i < nk ? x0 + i : x0];
+            keys_transposed(rows, D, w->kt, dtype);
+            for (int64_t g0 = 0; g0 < G; g0 += 4) {
+                float *s = w->s + g0 * DEC_SLD + x0;
+                const float *qs = w->qs + g0 * D;
+                switch (G - g0 < 4 ? G - g0 : 4) {
+                case 4: dec_qk(w->kt, qs, D, s, 4); break;
+                case 3: dec_qk(w->kt, qs, D, s, 3); break;
+                case 2: dec_qk(w->kt, qs, D, s, 2); break;
+                default: dec_qk(w->kt, qs, D, s, 1);
                 }
             }
         }
+        dec_softmax(w->s, G, nk, k0 < start ? start - k0 : 0, j->softcap, w->m, w->l, w->alpha);
+        for (int64_t col = 0; col < Dv; col += 32) {
+            const int64_t nv = Dv - col >= 32 ? 4 : (Dv - col) / 8;
+            for (int64_t g0 = 0; g0 < G; g0 += 2) {
+                const float *p = w->s + g0 * DEC_SLD, *alpha = w->alpha + g0;
+                float *o = w->o + g0 * Dv;
+#define DEC_PV(GN, NV) dec_pv(p, vr, nk, o, Dv, col, alpha, dtype, GN, NV)
+                const int two = G - g0 >= 2;
+                switch (nv) { /* constant counts keep the sums in registers */
+                case 4: if (two) DEC_PV(2, 4); else DEC_PV(1, 4); break;
+                case 3: if (two) DEC_PV(2, 3); else DEC_PV(1, 3); break;
+                case 2: if (two) DEC_PV(2, 2); else DEC_PV(1, 2); break;
+                default: if (two) DEC_PV(2, 1); else DEC_PV(1, 1);
+                }
+#undef DEC_PV
+            }
+        }
+        k0 = k1;
+    }
+    char *ob = (char *)j->out + (b * j->out_stride_t + hk * G * Dv) * es;
+    for (int64_t g = 0; g < G; g++) {
+        const __m256 inv = _mm256_set1_ps(w->l[g] > 0 ? 1.0f / w->l[g] : 0.0f);
+        for (int64_t c = 0; c < Dv; c += 8)
+            store8(ob + (g * Dv + c) * es, _mm256_mul_ps(_mm256_load_ps(w->o + g * Dv + c), inv), dtype);
+    }
 }
 
-#undef DECODE_PV
-
-AVX2_TARGET static void decode_attention_range(void *ctx, int64_t b0, int64_t b1) {
+/* Items [i0, i1) of a decode attention batch: item i is sequence i / Hk, KV head i % Hk. */
+AVX2_TARGET static void decode_attention_items(void *ctx, int64_t i0, int64_t i1) {
     attention_job *j = ctx;
-    /* per thread: q scaled [Hq][D], V sums [Hq][Dv], scores [Hq][max_len rounded up to 8] */
-    float *qs = scratch_f32(j->Hq * (j->D + j->Dv) + j->Hq * (j->max_len + 8));
-    if (!qs) {
+    const int64_t G = j->Hq / j->Hk, D = j->D, Dv = j->Dv;
+    float *buf = scratch_f32(16 * D + G * (Dv + DEC_SLD + D + 3)); /* per thread */
+    if (!buf) {
         atomic_store(&j->failed, 1);
         return;
     }
-    float *sums = qs + j->Hq * j->D, *scores = sums + j->Hq * j->Dv;
-    for (int64_t b = b0; b < b1; b++) {
-        if (j->dtype) decode_seq(j, b, qs, sums, scores, 1); /* constant dtypes: no branch per load */
-        else decode_seq(j, b, qs, sums, scores, 0);
+    dec_buffers w; /* 32-byte aligned where vectors are: D, Dv and DEC_SLD are multiples of 16 */
+    w.kt = buf;
+    w.o = w.kt + 16 * D;
+    w.s = w.o + G * Dv;
+    w.qs = w.s + G * DEC_SLD;
+    w.m = w.qs + G * D;
+    w.l = w.m + G;
+    w.alpha = w.l + G;
+    for (int64_t i = i0; i < i1; i++) {
+        if (j->dtype) decode_item(j, i / j->Hk, i % j->Hk, &w, 1);
+        else decode_item(j, i / j->Hk, i % j->Hk, &w, 0);
     }
 }
 
@@ -631,7 +694,7 @@ AVX2_TARGET int sgl_decode_attention_avx2(
     int64_t table_stride, const int64_t *rows, const int64_t *lens, const int64_t *loc, void *out,
     int64_t out_stride_t, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, float scale,
     float softcap, int64_t window, int dtype, int bf16_dot) {
-    return run_decode_attention(decode_attention_range, q, q_stride_t, q_stride_h, k_new,
+    return run_decode_attention(decode_attention_items, q, q_stride_t, q_stride_h, k_new,
                                 k_new_stride, v_new, v_new_stride, k_pool, v_pool, table,
                                 table_stride, rows, lens, loc, out, out_stride_t, B, Hq, Hk, D,
                                 Dv, scale, softcap, window, dtype, bf16_dot);
@@ -731,13 +794,7 @@ AVX2_TARGET INLINE void ext_softmax(const extend_job *j, float *st, float *ot, f
             ok = _mm256_andnot_ps(_mm256_castsi256_ps(unseen), ok);
         }
         __m256 s = _mm256_load_ps(st + x * EXT_ROWS + 8 * rb);
-        if (j->softcap > 0) { /* cap * tanh(s / cap), tanh(y) = 1 - 2 / (e^2y + 1) */
-            const __m256 e2 = exp8(_mm256_mul_ps(s, _mm256_set1_ps(2.0f / j->softcap)));
-            s = _mm256_mul_ps(_mm256_set1_ps(j->softcap),
-                              _mm256_sub_ps(_mm256_set1_ps(1.0f),
-                                            _mm256_div_ps(_mm256_set1_ps(2.0f),
-                                                          _mm256_add_ps(e2, _mm256_set1_ps(1.0f)))));
-        }
+        if (j->softcap > 0) s = softcapped8(s, j->softcap);
         s = _mm256_blendv_ps(ninf, s, ok);
         _mm256_store_ps(st + x * EXT_ROWS + 8 * rb, s);
         mx = _mm256_max_ps(mx, s);
@@ -784,8 +841,9 @@ AVX2_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t i1
         const int nbv = (int)((rows + 7) / 8);
         extend_item_reset(j, &it, &buf);
         extend_load_queries(j, &it, qt);
-        for (int64_t k0 = it.k_begin; k0 <= p_last; k0 += EXT_KB) {
-            const int64_t nk = p_last + 1 - k0 < EXT_KB ? p_last + 1 - k0 : EXT_KB;
+        for (int64_t k0 = it.k_begin & ~(int64_t)1, k1; k0 <= p_last; k0 = k1) {
+            k1 = (k0 / EXT_KB + 1) * EXT_KB < p_last + 1 ? (k0 / EXT_KB + 1) * EXT_KB : p_last + 1;
+            const int64_t nk = k1 - k0; /* blocks end at multiples of EXT_KB (see extend_locate) */
             for (int64_t x = 0; x < nk; x++) {
                 const char *kr = j->kp + slots[k0 + x] * j->k_row + hk * D * es;
                 const char *vr = j->vp + slots[k0 + x] * j->v_row + hk * Dv * es;

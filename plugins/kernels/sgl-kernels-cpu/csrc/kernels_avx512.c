@@ -247,10 +247,19 @@ AVX512_TARGET int sgl_linear_f32(const float *x, int64_t ldx, const float *wp, f
  * One new token per sequence. For sequence b, its keys/values are the pool rows
  * table[rows[b] * table_stride + t] for t < lens[b] (the last being the new token's slot, loc[b],
  * which is written first from k_new / v_new when those are given). Query head h uses KV head
- * h / (Hq / Hk). Scores, softmax and the weighted sum are in fp32; the window keeps the last
- * `window` keys (0: all); softcap > 0 applies cap * tanh(s / cap) to the scaled scores.
- * dtype: 0 = float32 tensors, 1 = bfloat16 tensors (q, k/v pools, k_new/v_new and out alike).
- * bf16_dot: the CPU has AVX512-BF16 (bfloat16 q.k with dot-product instructions). */
+ * h / (Hq / Hk); the window keeps the last `window` keys (0: all); softcap > 0 applies
+ * cap * tanh(s / cap) to the scaled scores. dtype: 0 = float32 tensors, 1 = bfloat16 tensors
+ * (q, k/v pools, k_new/v_new and out alike). bf16_dot: the CPU has AVX512-BF16.
+ *
+ * Every query row gets the extend kernel's arithmetic (sgl_extend_attention, below), operation
+ * for operation, so that a token's attention does not depend on whether it was decoded or
+ * prefilled, after a cached prefix or not (docs/kernels.md, "Batch invariance"): its score with
+ * a key is one chain of FMAs over d = 0 .. D - 1 (over the bfloat16 pairs on vdpbf16ps where the
+ * extend kernel uses them), the keys go in blocks that end at multiples of EXT_KB under an online
+ * softmax whose sum runs key by key, and each output column is one chain over the keys. The
+ * extend kernel has its query rows in the lanes; a decode step has only G = Hq / Hk rows per KV
+ * head, so here the lanes hold 16 keys (their K rows transposed) for the scores and 16 V columns
+ * for the weighted sum. A work item is one sequence and KV head. */
 
 AVX512_TARGET static inline __attribute__((always_inline)) __m512 load16(const void *p, int dtype) {
     if (dtype) return _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -290,371 +299,415 @@ AVX512_TARGET static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-
-/* lane i of the result = the sum of the 16 lanes of v[i] */
-AVX512_TARGET static inline __attribute__((always_inline)) __m512 sum16x16(const __m512 *v) {
-    __m512 w[8], x[4];
-    for (int j = 0; j < 8; j++)
-        w[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
-                             _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-    for (int j = 0; j < 4; j++)
-        x[j] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * j], w[2 * j + 1], 0x44),
-                             _mm512_shuffle_ps(w[2 * j], w[2 * j + 1], 0xEE));
-    /* x[j], 128-bit lane l, element e: partial sum (lane l) of vector 4j + e */
-    __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x44), _mm512_shuffle_f32x4(x[0], x[1], 0xEE));
-    __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x44), _mm512_shuffle_f32x4(x[2], x[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88), _mm512_shuffle_f32x4(z01, z23, 0xDD));
+/* exp over the whole float range (overflow to inf, underflow to 0) */
+AVX512_TARGET static inline __m512 exp_any(__m512 x) {
+    __m512 big = _mm512_set1_ps(88.7228391f);
+    __mmask16 over = _mm512_cmp_ps_mask(x, big, _CMP_GT_OQ);
+    __m512 e = exp_nonpositive(_mm512_min_ps(x, big)); /* the reduction is valid for x > 0 too */
+    return _mm512_mask_mov_ps(e, over, _mm512_set1_ps(INFINITY));
 }
 
-/* KV rows are scattered over the pool, so the QK pass prefetches the K and V rows of the
-   tokens KV_PREFETCH_AHEAD ahead, running on into the next sequence's first tokens. The
-   prefetches go to L2 and are spread over the query heads of a 16-token block (a few tokens
-   per head), not issued in one burst per block: a burst of 16 tokens' rows (192 lines for
-   SmolLM2's 3 KV heads) overran the core's miss buffers, and with the rows cold in memory the
-   kernel ran at half the speed it now has (docs/benchmarks.md, "Decode attention from memory"). */
+/* cap * tanh(s / cap) as the attention kernels compute it: tanh(y) = 1 - 2 / (e^2y + 1) */
+AVX512_TARGET static inline __m512 softcapped(__m512 s, float cap) {
+    const __m512 e2 = exp_any(_mm512_mul_ps(s, _mm512_set1_ps(2.0f / cap)));
+    return _mm512_mul_ps(_mm512_set1_ps(cap), _mm512_sub_ps(
+        _mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e2, _mm512_set1_ps(1.0f)))));
+}
 
-typedef struct {
-    const char *kp, *vp;
-    int64_t k_row, v_row;
-    const int64_t *slots, *next_slots; /* this sequence's slots; the next one's (or NULL) */
-    int64_t n, next_n;
-} kv_prefetch;
-
-/* tokens [t0, t1) of the sequence (or, past its end, of the next one) */
-AVX512_TARGET static inline __attribute__((always_inline)) void prefetch_tokens(const kv_prefetch *pf,
-                                                                                int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) {
-        int64_t slot;
-        if (t < pf->n) slot = pf->slots[t];
-        else if (pf->next_slots && t - pf->n < pf->next_n) slot = pf->next_slots[t - pf->n];
-        else return;
-        prefetch_l2(pf->kp + slot * pf->k_row, pf->k_row);
-        prefetch_l2(pf->vp + slot * pf->v_row, pf->v_row);
+/* c[i] lane j = r[j] lane i: a 16 x 16 transpose of 32-bit elements */
+AVX512_TARGET static inline __attribute__((always_inline)) void transpose16(const __m512 *r, __m512 *c) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+        const __m512d e = _mm512_castps_pd(t[4 * i + 1]), f = _mm512_castps_pd(t[4 * i + 3]);
+        u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(e, f));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(e, f));
+    }
+    /* u[4i + e], 128-bit lane L: element 4L + e of rows 4i .. 4i + 3 */
+    for (int e = 0; e < 4; e++) {
+        const __m512 v0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x44);
+        const __m512 v1 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xEE);
+        const __m512 w0 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x44);
+        const __m512 w1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xEE);
+        c[e] = _mm512_shuffle_f32x4(v0, w0, 0x88);
+        c[4 + e] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
+        c[8 + e] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+        c[12 + e] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
     }
 }
 
-/* query head h of Hq in the block at t0 prefetches its share of the block KV_PREFETCH_AHEAD on */
-AVX512_TARGET static inline __attribute__((always_inline)) void prefetch_share(const kv_prefetch *pf,
-                                                                               int64_t t0, int64_t h,
-                                                                               int64_t Hq) {
-    const int64_t ahead = t0 + KV_PREFETCH_AHEAD;
-    prefetch_tokens(pf, ahead + h * 16 / Hq, ahead + (h + 1) * 16 / Hq);
-}
-
-/* scores[h * n + t] = scale * q_h . k_{h / G}[slots[t]] for all Hq heads, 16 tokens at a time
-   so that the block's K rows (all heads) are read from memory once (dq = D / 16). */
-AVX512_TARGET static inline __attribute__((always_inline)) void qk_all(
-    const char *q, int64_t q_head, const char *kp, int64_t k_row, const int64_t *slots,
-    int64_t n, float *scores, float scale, int dtype, int64_t es, int64_t Hq, int64_t G,
-    const kv_prefetch *pf, const int dq) {
-    const __m512 sv = _mm512_set1_ps(scale);
-    for (int64_t t0 = 0; t0 < n; t0 += 16) {
-        const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
-        const char *rows[16];
-        for (int j = 0; j < 16; j++) rows[j] = kp + slots[t0 + (j < cnt ? j : 0)] * k_row;
-        for (int64_t h = 0; h < Hq; h++) {
-            prefetch_share(pf, t0, h, Hq);
-            const char *qh = q + h * q_head * es;
-            const int64_t off = (h / G) * dq * 16 * es;
-            __m512 qv[16], acc[16];
-            qv[0] = _mm512_setzero_ps();
-            for (int i = 0; i < dq; i++) qv[i] = _mm512_mul_ps(load16(qh + i * 16 * es, dtype), sv);
-#pragma GCC unroll 16
-            for (int j = 0; j < 16; j++) { /* a short last block repeats its first row */
-                const char *kr = rows[j] + off;
-                __m512 a = _mm512_mul_ps(qv[0], load16(kr, dtype));
-                for (int i = 1; i < dq; i++) a = _mm512_fmadd_ps(qv[i], load16(kr + i * 16 * es, dtype), a);
-                acc[j] = a;
-            }
-            _mm512_mask_storeu_ps(scores + h * n + t0, tail_mask(cnt), sum16x16(acc));
+/* kt[e][32] (e < D, or D / 2 bfloat16 pairs with `pairs`): the 32 keys of rows kr transposed,
+   bfloat16 widened unless read as pairs */
+AVX512_TARGET static inline __attribute__((always_inline)) void keys_transposed(
+    const char *const *kr, int64_t D, float *kt, const int dtype, const int pairs) {
+    const int64_t E = pairs ? D / 2 : D, es = dtype ? 2 : 4;
+    for (int half = 0; half < 2; half++)
+        for (int64_t e0 = 0; e0 < E; e0 += 16) {
+            __m512 r[16], c[16];
+            const __mmask16 m = tail_mask(E - e0); /* pairs: D / 2 may be 8 past a multiple of 16 */
+            for (int j = 0; j < 16; j++)
+                r[j] = pairs ? _mm512_maskz_loadu_ps(m, kr[16 * half + j] + e0 * 4)
+                             : load16(kr[16 * half + j] + e0 * es, dtype);
+            transpose16(r, c);
+            for (int i = 0; i < 16 && e0 + i < E; i++) _mm512_store_ps(kt + (e0 + i) * 32 + 16 * half, c[i]);
         }
-    }
 }
 
-/* qk_all for bfloat16 with AVX512-BF16 dot products (32 products per instruction, exact
-   products and fp32 sums, as oneDNN's bfloat16 matmuls): dp = D / 32. */
-AVX512_BF16_TARGET static inline __attribute__((always_inline)) void qk_dp_rows(
-    const char *q, int64_t q_head, const char *kp, int64_t k_row, const int64_t *slots,
-    int64_t n, float *scores, float scale, int64_t Hq, int64_t G, const kv_prefetch *pf,
-    const int dp) {
-    for (int64_t t0 = 0; t0 < n; t0 += 16) {
-        const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
-        const char *rows[16];
-        for (int j = 0; j < 16; j++) rows[j] = kp + slots[t0 + (j < cnt ? j : 0)] * k_row;
-        for (int64_t h = 0; h < Hq; h++) {
-            prefetch_share(pf, t0, h, Hq);
-            const char *qh = q + h * q_head * 2;
-            const int64_t off = (h / G) * dp * 64;
-            __m512i qv[8];
-            __m512 acc[16];
-            for (int i = 0; i < dp; i++) qv[i] = _mm512_loadu_si512(qh + i * 64);
-#pragma GCC unroll 16
-            for (int j = 0; j < 16; j++) {
-                const char *kr = rows[j] + off;
-                __m512 a = _mm512_setzero_ps();
-                for (int i = 0; i < dp; i++)
-                    a = _mm512_dpbf16_ps(a, (__m512bh)qv[i], (__m512bh)_mm512_loadu_si512(kr + i * 64));
-                acc[j] = a;
-            }
-            _mm512_mask_storeu_ps(scores + h * n + t0, tail_mask(cnt),
-                                  _mm512_mul_ps(sum16x16(acc), _mm512_set1_ps(scale)));
-        }
-    }
-}
+#define DEC_SLD (EXT_KB + 32) /* floats per query row of the scores: a block and its padding */
 
-AVX512_BF16_TARGET static void qk_dp(const char *q, int64_t q_head, const char *kp, int64_t k_row,
-                                     const int64_t *slots, int64_t n, float *scores, float scale,
-                                     int64_t Hq, int64_t G, int64_t D, const kv_prefetch *pf) {
-    switch (D) {
-    case 64: qk_dp_rows(q, q_head, kp, k_row, slots, n, scores, scale, Hq, G, pf, 2); break;
-    case 128: qk_dp_rows(q, q_head, kp, k_row, slots, n, scores, scale, Hq, G, pf, 4); break;
-    default: qk_dp_rows(q, q_head, kp, k_row, slots, n, scores, scale, Hq, G, pf, (int)(D / 32));
-    }
-}
-
-/* probabilities in place of scores; returns 1 / their sum */
-AVX512_TARGET static inline float softmax_row(float *s, int64_t n, float softcap) {
-    if (softcap > 0)
-        for (int64_t t = 0; t < n; t++) s[t] = softcap * tanhf(s[t] / softcap);
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    int64_t t = 0;
-    for (; t + 16 <= n; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
-    float m = _mm512_reduce_max_ps(mx);
-    for (; t < n; t++) m = s[t] > m ? s[t] : m;
-    __m512 mv = _mm512_set1_ps(m), sum = _mm512_setzero_ps();
-    for (t = 0; t + 16 <= n; t += 16) {
-        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv));
-        _mm512_storeu_ps(s + t, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    if (t < n) {
-        __mmask16 mask = tail_mask(n - t);
-        __m512 e = _mm512_maskz_mov_ps(mask, exp_nonpositive(
-            _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), mv)));
-        _mm512_mask_storeu_ps(s + t, mask, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    return 1.0f / _mm512_reduce_add_ps(sum);
-}
-
-/* out_h = inv_sum_h * sum_t p_h[t] v[slots[t]] for gn (<= 4, constant) query heads that share
-   the V row part at `off` (dv <= 8 vectors, constant): the accumulators stay in registers. */
-AVX512_TARGET static inline __attribute__((always_inline)) void pv_heads(
-    const float *p, int64_t n, const char *vp, int64_t v_row, int64_t off, const int64_t *slots,
-    char *out, int64_t out_head, const float *inv_sum, int dtype, int64_t es, const int gn,
-    const int dv) {
-    __m512 o[4][8];
+/* s[g * DEC_SLD + lane] (32 lanes) = sum over d in order of kt[d][lane] qs[g * D + d], one FMA
+   chain per key and head as the extend kernel's ext_qk, for gn (<= 4) heads */
+AVX512_TARGET static inline __attribute__((always_inline)) void dec_qk(const float *kt,
+                                                                       const float *qs, int64_t D,
+                                                                       float *s, const int gn) {
+    __m512 acc[4][2];
 #pragma GCC unroll 4
-    for (int g = 0; g < gn; g++)
-#pragma GCC unroll 8
-        for (int i = 0; i < dv; i++) o[g][i] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; t++) {
-        const char *vr = vp + slots[t] * v_row + off;
-        __m512 vv[8];
-#pragma GCC unroll 8
-        for (int i = 0; i < dv; i++) vv[i] = load16(vr + i * 16 * es, dtype);
+    for (int g = 0; g < gn; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m512 k0 = _mm512_load_ps(kt + d * 32), k1 = _mm512_load_ps(kt + d * 32 + 16);
 #pragma GCC unroll 4
         for (int g = 0; g < gn; g++) {
-            __m512 w = _mm512_set1_ps(p[g * n + t]);
-#pragma GCC unroll 8
-            for (int i = 0; i < dv; i++) o[g][i] = _mm512_fmadd_ps(w, vv[i], o[g][i]);
+            const __m512 qv = _mm512_set1_ps(qs[g * D + d]);
+            acc[g][0] = _mm512_fmadd_ps(k0, qv, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(k1, qv, acc[g][1]);
         }
     }
 #pragma GCC unroll 4
     for (int g = 0; g < gn; g++) {
-        __m512 f = _mm512_set1_ps(inv_sum[g]);
+        _mm512_storeu_ps(s + g * DEC_SLD, acc[g][0]);
+        _mm512_storeu_ps(s + g * DEC_SLD + 16, acc[g][1]);
+    }
+}
+
+/* dec_qk on vdpbf16ps: kt [D/2][32] key pairs, q2 [gn][D/2] query pairs, as ext_qk_dp */
+AVX512_BF16_TARGET static inline __attribute__((always_inline)) void dec_qk_dp(
+    const float *kt, const uint32_t *q2, int64_t D, float *s, float scale, const int gn) {
+    __m512 acc[4][2];
+#pragma GCC unroll 4
+    for (int g = 0; g < gn; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D / 2; p++) {
+        const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + p * 32);
+        const __m512bh k1 = (__m512bh)_mm512_load_si512(kt + p * 32 + 16);
+#pragma GCC unroll 4
+        for (int g = 0; g < gn; g++) {
+            const __m512bh qv = (__m512bh)_mm512_set1_epi32((int)q2[g * (D / 2) + p]);
+            acc[g][0] = _mm512_dpbf16_ps(acc[g][0], k0, qv);
+            acc[g][1] = _mm512_dpbf16_ps(acc[g][1], k1, qv);
+        }
+    }
+    const __m512 sv = _mm512_set1_ps(scale);
+#pragma GCC unroll 4
+    for (int g = 0; g < gn; g++) {
+        _mm512_storeu_ps(s + g * DEC_SLD, _mm512_mul_ps(acc[g][0], sv));
+        _mm512_storeu_ps(s + g * DEC_SLD + 16, _mm512_mul_ps(acc[g][1], sv));
+    }
+}
+
+/* The extend kernel's online-softmax step for the G query rows of an item over a block of nk
+   keys whose first `masked` (0 or 1) are outside the window: the scores s[g][x] become the
+   exponentials (0 where masked, and past nk up to a multiple of 16), the running maxima m[g] and
+   sums l[g] advance, and alpha[g] is the factor of the output so far. */
+AVX512_TARGET static void dec_softmax(float *s, int64_t G, int64_t nk, int64_t masked,
+                                      float softcap, float *m, float *l, float *alpha) {
+    for (int64_t g = 0; g < G; g++) {
+        float *row = s + g * DEC_SLD;
+        const float m_old = m[g];
+        float mx = m_old;
+        for (int64_t x = 0; x < nk; x += 16) {
+            __m512 v = _mm512_loadu_ps(row + x);
+            if (softcap > 0) v = softcapped(v, softcap);
+            const __mmask16 live = tail_mask(nk - x) & (x == 0 ? (__mmask16)(0xffffu << masked) : 0xffffu);
+            v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, v);
+            _mm512_storeu_ps(row + x, v);
+            const float bm = _mm512_reduce_max_ps(v);
+            mx = bm > mx ? bm : mx;
+        }
+        const float m_safe = mx != -INFINITY ? mx : 0.0f;
+        alpha[g] = 0.0f;
+        if (m_old != -INFINITY) { /* the lanes' exp, not the C library's */
+            float lanes[16];
+            _mm512_storeu_ps(lanes, exp_nonpositive(_mm512_set1_ps(m_old - m_safe)));
+            alpha[g] = lanes[0];
+        }
+        const __m512 mv = _mm512_set1_ps(m_safe);
+        for (int64_t x = 0; x < nk; x += 16) {
+            const __m512 v = _mm512_loadu_ps(row + x);
+            const __mmask16 ok = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+            _mm512_storeu_ps(row + x, _mm512_maskz_mov_ps(ok, exp_nonpositive(_mm512_sub_ps(v, mv))));
+        }
+        m[g] = mx;
+    }
+    /* the sums key by key, as the extend kernel's lanes add them; 8 rows' chains side by side */
+    for (int64_t g0 = 0; g0 < G; g0 += 8) {
+        const int64_t gn = G - g0 < 8 ? G - g0 : 8;
+        float sum[8];
+        for (int64_t g = 0; g < gn; g++) sum[g] = l[g0 + g] * alpha[g0 + g];
+        for (int64_t x = 0; x < nk; x++)
+            for (int64_t g = 0; g < gn; g++) sum[g] += s[(g0 + g) * DEC_SLD + x];
+        for (int64_t g = 0; g < gn; g++) l[g0 + g] = sum[g];
+    }
+}
+
+/* o[g][col ..] = alpha[g] o[g][col ..] + the chain over the block's keys x of p[g][x] v_x, for gn
+   (<= 4) heads and dv (<= 8) vectors of columns, as the extend kernel's ext_pv */
+AVX512_TARGET static inline __attribute__((always_inline)) void dec_pv(
+    const float *p, const char *const *vr, int64_t nk, float *o, int64_t Dv, int64_t col,
+    const float *alpha, const int dtype, const int gn, const int dv) {
+    const int64_t es = dtype ? 2 : 4;
+    __m512 acc[4][8];
+#pragma GCC unroll 4
+    for (int g = 0; g < gn; g++)
 #pragma GCC unroll 8
         for (int i = 0; i < dv; i++)
-            store16(out + (g * out_head + i * 16) * es, _mm512_mul_ps(o[g][i], f), dtype);
-    }
-}
-
-/* the weighted sums of V for every query head, over the V columns [col, col + 16 dv) */
-AVX512_TARGET static inline __attribute__((always_inline)) void pv_all(
-    const float *p, const char *vp, int64_t v_row, const int64_t *slots, int64_t n, char *out,
-    const float *inv_sum, int dtype, int64_t es, int64_t Hk, int64_t G, int64_t Dv, int64_t col,
-    const int dv) {
-    for (int64_t hk = 0; hk < Hk; hk++) {
-        const int64_t off = (hk * Dv + col) * es;
-        for (int64_t g0 = 0; g0 < G; g0 += 4) {
-            const int64_t h = hk * G + g0;
-            const float *ph = p + h * n;
-            char *oh = out + (h * Dv + col) * es;
-            switch (G - g0 < 4 ? G - g0 : 4) {
-            case 4: pv_heads(ph, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, dtype, es, 4, dv); break;
-            case 3: pv_heads(ph, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, dtype, es, 3, dv); break;
-            case 2: pv_heads(ph, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, dtype, es, 2, dv); break;
-            default: pv_heads(ph, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, dtype, es, 1, dv);
-            }
+            acc[g][i] = _mm512_mul_ps(_mm512_load_ps(o + g * Dv + col + 16 * i), _mm512_set1_ps(alpha[g]));
+    for (int64_t x = 0; x < nk; x++) {
+        __m512 vv[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < dv; i++) vv[i] = load16(vr[x] + (col + 16 * i) * es, dtype);
+#pragma GCC unroll 4
+        for (int g = 0; g < gn; g++) {
+            const __m512 w = _mm512_set1_ps(p[g * DEC_SLD + x]);
+#pragma GCC unroll 8
+            for (int i = 0; i < dv; i++) acc[g][i] = _mm512_fmadd_ps(vv[i], w, acc[g][i]);
         }
     }
+#pragma GCC unroll 4
+    for (int g = 0; g < gn; g++)
+#pragma GCC unroll 8
+        for (int i = 0; i < dv; i++) _mm512_store_ps(o + g * Dv + col + 16 * i, acc[g][i]);
 }
 
-/* The weighted sums of V on vdpbf16ps (bfloat16 only): the probabilities are rounded to
-   bfloat16, as transformers' eager attention rounds them before its matmul with V (and
-   FlashAttention before its second matmul), and tokens go in pairs: lane pair (v_t[d],
-   v_t+1[d]) of two V rows interleaved against the broadcast pair (p_t, p_t+1). Exact products
-   and float32 sums, half the instructions of the FMAs on widened V. */
-
-/* head h's probabilities p[h * n + t] as bfloat16, in place: row h becomes n2 = n rounded up
-   to even bfloat16 values (a zero after an odd n) at the start of its own float row */
-AVX512_BF16_TARGET static void probs_to_bf16(float *p, int64_t n, int64_t Hq) {
-    const int64_t n2 = (n + 1) & ~(int64_t)1;
-    for (int64_t h = 0; h < Hq; h++) {
-        float *row = p + h * n;
-        uint16_t *dst = (uint16_t *)row;
-        for (int64_t t = 0; t < n2; t += 16) { /* t < n; the writes stay behind the reads */
-            const __m512 a = _mm512_maskz_loadu_ps(tail_mask(n - t), row + t);
-            _mm256_mask_storeu_epi16(dst + t, tail_mask(n2 - t), (__m256i)_mm512_cvtneps_pbh(a));
-        }
-    }
-}
-
-/* out_h = inv_sum_h * sum_t p_h[t] v[slots[t]] over the V columns [off, off + 32 dv2) of one KV
-   head for gn (<= 4, constant) query heads whose bfloat16 probabilities are rows of p (stride
-   p_stride); dv2 (<= 2, constant) 32-column chunks. */
-AVX512_BF16_TARGET static inline __attribute__((always_inline)) void pv_dp_heads(
-    const uint16_t *p, int64_t p_stride, int64_t n, const char *vp, int64_t v_row, int64_t off,
-    const int64_t *slots, char *out, int64_t out_head, const float *inv_sum, const int gn,
-    const int dv2) {
-    __m512 o[4][4];
+/* dec_pv on vdpbf16ps, as the extend kernel's ext_pv_dp: keys in pairs (x, x + 1) from the
+   block's start (an odd last key pairs with itself, probability 0), p16 the bfloat16
+   probabilities (rows DEC_SLD * 2 apart), dv2 (<= 2) 32-column chunks whose sums lie in o in
+   vpunpck{l,h}wd's column order */
+AVX512_BF16_TARGET static inline __attribute__((always_inline)) void dec_pv_dp(
+    const uint16_t *p16, const char *const *vr, int64_t nk, float *o, int64_t Dv, int64_t col,
+    const float *alpha, const int gn, const int dv2) {
+    __m512 acc[4][4];
 #pragma GCC unroll 4
     for (int g = 0; g < gn; g++)
 #pragma GCC unroll 4
-        for (int i = 0; i < 2 * dv2; i++) o[g][i] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; t += 2) {
-        const char *r0 = vp + slots[t] * v_row + off;
-        const char *r1 = vp + slots[t + 1 < n ? t + 1 : t] * v_row + off; /* its p is 0 */
+        for (int i = 0; i < 2 * dv2; i++)
+            acc[g][i] = _mm512_mul_ps(_mm512_load_ps(o + g * Dv + col + 16 * i), _mm512_set1_ps(alpha[g]));
+    for (int64_t x = 0; x < nk; x += 2) {
+        const char *r0 = vr[x] + col * 2, *r1 = vr[x + 1 < nk ? x + 1 : x] + col * 2;
         __m512i vv[4];
 #pragma GCC unroll 2
         for (int i = 0; i < dv2; i++) {
-            const __m512i x = _mm512_loadu_si512(r0 + i * 64), y = _mm512_loadu_si512(r1 + i * 64);
-            vv[2 * i] = _mm512_unpacklo_epi16(x, y);     /* columns 8L + 0..3 of lane L */
-            vv[2 * i + 1] = _mm512_unpackhi_epi16(x, y); /* columns 8L + 4..7 */
+            const __m512i a = _mm512_loadu_si512(r0 + i * 64), b = _mm512_loadu_si512(r1 + i * 64);
+            vv[2 * i] = _mm512_unpacklo_epi16(a, b);
+            vv[2 * i + 1] = _mm512_unpackhi_epi16(a, b);
         }
 #pragma GCC unroll 4
         for (int g = 0; g < gn; g++) {
             int32_t pair;
-            memcpy(&pair, p + g * p_stride + t, 4);
+            memcpy(&pair, p16 + g * 2 * DEC_SLD + x, 4);
             const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
 #pragma GCC unroll 4
-            for (int i = 0; i < 2 * dv2; i++) o[g][i] = _mm512_dpbf16_ps(o[g][i], w, (__m512bh)vv[i]);
+            for (int i = 0; i < 2 * dv2; i++) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], w, (__m512bh)vv[i]);
         }
     }
+#pragma GCC unroll 4
+    for (int g = 0; g < gn; g++)
+#pragma GCC unroll 4
+        for (int i = 0; i < 2 * dv2; i++) _mm512_store_ps(o + g * Dv + col + 16 * i, acc[g][i]);
+}
+
+#define DEC_GN_SWITCH(CALL, GN)                                                                 \
+    switch (GN) {                                                                               \
+    case 4: CALL(4); break;                                                                     \
+    case 3: CALL(3); break;                                                                     \
+    case 2: CALL(2); break;                                                                     \
+    default: CALL(1);                                                                           \
+    }
+
+#define DEC_QK_DP(GN) dec_qk_dp(kt, q2, D, s, scale, GN)
+#define DEC_PV_DP2(GN) dec_pv_dp(p16, vr, nk, o, Dv, col, alpha, GN, 2)
+#define DEC_PV_DP1(GN) dec_pv_dp(p16, vr, nk, o, Dv, col, alpha, GN, 1)
+
+/* the calls of the vdpbf16ps steps from decode_item (compiled for AVX-512 only): gn heads from
+   g0 on, constants inside */
+AVX512_BF16_TARGET static void dec_qk_dp_heads(const float *kt, const uint32_t *q2, int64_t D,
+                                               float *s, float scale, int64_t gn) {
+    DEC_GN_SWITCH(DEC_QK_DP, gn)
+}
+
+AVX512_BF16_TARGET static void dec_pv_dp_heads(const uint16_t *p16, const char *const *vr,
+                                               int64_t nk, float *o, int64_t Dv, int64_t col,
+                                               const float *alpha, int64_t gn) {
+    if (Dv - col >= 64) {
+        DEC_GN_SWITCH(DEC_PV_DP2, gn)
+    } else {
+        DEC_GN_SWITCH(DEC_PV_DP1, gn)
+    }
+}
+
+/* the block's probabilities of row g as bfloat16, at the start of the row */
+AVX512_BF16_TARGET static void dec_probs_to_bf16(float *s, int64_t G, int64_t nk) {
+    for (int64_t g = 0; g < G; g++) {
+        float *row = s + g * DEC_SLD;
+        for (int64_t x = 0; x < nk; x += 16) /* the writes stay behind the reads */
+            _mm256_storeu_si256((__m256i *)((uint16_t *)row + x),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + x)));
+    }
+}
+
+#undef DEC_QK_DP
+#undef DEC_PV_DP2
+#undef DEC_PV_DP1
+
+/* A thread's buffers: queries qs [G][D] (scaled float32, or bfloat16 pairs), outputs o [G][Dv],
+   scores s [G][DEC_SLD], keys kt [D][32], and per row its maximum, sum and factor. */
+typedef struct {
+    float *qs, *o, *s, *kt, *m, *l, *alpha;
+} dec_buffers;
+
+static inline int64_t dec_buffer_floats(int64_t G, int64_t D, int64_t Dv) {
+    return G * (D + Dv + DEC_SLD + 3) + 32 * D + 16;
+}
+
+static inline void dec_buffers_at(float *buf, int64_t G, int64_t D, int64_t Dv, dec_buffers *b) {
+    b->kt = buf; /* 64-byte aligned, as are o and s: D, Dv and DEC_SLD are multiples of 16 */
+    b->o = b->kt + 32 * D;
+    b->s = b->o + G * Dv;
+    b->qs = b->s + G * DEC_SLD;
+    b->m = b->qs + G * D;
+    b->l = b->m + G;
+    b->alpha = b->l + G;
+}
+
+/* Sequence b against KV head hk: dtype, dp (scores on vdpbf16ps) and pv_dp (the weighted sum
+   too) are constants in each copy, so that the loads compile without branches. */
+AVX512_TARGET static inline __attribute__((always_inline)) void decode_item(
+    const attention_job *j, int64_t b, int64_t hk, const dec_buffers *w, const int dtype,
+    const int dp, const int pv_dp) {
+    const int64_t G = j->Hq / j->Hk, D = j->D, Dv = j->Dv, es = dtype ? 2 : 4;
+    int64_t n;
+    const int64_t start = decode_window_start(j, b, &n);
+    n += start; /* keys start .. n - 1 */
+    const int64_t *slots = j->table + j->rows[b] * j->table_stride;
+    const char *qb = (const char *)j->q + (b * j->q_stride_t + hk * G * j->q_stride_h) * es;
+    for (int64_t g = 0; g < G; g++) {
+        const char *qg = qb + g * j->q_stride_h * es;
+        if (dp) memcpy(w->qs + g * (D / 2), qg, (size_t)D * 2); /* the pairs, unscaled */
+        else
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_storeu_ps(w->qs + g * D + d,
+                                 _mm512_mul_ps(load16(qg + d * es, dtype), _mm512_set1_ps(j->scale)));
+        w->m[g] = -INFINITY;
+        w->l[g] = 0.0f;
+    }
+    memset(w->o, 0, (size_t)(G * Dv) * sizeof(float));
+    const char *kr[EXT_KB], *vr[EXT_KB];
+    for (int64_t k0 = start & ~(int64_t)1; k0 < n;) { /* pairs at even positions, as extend's */
+        const int64_t k1 = (k0 / EXT_KB + 1) * EXT_KB < n ? (k0 / EXT_KB + 1) * EXT_KB : n;
+        const int64_t nk = k1 - k0;
+        for (int64_t x = 0; x < nk; x++) {
+            kr[x] = j->kp + slots[k0 + x] * j->k_row + hk * D * es;
+            vr[x] = j->vp + slots[k0 + x] * j->v_row + hk * Dv * es;
+        }
+        for (int64_t x = 0; k1 + x < n && x < EXT_KB; x++) { /* the next block, into L2 */
+            prefetch_l2(j->kp + slots[k1 + x] * j->k_row + hk * D * es, D * es);
+            prefetch_l2(j->vp + slots[k1 + x] * j->v_row + hk * Dv * es, Dv * es);
+        }
+        for (int64_t x0 = 0; x0 < nk; x0 += 32) {
+            const char *rows[32]; /* a short last group repeats its first key */
+            for (int i = 0; i < 32; i++) rows[i] = kr[x0 + i < nk ? x0 + i : x0];
+            keys_transposed(rows, D, w->kt, dtype, dp);
+            for (int64_t g0 = 0; g0 < G; g0 += 4) {
+                float *s = w->s + g0 * DEC_SLD + x0;
+                const int64_t gn = G - g0 < 4 ? G - g0 : 4;
+                if (dp) {
+                    dec_qk_dp_heads(w->kt, (const uint32_t *)w->qs + g0 * (D / 2), D, s, j->scale, gn);
+                } else {
+#define DEC_QK(GN) dec_qk(w->kt, w->qs + g0 * D, D, s, GN)
+                    DEC_GN_SWITCH(DEC_QK, gn)
+#undef DEC_QK
+                }
+            }
+        }
+        dec_softmax(w->s, G, nk, k0 < start ? start - k0 : 0, j->softcap, w->m, w->l, w->alpha);
+        if (pv_dp) {
+            dec_probs_to_bf16(w->s, G, nk);
+            for (int64_t col = 0; col < Dv; col += 64)
+                for (int64_t g0 = 0; g0 < G; g0 += 4)
+                    dec_pv_dp_heads((const uint16_t *)(w->s + g0 * DEC_SLD), vr, nk, w->o + g0 * Dv,
+                                    Dv, col, w->alpha + g0, G - g0 < 4 ? G - g0 : 4);
+        } else {
+            for (int64_t col = 0; col < Dv;) {
+                const int dv = Dv - col >= 128 ? 8 : 1;
+                for (int64_t g0 = 0; g0 < G; g0 += 4) {
+                    const float *p = w->s + g0 * DEC_SLD;
+                    float *o = w->o + g0 * Dv;
+#define DEC_PV(GN)                                                                              \
+    if (dv == 8) dec_pv(p, vr, nk, o, Dv, col, w->alpha + g0, dtype, GN, 8);                    \
+    else dec_pv(p, vr, nk, o, Dv, col, w->alpha + g0, dtype, GN, 1)
+                    DEC_GN_SWITCH(DEC_PV, G - g0 < 4 ? G - g0 : 4)
+#undef DEC_PV
+                }
+                col += 16 * dv;
+            }
+        }
+        k0 = k1;
+    }
+    char *ob = (char *)j->out + (b * j->out_stride_t + hk * G * Dv) * es;
     const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-#pragma GCC unroll 4
-    for (int g = 0; g < gn; g++) {
-        const __m512 f = _mm512_set1_ps(inv_sum[g]);
-#pragma GCC unroll 2
-        for (int i = 0; i < dv2; i++) {
-            char *dst = out + (g * out_head + i * 32) * 2;
-            store16(dst, _mm512_mul_ps(_mm512_permutex2var_ps(o[g][2 * i], lo, o[g][2 * i + 1]), f), 1);
-            store16(dst + 32, _mm512_mul_ps(_mm512_permutex2var_ps(o[g][2 * i], hi, o[g][2 * i + 1]), f), 1);
-        }
-    }
-}
-
-/* pv_all on vdpbf16ps for bfloat16 with Dv % 32 == 0; p: the probabilities of probs_to_bf16 */
-AVX512_BF16_TARGET static void pv_dp(const float *p, int64_t n, const char *vp, int64_t v_row,
-                                     const int64_t *slots, char *out, const float *inv_sum,
-                                     int64_t Hk, int64_t G, int64_t Dv) {
-    const uint16_t *p16 = (const uint16_t *)p;
-    const int64_t ps = 2 * n; /* a float row is two bfloat16 rows wide */
-    for (int64_t hk = 0; hk < Hk; hk++)
-        for (int64_t col = 0; col < Dv; col += 64)
-            for (int64_t g0 = 0; g0 < G; g0 += 4) {
-                const int64_t h = hk * G + g0, off = (hk * Dv + col) * 2;
-                const uint16_t *ph = p16 + h * ps;
-                char *oh = out + (h * Dv + col) * 2;
-                const int gn = G - g0 < 4 ? (int)(G - g0) : 4;
-                if (Dv - col >= 64) switch (gn) {
-                    case 4: pv_dp_heads(ph, ps, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, 4, 2); break;
-                    case 3: pv_dp_heads(ph, ps, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, 3, 2); break;
-                    case 2: pv_dp_heads(ph, ps, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, 2, 2); break;
-                    default: pv_dp_heads(ph, ps, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, 1, 2);
-                    }
-                else switch (gn) {
-                    case 4: pv_dp_heads(ph, ps, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, 4, 1); break;
-                    case 3: pv_dp_heads(ph, ps, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, 3, 1); break;
-                    case 2: pv_dp_heads(ph, ps, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, 2, 1); break;
-                    default: pv_dp_heads(ph, ps, n, vp, v_row, off, slots, oh, Dv, inv_sum + h, 1, 1);
-                    }
+    for (int64_t g = 0; g < G; g++) {
+        const __m512 inv = _mm512_set1_ps(w->l[g] > 0 ? 1.0f / w->l[g] : 0.0f);
+        const float *o = w->o + g * Dv;
+        char *dst = ob + g * Dv * es;
+        if (pv_dp) /* back from vpunpck{l,h}wd's column order */
+            for (int64_t c = 0; c < Dv; c += 32) {
+                const __m512 a = _mm512_load_ps(o + c), e = _mm512_load_ps(o + c + 16);
+                store16(dst + c * 2, _mm512_mul_ps(_mm512_permutex2var_ps(a, lo, e), inv), 1);
+                store16(dst + c * 2 + 32, _mm512_mul_ps(_mm512_permutex2var_ps(a, hi, e), inv), 1);
             }
-}
-
-AVX512_TARGET static inline __attribute__((always_inline)) void attend_seq(
-    const char *q, int64_t q_head, const char *kp, const char *vp, int64_t k_row, int64_t v_row,
-    const int64_t *slots, int64_t n, char *out, float *scores, int64_t Hq, int64_t Hk, int64_t D,
-    int64_t Dv, float scale, float softcap, int dtype, int64_t es, int dp, const kv_prefetch *pf) {
-    const int64_t G = Hq / Hk;
-    float inv_sum[MAX_HEADS];
-    prefetch_tokens(pf, 0, KV_PREFETCH_AHEAD); /* normally fetched during the previous sequence */
-    if (dp) qk_dp(q, q_head, kp, k_row, slots, n, scores, scale, Hq, G, D, pf);
-    else switch (D) { /* a constant row size lets the compiler keep the rows in registers */
-    case 64: qk_all(q, q_head, kp, k_row, slots, n, scores, scale, dtype, es, Hq, G, pf, 4); break;
-    case 128: qk_all(q, q_head, kp, k_row, slots, n, scores, scale, dtype, es, Hq, G, pf, 8); break;
-    default: qk_all(q, q_head, kp, k_row, slots, n, scores, scale, dtype, es, Hq, G, pf, (int)(D / 16));
-    }
-    for (int64_t h = 0; h < Hq; h++) inv_sum[h] = softmax_row(scores + h * n, n, softcap);
-    if (dp && Dv % 32 == 0) {
-        probs_to_bf16(scores, n, Hq);
-        pv_dp(scores, n, vp, v_row, slots, out, inv_sum, Hk, G, Dv);
-        return;
-    }
-    switch (Dv) {
-    case 64: pv_all(scores, vp, v_row, slots, n, out, inv_sum, dtype, es, Hk, G, 64, 0, 4); break;
-    case 128: pv_all(scores, vp, v_row, slots, n, out, inv_sum, dtype, es, Hk, G, 128, 0, 8); break;
-    default: /* columns 128 at a time, then the rest 16 at a time */
-        for (int64_t col = 0; col < Dv;) {
-            if (Dv - col >= 128) {
-                pv_all(scores, vp, v_row, slots, n, out, inv_sum, dtype, es, Hk, G, Dv, col, 8);
-                col += 128;
-            } else {
-                pv_all(scores, vp, v_row, slots, n, out, inv_sum, dtype, es, Hk, G, Dv, col, 1);
-                col += 16;
-            }
-        }
+        else
+            for (int64_t c = 0; c < Dv; c += 16) store16(dst + c * es, _mm512_mul_ps(_mm512_load_ps(o + c), inv), dtype);
     }
 }
 
-/* Sequences [b0, b1) of a decode attention batch. */
-AVX512_TARGET static void decode_attention_range(void *ctx, int64_t b0, int64_t b1) {
+#undef DEC_GN_SWITCH
+
+/* Items [i0, i1) of a decode attention batch: item i is sequence i / Hk, KV head i % Hk. */
+AVX512_TARGET static void decode_attention_items(void *ctx, int64_t i0, int64_t i1) {
     attention_job *j = ctx;
-    float *scores = scratch_f32(j->Hq * (j->max_len + 16)); /* per thread */
-    if (!scores) {
+    const int64_t G = j->Hq / j->Hk;
+    float *buf = scratch_f32(dec_buffer_floats(G, j->D, j->Dv)); /* per thread */
+    if (!buf) {
         atomic_store(&j->failed, 1);
         return;
     }
-    for (int64_t b = b0; b < b1; b++) {
-        int64_t n;
-        const int64_t start = decode_window_start(j, b, &n);
-        const int64_t *slots = j->table + j->rows[b] * j->table_stride + start;
-        kv_prefetch pf = {j->kp, j->vp, j->k_row, j->v_row, slots, NULL, n, 0};
-        if (b + 1 < j->B) {
-            const int64_t next_start = decode_window_start(j, b + 1, &pf.next_n);
-            pf.next_slots = j->table + j->rows[b + 1] * j->table_stride + next_start;
-        }
-        const char *qb = (const char *)j->q + b * j->q_stride_t * j->es;
-        char *ob = (char *)j->out + b * j->out_stride_t * j->es;
-        if (j->dtype) /* constant dtypes: the loads compile without a branch */
-            attend_seq(qb, j->q_stride_h, j->kp, j->vp, j->k_row, j->v_row, slots, n,
-                       ob, scores, j->Hq, j->Hk, j->D, j->Dv, j->scale, j->softcap, 1, 2,
-                       j->bf16_dot && j->D % 32 == 0, &pf);
-        else
-            attend_seq(qb, j->q_stride_h, j->kp, j->vp, j->k_row, j->v_row, slots, n,
-                       ob, scores, j->Hq, j->Hk, j->D, j->Dv, j->scale, j->softcap, 0, 4, 0, &pf);
+    dec_buffers w;
+    dec_buffers_at(buf, G, j->D, j->Dv, &w);
+    /* the extend kernel's choices: scores on vdpbf16ps for bfloat16 where the CPU has it, the
+       weighted sum too where Dv % 32 == 0 and D >= 32 */
+    const int dp = j->dtype && j->bf16_dot, pv_dp = dp && j->Dv % 32 == 0 && j->D >= 32;
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t b = i / j->Hk, hk = i % j->Hk;
+        if (dp && pv_dp) decode_item(j, b, hk, &w, 1, 1, 1);
+        else if (dp) decode_item(j, b, hk, &w, 1, 1, 0);
+        else if (j->dtype) decode_item(j, b, hk, &w, 1, 0, 0);
+        else decode_item(j, b, hk, &w, 0, 0, 0);
     }
 }
 
-/* The batch's sequences are shared out over the kernel threads (see parallel_for). */
+/* The batch's sequences times KV heads are shared out over the kernel threads. */
 AVX512_TARGET int sgl_decode_attention(
     const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_new, int64_t k_new_stride,
     const void *v_new, int64_t v_new_stride, void *k_pool, void *v_pool, const int64_t *table,
     int64_t table_stride, const int64_t *rows, const int64_t *lens, const int64_t *loc, void *out,
     int64_t out_stride_t, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t Dv, float scale,
     float softcap, int64_t window, int dtype, int bf16_dot) {
-    return run_decode_attention(decode_attention_range, q, q_stride_t, q_stride_h, k_new,
+    return run_decode_attention(decode_attention_items, q, q_stride_t, q_stride_h, k_new,
                                 k_new_stride, v_new, v_new_stride, k_pool, v_pool, table,
                                 table_stride, rows, lens, loc, out, out_stride_t, B, Hq, Hk, D,
                                 Dv, scale, softcap, window, dtype, bf16_dot);
@@ -745,13 +798,6 @@ AVX512_TARGET int sgl_rmsnorm(const void *x, int64_t x_stride, const void *resid
                        out, o_stride, T, H, heads, eps, dtype);
 }
 
-/* exp over the whole float range (overflow to inf, underflow to 0) */
-AVX512_TARGET static inline __m512 exp_any(__m512 x) {
-    __m512 big = _mm512_set1_ps(88.7228391f);
-    __mmask16 over = _mm512_cmp_ps_mask(x, big, _CMP_GT_OQ);
-    __m512 e = exp_nonpositive(_mm512_min_ps(x, big)); /* the reduction is valid for x > 0 too */
-    return _mm512_mask_mov_ps(e, over, _mm512_set1_ps(INFINITY));
-}
 
 /* out[t, :d] = round(silu(x[t, :d])) * x[t, d:2d] (gelu-free SwiGLU); x rows of 2d. */
 AVX512_TARGET static void silu_mul_rows(void *ctx, int64_t t0, int64_t t1) {
@@ -1345,8 +1391,9 @@ AVX512_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t 
         extend_item_reset(j, &it, &buf);
         if (j->dp) extend_load_query_pairs(j, &it, (uint32_t *)qt);
         else extend_load_queries(j, &it, qt);
-        for (int64_t k0 = it.k_begin; k0 <= p_last; k0 += EXT_KB) {
-            const int64_t nk = p_last + 1 - k0 < EXT_KB ? p_last + 1 - k0 : EXT_KB;
+        for (int64_t k0 = it.k_begin & ~(int64_t)1, k1; k0 <= p_last; k0 = k1) {
+            k1 = (k0 / EXT_KB + 1) * EXT_KB < p_last + 1 ? (k0 / EXT_KB + 1) * EXT_KB : p_last + 1;
+            const int64_t nk = k1 - k0; /* blocks end at multiples of EXT_KB (see extend_locate) */
             for (int64_t x = 0; x < nk; x++) {
                 const char *kr = j->kp + slots[k0 + x] * j->k_row + hk * D * es;
                 const char *vr = j->vp + slots[k0 + x] * j->v_row + hk * Dv * es;
@@ -1398,12 +1445,7 @@ AVX512_TARGET static void extend_attention_items(void *ctx, int64_t i0, int64_t 
                     if (tbits && jn >= 0 && jn < 32)
                         ok &= _mm512_test_epi32_mask(seen, _mm512_set1_epi32((int)(1u << jn)));
                     __m512 s = _mm512_load_ps(st + x * EXT_ROWS + 16 * rb);
-                    if (j->softcap > 0) { /* cap * tanh(s / cap), tanh(y) = 1 - 2 / (e^2y + 1) */
-                        const __m512 e2 = exp_any(_mm512_mul_ps(s, _mm512_set1_ps(2.0f / j->softcap)));
-                        s = _mm512_mul_ps(_mm512_set1_ps(j->softcap), _mm512_sub_ps(
-                            _mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f),
-                                                                _mm512_add_ps(e2, _mm512_set1_ps(1.0f)))));
-                    }
+                    if (j->softcap > 0) s = softcapped(s, j->softcap);
                     s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), ok, s);
                     _mm512_store_ps(st + x * EXT_ROWS + 16 * rb, s);
                     mx = _mm512_max_ps(mx, s);
