@@ -2,8 +2,9 @@
 default settings (dtype auto, its quantized weights, int8 activations off, the radix cache on)
 gives each prompt the same greedy tokens cold, after a full or partial prefix-cache hit, alone,
 in batches of any size and mix, and chunked -- at every instruction-set level this CPU runs
-(``model_isa``; the kernels of the levels above it are held to the same property one operator
-at a time, emulated, in tests/plugins/kernels/test_batch_invariance.py).
+(``model_isa``), and, for four prompts, at each kernel level above it, emulated in software
+(the kernels of those levels are held to the same property one operator at a time in
+tests/plugins/kernels/test_batch_invariance.py and test_attention_invariance.py).
 
 The scheduler runs in this process (test_scheduler's Harness) with the default dtype and
 quantization; the prompts, their chat templating, the batch compositions and what the cache
@@ -21,7 +22,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sgl_testing import emulated_levels_to_test
 from test_scheduler import Harness  # same folder
+
+from sgl.kernels import cpu
 
 pytestmark = pytest.mark.slow
 
@@ -199,25 +203,56 @@ def test_every_dtype_and_quantization(request: pytest.FixtureRequest, tmp_path: 
     harness = Harness(tmp_path, cpu_isa=model_isa, dtype=dtype, quantization=quantization,
                       int8_activations="off", max_total_tokens=4096)
     try:
-        with torch.inference_mode():
-            prompts = [harness.chat_ids(TEXTS[0]), harness.chat_ids(TEXTS[3]),
-                       list(harness.tokenizer(TEXTS[8])["input_ids"]),
-                       harness.chat_ids(TEXTS[6])]
-            cold = []
-            for p in prompts:
-                assert harness.scheduler.flush_cache()["success"]
-                rid = harness.submit(p, max_new_tokens=NEW_TOKENS, temperature=0,
-                                     ignore_eos=True)
-                cold.append(harness.run([rid])[rid].output_ids)
-            assert harness.scheduler.flush_cache()["success"]
-            for label in ("together", "from the cache"):
-                rids = [harness.submit(p, max_new_tokens=NEW_TOKENS, temperature=0,
-                                       ignore_eos=True) for p in prompts]
-                results = harness.run(rids)
-                assert [results[r].output_ids for r in rids] == cold, label
-            assert all(results[r].cached_tokens >= len(p) - 1 for r, p in zip(rids, prompts))
+        _four_prompts_hold(harness)
     finally:
         harness.close()
+
+
+def _four_prompts_hold(harness: Harness) -> None:
+    """Four prompts give their cold, alone tokens together and again from the cache."""
+    with torch.inference_mode():
+        prompts = [harness.chat_ids(TEXTS[0]), harness.chat_ids(TEXTS[3]),
+                   list(harness.tokenizer(TEXTS[8])["input_ids"]), harness.chat_ids(TEXTS[6])]
+        cold = []
+        for p in prompts:
+            assert harness.scheduler.flush_cache()["success"]
+            rid = harness.submit(p, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+            cold.append(harness.run([rid])[rid].output_ids)
+        assert harness.scheduler.flush_cache()["success"]
+        for label in ("together", "from the cache"):
+            rids = [harness.submit(p, max_new_tokens=NEW_TOKENS, temperature=0,
+                                   ignore_eos=True) for p in prompts]
+            results = harness.run(rids)
+            assert [results[r].output_ids for r in rids] == cold, label
+        assert all(results[r].cached_tokens >= len(p) - 1 for r, p in zip(rids, prompts))
+
+
+def _emulated_levels() -> list:
+    levels = emulated_levels_to_test()
+    if levels:
+        return levels
+    return [pytest.param("none", id="no-emulated-level", marks=pytest.mark.skip(
+        reason="no level above this CPU's to emulate (it has them all, or the kernel library "
+               "was built without SIMDe): the tests above ran every level natively"))]
+
+
+@pytest.mark.parametrize("level", _emulated_levels())
+def test_levels_above_the_cpu_emulated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       level: str) -> None:
+    """The bundled GGUF at dtype auto at each kernel level this CPU lacks, run in software
+    (docs/kernels.md, "Levels above the CPU's, emulated"): the four prompts' property, so that
+    a CPU without AMX or AVX-512 still tests the arithmetic those users' CPUs run."""
+    monkeypatch.setenv("SGL_CPU_EMULATE", "1")
+    before = cpu.cpu_isa()
+    harness = Harness(tmp_path, cpu_isa=level, dtype="auto", int8_activations="off",
+                      max_total_tokens=4096)
+    try:
+        assert cpu.cpu_isa() == level and cpu.isa_emulated()
+        assert harness.scheduler.runner.decode_matches_prefill
+        _four_prompts_hold(harness)
+    finally:
+        harness.close()
+        cpu.set_isa(before, emulate=None)
 
 
 @pytest.mark.parametrize("kernel_threads", [1, 2])

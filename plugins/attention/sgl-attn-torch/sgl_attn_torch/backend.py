@@ -5,9 +5,9 @@ On CPU with the kernels, decode and extend are one kernel call per layer that re
 and values straight from the pool through ``req_to_token`` and shares the batch out over the
 kernels' threads; in a mixed step (the running requests' one new token each, then prompt
 chunks) the running requests' rows (``ForwardBatch.decode_seqs``) go to the decode kernel, which
-attends them 2-3x faster than the extend kernel's tiles of query rows; a prompt's tokens always
-take the extend kernel, so that a token computed after a prefix-cache hit is computed as it is
-cold. Otherwise, extend runs one SDPA call per sequence
+attends them 2-3x faster than the extend kernel's tiles of query rows, and prompt tokens to the
+extend kernel; the two give a query row the same bits (``decode_matches_prefill``), so a
+token's result does not depend on which took it. Otherwise, extend runs one SDPA call per sequence
 over its cached prefix plus its new tokens, so there is no padding to the longest sequence. When
 a sequence has no cached prefix its new keys are used directly and SDPA's causal mode does the
 masking.
