@@ -235,10 +235,14 @@ class ServerSettings:
         registry="frontends", flags=("--frontend",))
     log_level: Literal["debug", "info", "warning", "error"] = _opt("info", "Log level.")
     api_key: str | None = _opt(
-        None, "Require 'Authorization: Bearer <key>' on every route except /health* and "
-        "/metrics; default: no key.", secret=True)
+        None, "Require 'Authorization: Bearer <key>' on every route except /health and "
+        "/metrics (exactly those two); default: no key.", secret=True)
     max_request_body_size: int = _opt(
         32 * 2**20, "Largest HTTP request body in bytes; larger ones get status 413.", minimum=1)
+    max_logprobs: int = _opt(
+        20, "Most logprobs a request may ask for per position (vLLM's flag): top_logprobs_num "
+        "and token_ids_logprob's ids; more is a 400. Each is one entry per position of the "
+        "output (and of the prompt from logprob_start_len).", minimum=0)
     graceful_shutdown_timeout: float = _opt(
         30.0, "Seconds SIGTERM waits for in-flight requests before aborting them.", minimum=0)
     load_plugins: tuple[str, ...] = _opt(

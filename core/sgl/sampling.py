@@ -6,16 +6,29 @@ The batched sampler that applies them lives in :mod:`sgl.engine.sampler`.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-import re
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+import re2
 
 #: the constraint fields, as SGLang names them (the same names as sgl.grammar.CONSTRAINT_KINDS)
 CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "SamplingParams", "SamplingParamsError"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "MAX_STOP_CHARS", "MAX_STOP_REGEXES", "MAX_STOP_STRINGS",
+           "SamplingParams", "SamplingParamsError", "stop_regex"]
+
+#: stop strings a request may give, and the characters of each: every one is looked for after
+#: every token, in a decoded window as long as the longest
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+#: stop regexes a request may give (each at most MAX_STOP_CHARS long), matched with RE2 after
+#: every token
+MAX_STOP_REGEXES = 16
+#: memory one compiled stop regex may take (RE2 refuses a pattern whose automaton is larger)
+STOP_REGEX_MAX_MEM = 1 << 20
 
 
 class SamplingParamsError(ValueError):
@@ -121,8 +134,15 @@ class SamplingParams:
              "presence_penalty", "a number in [-2, 2]")
         need(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
              "stop", "a string or a list of non-empty strings")
-        need(isinstance(self.stop_regex, list) and all(_is_regex(r) for r in self.stop_regex),
-             "stop_regex", "a regular expression (Python syntax) or a list of them")
+        need(len(self.stop) <= MAX_STOP_STRINGS
+             and all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
+             f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
+        need(isinstance(self.stop_regex, list) and len(self.stop_regex) <= MAX_STOP_REGEXES
+             and all(_is_regex(r) for r in self.stop_regex), "stop_regex",
+             f"a regular expression in RE2's syntax (Python's without backreferences or "
+             f"lookaround, matched in linear time; at most {MAX_STOP_CHARS} characters and a "
+             f"{STOP_REGEX_MAX_MEM >> 20} MiB automaton) or a list of at most "
+             f"{MAX_STOP_REGEXES} of them")
         need(isinstance(self.stop_token_ids, list) and all(_is_int(t) and t >= 0
                                                            for t in self.stop_token_ids),
              "stop_token_ids", "a list of token ids")
@@ -172,11 +192,22 @@ class SamplingParams:
                 or self.presence_penalty != 0.0)
 
 
+@functools.lru_cache(maxsize=256)
+def stop_regex(pattern: str) -> Any:
+    """``pattern`` compiled with RE2, whose matching takes time linear in the text (Python's
+    ``re`` backtracks: ``(a|aa)+b`` over a run of ``a`` takes minutes, in the scheduler's loop);
+    raises ``re2.error`` for a pattern RE2 refuses."""
+    options = re2.Options()
+    options.max_mem = STOP_REGEX_MAX_MEM
+    options.log_errors = False
+    return re2.compile(pattern, options)
+
+
 def _is_regex(value: Any) -> bool:
-    if not isinstance(value, str) or not value:
+    if not isinstance(value, str) or not value or len(value) > MAX_STOP_CHARS:
         return False
     try:
-        re.compile(value)
-    except re.error:
+        stop_regex(value)
+    except re2.error:
         return False
     return True

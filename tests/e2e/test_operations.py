@@ -227,8 +227,13 @@ def test_the_api_key_opens_routes_and_health_stays_open(guarded: ServerProcess) 
     assert httpx.get(f"{guarded.base_url}/get_server_info",
                      headers=AUTH, timeout=60).json()["api_key"] == "<hidden>"
     assert httpx.get(f"{guarded.base_url}/health", timeout=60).status_code == 200
-    assert httpx.get(f"{guarded.base_url}/health_generate", timeout=60).status_code == 200
     assert httpx.get(f"{guarded.base_url}/metrics", timeout=60).status_code == 200
+    # exactly those two: /health_generate runs the model (issue 55), a look-alike path is no
+    # exemption either
+    for path in ("/health_generate", "/healthz", "/health/../get_model_info", "/metrics2"):
+        assert httpx.get(f"{guarded.base_url}{path}", timeout=60).status_code == 401, path
+    assert httpx.get(f"{guarded.base_url}/health_generate", headers=AUTH,
+                     timeout=60).status_code == 200
 
 
 def test_body_size_limit(guarded: ServerProcess) -> None:

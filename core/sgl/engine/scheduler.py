@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import re
 import time
 import traceback
 from collections import deque
@@ -65,6 +64,7 @@ from sgl.layers.tp import get_tp_group
 from sgl.model_loader import ModelLoadError
 from sgl.kvcache import BaseCachePolicy, NoPrefixCache, PrefixMatch
 from sgl.parallel.base import GroupFailure, RankInfo
+from sgl.sampling import stop_regex
 from sgl.threads import ThreadPlan, plan_threads
 
 if TYPE_CHECKING:
@@ -622,8 +622,8 @@ class Scheduler:
         for stop in req.sampling.stop:
             if stop in tail:
                 return stop
-        for pattern in req.sampling.stop_regex:  # the re module caches compiled patterns
-            if (found := re.search(pattern, tail)) and found.group(0):
+        for pattern in req.sampling.stop_regex:  # compiled once (RE2: linear time)
+            if (found := stop_regex(pattern).search(tail)) and found.group(0):
                 return found.group(0)
         return None
 

@@ -53,16 +53,24 @@ class BodyError(ValueError):
         self.message, self.param = message, param
 
 
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_BRACKETS = re.compile(rb"[\[\]{}]")
+#: a whole string (possessive: no backtracking into it), a bracket, or a quote that opens a
+#: string never closed
+_TOKEN = re.compile(rb'"(?:[^"\\]++|\\.)*+"|[\[\]{}]|"', re.DOTALL)
 
 
 def _depth_exceeds(raw: bytes, limit: int) -> bool:
     """Whether brackets outside strings nest deeper than ``limit`` (checked before parsing,
-    which would otherwise recurse once per level)."""
+    which would otherwise recurse once per level). One pass, left to right: a string that never
+    closes ends the scan (the body is not JSON; the parser says where), so an unterminated
+    string of escaped quotes costs one scan, not one per quote."""
     depth = 0
-    for bracket in _BRACKETS.findall(_STRING.sub(b"", raw)):
-        depth += 1 if bracket in (b"[", b"{") else -1
+    for token in _TOKEN.finditer(raw):
+        first = token.group()[:1]
+        if first == b'"':
+            if len(token.group()) == 1:  # an unterminated string
+                return False
+            continue
+        depth += 1 if first in (b"[", b"{") else -1
         if depth > limit:
             return True
     return False

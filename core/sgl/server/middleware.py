@@ -1,7 +1,8 @@
 """ASGI middleware the core wraps around every route, whatever frontend plugin serves it.
 
-* :class:`ApiKeyMiddleware` -- ``--api-key``: every route except ``/health*`` and ``/metrics``
-  (SGLang's exemptions) needs ``Authorization: Bearer <key>``; otherwise 401.
+* :class:`ApiKeyMiddleware` -- ``--api-key``: every route except exactly ``/health`` and
+  ``/metrics`` needs ``Authorization: Bearer <key>``; otherwise 401. (SGLang exempts every path
+  starting with ``/health``; ``/health_generate`` runs a generation, so here it needs the key.)
 * :class:`BodySizeLimitMiddleware` -- ``--max-request-body-size``: a larger body gets 413, by
   its ``Content-Length`` before anything is read, or while it streams in when chunked.
 * :class:`CancelOnDisconnectMiddleware` -- a client that goes away before its response is
@@ -32,8 +33,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-#: paths served without the API key, as SGLang does: load balancers and Prometheus probe them
-OPEN_PATH_PREFIXES = ("/health", "/metrics")
+#: the paths served without the API key, exactly: load balancers and Prometheus probe them,
+#: and they cost nothing (``/health_generate``, which runs the model, is not one of them)
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 async def send_json(send: Send, status: int, body: dict[str, Any],
@@ -56,7 +58,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") == "OPTIONS" \
-                or scope.get("path", "").startswith(OPEN_PATH_PREFIXES):
+                or scope.get("path", "") in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])

@@ -115,6 +115,8 @@ class TokenizerManager:
         self.context_length = info.context_length
         self.vocab_size = info.vocab_size or len(tokenizer)
         self.chat_template = load_chat_template(settings.chat_template if settings else None)
+        #: the most logprobs per position a request may ask for (--max-logprobs)
+        self.max_logprobs = settings.max_logprobs if settings else 20
         self._states: dict[str, ReqState] = {}
         self._info_waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._token_texts: dict[int, str] = {}
@@ -287,6 +289,12 @@ class TokenizerManager:
             raise BadRequestError(f"top_logprobs_num is {opts.top_logprobs_num}, more than the "
                                   f"vocabulary's {self.vocab_size} tokens",
                                   param="top_logprobs_num")
+        for name, asked in (("top_logprobs_num", opts.top_logprobs_num),
+                            ("token_ids_logprob", len(opts.token_ids_logprob or ()))):
+            if asked > self.max_logprobs:
+                raise BadRequestError(
+                    f"{name} asks for {asked} logprobs per position; this server gives at most "
+                    f"{self.max_logprobs} (--max-logprobs)", param=name)
         if opts.logprob_start_len >= len(ids):
             raise BadRequestError(
                 f"logprob_start_len must be less than the prompt length ({len(ids)} tokens), got "

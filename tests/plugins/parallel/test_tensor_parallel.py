@@ -81,7 +81,8 @@ def run_engine(path: Path | None, tp_size: int, vocab: int) -> list[dict[str, An
     import sgl
 
     engine = sgl.Engine(str(path) if path else None, dtype="float32", tp_size=tp_size,
-                        max_total_tokens=2048, context_length=256, log_level="warning")
+                        max_total_tokens=2048, context_length=256, log_level="warning",
+                        max_logprobs=vocab)  # the whole distribution at each position
     try:
         assert engine.alive
         return engine.generate(input_ids=PROMPTS, sampling_params={

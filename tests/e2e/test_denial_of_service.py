@@ -1,0 +1,135 @@
+"""One hostile request must not stop or starve the server (issue 55): each attack below is sent
+to the session's real server while a canary client asks for a few greedy tokens every half
+second; the attack gets a 4xx or a bounded answer, no canary request waits more than a few
+seconds, and the server answers normally afterwards.
+
+Each case took the server down or blocked every client before its fix: the JSON pre-check
+rescanned an unterminated string from every quote (200 KB: 118 s on the event loop),
+``stop_regex`` backtracked in the scheduler's loop (61 s), and logprob requests of the
+vocabulary's size built tens of GB of tuples (the scheduler was OOM-killed).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from sgl_testing import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+#: the longest a canary request may take while an attack runs (a 2-core CI machine included)
+CANARY_LIMIT_S = 10.0
+
+
+@contextmanager
+def canary(server: ServerProcess) -> Iterator[list[float]]:
+    """A client asking for 4 greedy tokens every half second; yields the latencies so far."""
+    latencies: list[float] = []
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def run() -> None:
+        with httpx.Client(timeout=120) as client:
+            while not stop.is_set():
+                start = time.monotonic()
+                try:
+                    response = client.post(f"{server.base_url}/generate", json={
+                        "text": "The capital of France is",
+                        "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+                    if response.status_code != 200:
+                        errors.append(f"{response.status_code}: {response.text[:200]}")
+                except httpx.HTTPError as exc:
+                    errors.append(repr(exc))
+                latencies.append(time.monotonic() - start)
+                stop.wait(0.5)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield latencies
+    finally:
+        stop.set()
+        thread.join(timeout=150)
+    assert not thread.is_alive(), "a canary request never came back"
+    assert not errors, f"canary requests failed: {errors[:3]}"
+    assert latencies and max(latencies) < CANARY_LIMIT_S, (
+        f"a canary request waited {max(latencies):.1f} s while the attack ran")
+
+
+def attack(server: ServerProcess, send: Callable[[httpx.Client], httpx.Response],
+           limit_s: float = 30.0) -> httpx.Response:
+    """``send`` under the canary; the attack itself must be answered within ``limit_s``."""
+    with canary(server):
+        time.sleep(0.6)  # the canary is running
+        start = time.monotonic()
+        with httpx.Client(timeout=limit_s + 30) as client:
+            response = send(client)
+        took = time.monotonic() - start
+        time.sleep(0.6)  # and still is
+    assert took < limit_s, f"the attack was answered after {took:.1f} s"
+    health = httpx.get(f"{server.base_url}/health_generate", timeout=60)
+    assert health.status_code == 200, "the server does not generate after the attack"
+    return response
+
+
+@pytest.mark.parametrize("brackets", [10, 65])
+def test_unterminated_string_of_escaped_quotes(server: ServerProcess, brackets: int) -> None:
+    """200 KB of ``\\"`` after a quote that never closes: the depth pre-check is one pass."""
+    body = b"[" * brackets + b'"' + b'\\"' * 100_000
+    response = attack(server, lambda c: c.post(
+        f"{server.base_url}/generate", content=body,
+        headers={"content-type": "application/json"}), limit_s=5)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"]
+
+
+def test_backtracking_stop_regex(server: ServerProcess) -> None:
+    """``(a|aa)+b`` over a run of forced ``a``: RE2 matches it in linear time."""
+    response = attack(server, lambda c: c.post(f"{server.base_url}/generate", json={
+        "text": "Say a", "sampling_params": {
+            "max_new_tokens": 40, "temperature": 0, "regex": "a{40}",
+            "stop_regex": "(a|aa)+b"}}), limit_s=20)
+    assert response.status_code == 200, response.text
+    assert response.json()["text"] == "a" * 40
+
+
+def test_stop_regex_re2_cannot_run_is_a_400(server: ServerProcess) -> None:
+    response = httpx.post(f"{server.base_url}/generate", timeout=60, json={
+        "text": "Hi", "sampling_params": {"max_new_tokens": 2, "stop_regex": r"(a)\1"}})
+    assert response.status_code == 400, response.text
+    assert "stop_regex" in response.json()["error"]["message"]
+    assert "RE2" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("top_logprobs_num", 49152),
+    ("token_ids_logprob", list(range(49152)) * 20),  # 983,040 ids
+])
+def test_logprobs_of_the_whole_vocabulary(server: ServerProcess, field: str, value) -> None:
+    """Per-position logprobs are capped (--max-logprobs, 20): a prompt's every position times
+    the vocabulary would be hundreds of millions of entries."""
+    prompt = "hello " * 1800
+    response = attack(server, lambda c: c.post(f"{server.base_url}/generate", json={
+        "text": prompt, "return_logprob": True, "logprob_start_len": 0, field: value,
+        "sampling_params": {"max_new_tokens": 1}}), limit_s=20)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and "--max-logprobs" in error["message"]
+
+
+def test_thousands_of_stop_strings(server: ServerProcess) -> None:
+    """Every stop string is looked for after every token: their count and length are capped."""
+    many = [f"stop{i}" for i in range(10_000)]
+    response = attack(server, lambda c: c.post(f"{server.base_url}/generate", json={
+        "text": "Hi", "sampling_params": {"max_new_tokens": 2, "stop": many}}), limit_s=20)
+    assert response.status_code == 400, response.text
+    assert "stop" in response.json()["error"]["message"]
+    long = httpx.post(f"{server.base_url}/generate", timeout=60, json={
+        "text": "Hi", "sampling_params": {"max_new_tokens": 2, "stop": ["x" * 5000]}})
+    assert long.status_code == 400, long.text
