@@ -133,3 +133,29 @@ def test_thousands_of_stop_strings(server: ServerProcess) -> None:
     long = httpx.post(f"{server.base_url}/generate", timeout=60, json={
         "text": "Hi", "sampling_params": {"max_new_tokens": 2, "stop": ["x" * 5000]}})
     assert long.status_code == 400, long.text
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions"])
+def test_prompt_too_long_to_fit_is_refused_before_tokenizing(server: ServerProcess,
+                                                             path: str) -> None:
+    """30 MB of text cannot fit SmolLM2's 8192 tokens whatever the tokenization: a 400 by size,
+    not seconds of tokenizing on the event loop."""
+    text = "word " * 6_000_000
+    body = ({"text": text, "sampling_params": {"max_new_tokens": 1}} if path == "/generate"
+            else {"model": "default", "max_tokens": 1,
+                  "messages": [{"role": "user", "content": text}]})
+    response = attack(server, lambda c: c.post(f"{server.base_url}{path}", json=body),
+                      limit_s=10)
+    assert response.status_code == 400, response.text[:300]
+    assert "characters" in response.text
+
+
+def test_batch_times_n_is_capped_before_it_is_expanded(server: ServerProcess) -> None:
+    """64 prompts of 8,000 ids with n = 128: the split would copy half a billion ids before
+    the context-length check; the count of sequences is checked first."""
+    ids = [1] * 8000
+    response = attack(server, lambda c: c.post(f"{server.base_url}/generate", json={
+        "input_ids": [ids] * 64, "sampling_params": {"max_new_tokens": 1, "n": 128}}),
+        limit_s=10)
+    assert response.status_code == 400, response.text[:300]
+    assert "4096" in response.json()["error"]["message"]

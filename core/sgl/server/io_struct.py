@@ -19,10 +19,14 @@ from typing import Any
 from sgl.engine.messages import Bootstrap, LogprobOptions
 from sgl.sampling import SamplingParams, SamplingParamsError
 
-__all__ = ["BadRequestError", "GenerateError", "GenerateReqInput", "OneRequest", "bootstraps",
-           "drop_unsupported", "unpaired_surrogate"]
+__all__ = ["MAX_SEQUENCES", "BadRequestError", "GenerateError", "GenerateReqInput",
+           "OneRequest", "bootstraps", "drop_unsupported", "unpaired_surrogate"]
 
 logger = logging.getLogger(__name__)
+
+#: the most sequences one request may generate (its prompts times their n): each is a request
+#: of its own in the scheduler, and the split copies its parameters
+MAX_SEQUENCES = 4096
 
 
 class GenerateError(RuntimeError):
@@ -239,9 +243,15 @@ class GenerateReqInput:
             token_ids = [tid_lists] * size
 
         out: list[OneRequest] = []
+        sequences = 0
         for i in range(size):
             where = f"[{i}]" if batch else ""
             params = _sampling(samplings[i], where)
+            sequences += params.n
+            if sequences > MAX_SEQUENCES:  # before any copy is made
+                raise BadRequestError(f"the request asks for more than {MAX_SEQUENCES} "
+                                      "sequences (prompts times n); send it in parts",
+                                      param="sampling_params")
             logprobs = _logprob_options(return_logprob[i], start_lens[i], top_nums[i],
                                         token_ids[i], where)
             rid = rids[i]
@@ -256,7 +266,8 @@ class GenerateReqInput:
                 if n > 1 and params.seed is not None:
                     sub.seed = params.seed + j
                 text = prompts[i] if self.text is not None else None
-                ids = list(prompts[i]) if self.input_ids is not None else None
+                # shared by the n sequences: the tokenizer manager copies each after its checks
+                ids = prompts[i] if self.input_ids is not None else None
                 out.append(OneRequest(
                     index=len(out), rid=f"{rid}-{j}" if n > 1 else rid, text=text, input_ids=ids,
                     sampling=sub, logprobs=copy.copy(logprobs),

@@ -94,6 +94,31 @@ def load_chat_template(value: str | None) -> str | None:
     raise FileNotFoundError(f"chat template file {value} does not exist")
 
 
+#: how many characters of input one token can stand for, at most, per character of its own
+#: text: normalization (NFKC, composing accents) folds a few input characters into one
+CHARS_PER_TOKEN_BOUND = 4
+
+
+def _vocab(tokenizer: Any) -> list[str]:
+    """The tokenizer's token strings (byte-level and SentencePiece tokens are at least as long
+    as the text they stand for); none where it has no vocabulary to list."""
+    try:
+        return list(tokenizer.get_vocab())
+    except Exception:  # a tokenizer without get_vocab: no bound from it
+        return ["x" * 1024]
+
+
+def _text_chars(value: Any) -> int:
+    """The characters of every string in a JSON-like value (a chat's messages)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_chars(v) for v in value)
+    return 0
+
+
 class TokenizerManager:
     """Tokenize, send, receive, detokenize. Must be started (:meth:`start`) on the loop that
     will use it."""
@@ -117,6 +142,10 @@ class TokenizerManager:
         self.chat_template = load_chat_template(settings.chat_template if settings else None)
         #: the most logprobs per position a request may ask for (--max-logprobs)
         self.max_logprobs = settings.max_logprobs if settings else 20
+        #: the longest prompt text that could fit the context (see _prompt_chars_fit): longer
+        #: ones are refused before the tokenizer, which runs on the event loop, sees them
+        self.max_prompt_chars = self.context_length * CHARS_PER_TOKEN_BOUND * max(
+            (len(t) for t in _vocab(tokenizer)), default=1)
         self._states: dict[str, ReqState] = {}
         self._info_waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._token_texts: dict[int, str] = {}
@@ -153,6 +182,14 @@ class TokenizerManager:
 
     # --- encoding -----------------------------------------------------------------------------
 
+    def _prompt_chars_fit(self, chars: int, param: str) -> None:
+        """A :class:`BadRequestError` for a prompt of ``chars`` characters that cannot fit the
+        context in any tokenization: refused by size, before tokenizing it."""
+        if chars > self.max_prompt_chars:
+            raise BadRequestError(
+                f"{param}: the prompt is {chars} characters, more than any prompt that fits "
+                f"the model's context of {self.context_length} tokens can have", param=param)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], /, *,
                             add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
         """Token ids of a chat, formatted by the chat template (``--chat-template`` or the
@@ -168,6 +205,7 @@ class TokenizerManager:
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise BadRequestError(f"messages[{i}] must be an object with a 'role' and "
                                       "'content'", param="messages")
+        self._prompt_chars_fit(_text_chars(messages), "messages")
         taken = [name for name in TEMPLATE_CALL_ARGUMENTS if name in template_kwargs]
         if taken:
             raise BadRequestError(f"chat_template_kwargs may not set {taken[0]!r}: the server "
@@ -242,6 +280,7 @@ class TokenizerManager:
     def _encode_prompt(self, req: OneRequest) -> list[int]:
         """The prompt's ids; a text no tokenizer takes (an unpaired surrogate, which the HTTP
         toolkit refuses already) is a :class:`BadRequestError` naming the field."""
+        self._prompt_chars_fit(len(req.text), req.field_name.split("[")[0])
         try:
             return list(self.tokenizer.encode(req.text))
         except Exception:
