@@ -239,6 +239,10 @@ class ServerSettings:
         "/metrics (exactly those two); default: no key.", secret=True)
     max_request_body_size: int = _opt(
         32 * 2**20, "Largest HTTP request body in bytes; larger ones get status 413.", minimum=1)
+    request_timeout: float | None = _opt(
+        None, "Seconds a request may take from its arrival to its last token; then it is "
+        "aborted (its KV memory freed) and the client gets status 504 naming this flag (a "
+        "stream: an error event). Default: no limit.", minimum=0.001)
     max_logprobs: int = _opt(
         20, "Most logprobs a request may ask for per position (vLLM's flag): top_logprobs_num "
         "and token_ids_logprob's ids; more is a 400. Each is one entry per position of the "

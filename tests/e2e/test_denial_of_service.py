@@ -159,3 +159,49 @@ def test_batch_times_n_is_capped_before_it_is_expanded(server: ServerProcess) ->
         limit_s=10)
     assert response.status_code == 400, response.text[:300]
     assert "4096" in response.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def timed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server whose requests may take 3 seconds (--request-timeout)."""
+    proc = ServerProcess("--request-timeout", "3", "--max-total-tokens", "4096",
+                         log_path=tmp_path_factory.mktemp("timed") / "server.log")
+    yield proc
+    proc.stop()
+
+
+LONG = {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}
+
+
+def test_a_request_past_its_deadline_is_aborted(timed_server: ServerProcess) -> None:
+    url = timed_server.base_url
+    start = time.monotonic()
+    response = httpx.post(f"{url}/generate", timeout=60,
+                          json={"text": "Count to a million:", "sampling_params": LONG})
+    took = time.monotonic() - start
+    assert response.status_code == 504, response.text
+    assert "--request-timeout" in response.json()["error"]["message"]
+    assert 2.5 < took < 10
+    chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": "default", "max_tokens": 4000, "messages": [{"role": "user", "content": "Hi"}],
+        "ignore_eos": True})
+    assert chat.status_code == 504, chat.text
+    # a stream ends with an error event
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60, json={
+            "model": "default", "max_tokens": 4000, "stream": True, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Hi"}]}) as stream:
+        events = [line for line in stream.iter_lines() if line.startswith("data:")]
+    assert any("--request-timeout" in e for e in events), events[-3:]
+    # the aborted requests' memory is free, and a short request runs
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        info = httpx.get(f"{url}/get_server_info", timeout=10).json()["internal_states"][0]
+        if info["num_running_reqs"] == 0 and info.get("num_used_tokens", 0) == 0:
+            break
+        time.sleep(0.2)
+    assert info["num_running_reqs"] == 0, info
+    short = httpx.post(f"{url}/generate", timeout=60, json={
+        "text": "Hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    assert short.status_code == 200, short.text
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert "sgl:num_request_timeouts_total 3.0" in metrics

@@ -52,6 +52,8 @@ class ServerMetrics:
             "sgl:spec_accept_length", "Tokens per speculative verification step, one sample per "
             "finished request that ran with speculative decoding.",
             buckets=(1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0), registry=r)
+        self.timeouts = Counter("sgl:num_request_timeouts", "Requests aborted by "
+                                "--request-timeout.", registry=r)
         self.running = Gauge("sgl:num_running_reqs", "Requests running in the scheduler.",
                              registry=r)
         self.queued = Gauge("sgl:num_queue_reqs", "Requests waiting to be scheduled.", registry=r)
@@ -103,6 +105,9 @@ class ServerMetrics:
             if state.completion_tokens > 1:
                 self.inter_token.observe(max(0.0, end - state.first_token_time)
                                          / (state.completion_tokens - 1))
+
+    def request_timed_out(self) -> None:
+        self.timeouts.inc()
 
     def set_load(self, load: dict[str, Any]) -> None:
         """Set the gauges from the scheduler's load report (``ServerInfoRequest``)."""

@@ -140,6 +140,8 @@ class TokenizerManager:
         self.context_length = info.context_length
         self.vocab_size = info.vocab_size or len(tokenizer)
         self.chat_template = load_chat_template(settings.chat_template if settings else None)
+        #: seconds a request may take (--request-timeout); None: no limit
+        self.request_timeout = settings.request_timeout if settings else None
         #: the most logprobs per position a request may ask for (--max-logprobs)
         self.max_logprobs = settings.max_logprobs if settings else 20
         #: the longest prompt text that could fit the context (see _prompt_chars_fit): longer
@@ -353,7 +355,7 @@ class TokenizerManager:
         states, waker = await self._submit(prepared, received)
         try:
             while not all(st.finished for st in states):
-                await waker.wait()
+                await self._wait(waker, received)
                 waker.clear()
                 self._raise_errors(states)
             self._raise_errors(states)
@@ -380,7 +382,7 @@ class TokenizerManager:
         try:
             done = 0
             while done < len(states):
-                await waker.wait()
+                await self._wait(waker, received)
                 waker.clear()
                 self._raise_errors(states)
                 for st in states:
@@ -420,6 +422,21 @@ class TokenizerManager:
             await self._release(states)
             raise
         return states, waker
+
+    async def _wait(self, waker: asyncio.Event, received: float) -> None:
+        """Until the scheduler sends something for the request; a :class:`GenerateError`
+        (504) when --request-timeout passes first (the caller's release aborts it)."""
+        if self.request_timeout is None:
+            await waker.wait()
+            return
+        left = received + self.request_timeout - time.time()
+        try:
+            await asyncio.wait_for(waker.wait(), timeout=max(left, 0.0))
+        except TimeoutError:
+            self.metrics.request_timed_out()
+            raise GenerateError(f"the request took longer than the server's request timeout "
+                                f"of {self.request_timeout:g} s (--request-timeout) and was "
+                                "aborted", status=504) from None
 
     @staticmethod
     def _raise_errors(states: list[ReqState]) -> None:
