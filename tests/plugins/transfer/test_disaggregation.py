@@ -412,3 +412,21 @@ def test_bad_pd_router_arguments_are_named(args: list[str], says: str) -> None:
     result = run_cli(["router", "--port", str(free_port()), *args], timeout=60)
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
     assert says in result.stderr, result.stderr
+
+
+def test_a_repeated_room_on_the_prefill_server_is_refused(failing: PD) -> None:
+    """A second request with a room the prefill server holds took the first's place in its
+    table, and the first's row and KV were never freed: 64 such requests stopped admission
+    (issue 55). It is a 400 now; the first ends as it would alone."""
+    room = random.getrandbits(63)
+    body = {**PROMPT, "bootstrap_host": "127.0.0.1", "bootstrap_room": room,
+            "bootstrap_port": failing.bootstrap_port}
+    url = f"{failing.prefill.base_url}/generate"
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(httpx.post, url, json=body, timeout=60)
+        time.sleep(1.0)  # the first is held (waiting for a decode server to ask)
+        again = httpx.post(url, json=body, timeout=60)
+        assert again.status_code == 400, again.text
+        assert f"bootstrap_room {room} is already in use" in again.text
+        assert first.result().status_code == 504  # no decode server asked, as alone
+    assert_idle(failing.prefill)

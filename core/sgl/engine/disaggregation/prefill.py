@@ -213,7 +213,17 @@ class PrefillSide:
                     "router in PD mode (sgl router --pd-disaggregation)")
         if req.session_id is not None:
             return "sessions are not supported with --disaggregation-mode"
+        room = req.bootstrap.room
+        if room in self._rooms_in_use():  # a second one would take the first's place for good
+            return f"bootstrap_room {room} is already in use on this prefill server"
         return None
+
+    def _rooms_in_use(self) -> set[int]:
+        """The rooms of the requests this server holds: compiling their grammar, waiting,
+        running, or handed to the link."""
+        s = self.scheduler
+        held = [*s.waiting, *s.running, *(req for req, _ in s.grammar.queue)]
+        return {r.bootstrap.room for r in held if r.bootstrap is not None} | set(self.handed)
 
     def after_forward(self) -> None:
         """Hand over the requests whose first token was just sampled."""
