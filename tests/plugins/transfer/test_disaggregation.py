@@ -349,6 +349,61 @@ def test_bootstrap_fields_are_checked(failing: PD, server: ServerProcess) -> Non
     assert reply.status_code == 400 and "a list of 2 rooms" in reply.text, reply.text
 
 
+def test_a_repeated_room_on_the_prefill_server_is_refused(failing: PD) -> None:
+    """A second request with a room the prefill server holds took the first's place in its
+    table, and the first's row and KV were never freed: 64 such requests stopped admission
+    (issue 55). It is a 400 now; the first ends as it would alone."""
+    room = random.getrandbits(63)
+    body = {**PROMPT, "bootstrap_host": "127.0.0.1", "bootstrap_room": room,
+            "bootstrap_port": failing.bootstrap_port}
+    url = f"{failing.prefill.base_url}/generate"
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(httpx.post, url, json=body, timeout=60)
+        time.sleep(1.0)  # the first is held (waiting for a decode server to ask)
+        again = httpx.post(url, json=body, timeout=60)
+        assert again.status_code == 400, again.text
+        assert f"bootstrap_room {room} is already in use" in again.text
+        assert first.result().status_code == 504  # no decode server asked, as alone
+    assert_idle(failing.prefill)
+
+
+def test_malformed_link_messages_leave_the_link_serving(failing: PD) -> None:
+    """Messages any process that reaches the prefill server's link port can send: each is
+    dropped with a warning, and the pair serves as before. One malformed message used to end
+    the link thread, after which the scheduler's next command to it blocked for good."""
+    import zmq
+
+    endpoint = state(failing.prefill)["bootstrap_endpoint"]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        for frames in ([b"one", b"two"],  # three frames at the ROUTER
+                       [b'{"type": "want", "room": 1e400}'], [b'{"type": "want"}'],
+                       [b'{"room": 7}'], [b"not json"], [b"[1, 2]"], [b"\xff\xfe"],
+                       [b'{"type": "want", "room": true}'], [b'{"type": "cancel", "room": -1}']):
+            sock.send_multipart(frames)
+        # a want for a room the prefill server holds, in another layout: that request fails
+        room = random.getrandbits(63)
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(httpx.post, f"{failing.prefill.base_url}/generate", timeout=60,
+                               json={**PROMPT, "bootstrap_host": "127.0.0.1", "bootstrap_room":
+                                     room, "bootstrap_port": failing.bootstrap_port})
+            time.sleep(1.0)
+            sock.send_json({"type": "want", "room": room, "skip": "x", "dst": 7,
+                            "layout": {"not": "this one"}})
+            reply = held.result()
+        assert reply.status_code == 502, reply.text
+        assert "layout" in reply.text
+    finally:
+        sock.close()
+        ctx.term()
+    prefill, decode = both(failing, "/generate", PROMPT)
+    assert prefill.status_code == decode.status_code == 200, (prefill.text, decode.text)
+    assert_idle(failing.prefill, failing.decode)
+
+
 def test_prefill_killed_while_decode_waits(failing: PD) -> None:
     """A prefill server that dies (SIGKILL, its scheduler too) while a decode server waits for
     its KV: the decode server notices it is gone and ends the request well within the
@@ -413,20 +468,3 @@ def test_bad_pd_router_arguments_are_named(args: list[str], says: str) -> None:
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
     assert says in result.stderr, result.stderr
 
-
-def test_a_repeated_room_on_the_prefill_server_is_refused(failing: PD) -> None:
-    """A second request with a room the prefill server holds took the first's place in its
-    table, and the first's row and KV were never freed: 64 such requests stopped admission
-    (issue 55). It is a 400 now; the first ends as it would alone."""
-    room = random.getrandbits(63)
-    body = {**PROMPT, "bootstrap_host": "127.0.0.1", "bootstrap_room": room,
-            "bootstrap_port": failing.bootstrap_port}
-    url = f"{failing.prefill.base_url}/generate"
-    with ThreadPoolExecutor(2) as pool:
-        first = pool.submit(httpx.post, url, json=body, timeout=60)
-        time.sleep(1.0)  # the first is held (waiting for a decode server to ask)
-        again = httpx.post(url, json=body, timeout=60)
-        assert again.status_code == 400, again.text
-        assert f"bootstrap_room {room} is already in use" in again.text
-        assert first.result().status_code == 504  # no decode server asked, as alone
-    assert_idle(failing.prefill)

@@ -25,9 +25,9 @@ import torch
 import zmq
 
 from sgl.engine.disaggregation.bootstrap import is_alive, lookup_route
-from sgl.engine.disaggregation.link import Link
+from sgl.engine.disaggregation.link import Link, peer_socket, room_of
 from sgl.kvcache import PrefixMatch
-from sgl.transfer import BaseKVTransfer
+from sgl.transfer import BaseKVTransfer, KVTransferError
 
 if TYPE_CHECKING:
     from sgl.engine.scheduler import Scheduler
@@ -91,7 +91,8 @@ class DecodeLink(Link):
     def handle_message(self, sock: zmq.Socket[Any]) -> None:
         try:
             msg = sock.recv_json()
-            room = int(msg["room"])  # type: ignore[index, call-overload]
+            room = room_of(msg)
+            kind = msg["type"]  # type: ignore[index]
         except (ValueError, KeyError, TypeError):
             logger.warning("ignored a malformed message from a prefill server")
             return
@@ -99,7 +100,6 @@ class DecodeLink(Link):
         if pending is None:
             return
         self.backend.forget(room)
-        kind = msg["type"]  # type: ignore[index]
         if pending.cancelled or kind == "cancelled":
             self.emit("released", room)
         elif kind == "done":
@@ -157,8 +157,7 @@ class DecodeLink(Link):
     def _send(self, endpoint: str, msg: dict[str, Any]) -> None:
         sock = self.dealers.get(endpoint)
         if sock is None:
-            sock = self.dealers[endpoint] = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
+            sock = self.dealers[endpoint] = peer_socket(self.ctx, zmq.DEALER)
             sock.connect(endpoint)
             self.watch(sock)
         sock.send_json(msg)
@@ -240,11 +239,16 @@ class DecodeSide:
             return None
         req = incoming.req
         if event[0] == "done" and not incoming.cancelled:
-            self.transfers += 1
-            self.bytes += int(event[2].get("bytes") or 0)
-            self.seconds += float(event[2].get("seconds") or 0.0)
             try:
                 self._arrive(req, event[2])
+                self.transfers += 1
+                self.bytes += int(event[2].get("bytes") or 0)
+                self.seconds += float(event[2].get("seconds") or 0.0)
+            except KVTransferError as exc:  # what the prefill server sent is not usable
+                self._free(incoming)
+                s.fail(req, str(exc), 502)
+                s._replies.append(s.output_of(req))
+                return None
             except Exception as exc:  # noqa: BLE001 (one request fails, the server goes on)
                 logger.exception("taking over request %s failed", req.rid)
                 self._free(incoming)
@@ -267,7 +271,11 @@ class DecodeSide:
     def _arrive(self, req: Req, msg: dict[str, Any]) -> None:
         s = self.scheduler
         req.kv_len = len(req.input_ids)
-        token = int(msg["token"])
+        token = msg.get("token")
+        if not isinstance(token, int) or isinstance(token, bool) \
+                or not 0 <= token < s.runner.vocab_size:
+            raise KVTransferError(f"the prefill server sent first token {token!r}, not a token "
+                                  f"id of this model's vocabulary ({s.runner.vocab_size})")
         req.output_ids.append(token)
         req.first_token_time = time.time()
         logprobs = msg.get("logprobs") or {}

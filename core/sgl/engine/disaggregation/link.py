@@ -18,12 +18,32 @@ import zmq
 
 from sgl.transfer import BaseKVTransfer
 
-__all__ = ["Link"]
+__all__ = ["MAX_MESSAGE_BYTES", "Link", "peer_socket", "room_of"]
 
 logger = logging.getLogger("sgl.disaggregation")
 
 #: how often the link thread looks at its deadlines when no message comes
 TICK_S = 0.25
+#: the largest message a peer may send on a link socket (ZMQ drops the peer past it); a want
+#: of a prompt at a 1M-token context is about 8 MB
+MAX_MESSAGE_BYTES = 32 * 2**20
+
+
+def peer_socket(ctx: zmq.Context[Any], kind: int) -> zmq.Socket[Any]:
+    """A socket to the peers, with :data:`MAX_MESSAGE_BYTES` and no linger."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
+def room_of(msg: Any) -> int:
+    """A peer message's room: a JSON integer in [0, 2**64); ``ValueError`` otherwise (a float
+    such as ``1e400``, a string, a missing key, a message that is not an object)."""
+    room = msg.get("room") if isinstance(msg, dict) else None
+    if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**64:
+        raise ValueError(f"bad room {room!r}")
+    return room
 
 _ids = itertools.count()
 
@@ -60,8 +80,19 @@ class Link:
 
     # the scheduler's side --------------------------------------------------------------------
 
-    def command(self, *cmd: Any) -> None:
-        self._commands.send_pyobj(cmd)
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def command(self, *cmd: Any) -> bool:
+        """Hand ``cmd`` to the thread; never waits. False when the thread is gone (it said so
+        with a ``link_failed`` event) and the command was dropped."""
+        try:
+            self._commands.send_pyobj(cmd, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.error("the disaggregation link is gone: %r dropped", cmd[0])
+            return False
+        return True
 
     def events(self) -> list[tuple[Any, ...]]:
         """Every event the thread has sent since the last call."""
@@ -98,6 +129,15 @@ class Link:
     def shutdown(self) -> None:
         """Close the sockets the subclass opened (in the thread)."""
 
+    def _peer_message(self, sock: zmq.Socket[Any]) -> None:
+        """A peer's message: one that cannot be handled is logged and dropped, never the end
+        of the thread (peers are other servers, or whoever reaches their port)."""
+        try:
+            self.handle_message(sock)
+        except Exception:
+            logger.warning("dropped a peer message the link could not handle:\n%s",
+                           traceback.format_exc(limit=3))
+
     def _run(self) -> None:
         try:
             while not self._stopping:
@@ -109,7 +149,7 @@ class Link:
                             break
                         self.handle_command(cmd)
                     else:
-                        self.handle_message(sock)
+                        self._peer_message(sock)
                 self.tick(time.monotonic())
         except Exception:  # the link is gone: say so, and let the scheduler fail what waits
             logger.error("the disaggregation link stopped:\n%s", traceback.format_exc())

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from sgl.engine.disaggregation.bootstrap import BootstrapServer, advertised_host
-from sgl.engine.disaggregation.link import Link
+from sgl.engine.disaggregation.link import Link, peer_socket, room_of
 from sgl.transfer import BaseKVTransfer, KVBuffers, KVTransferError
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ class PrefillLink(Link):
     def __init__(self, ctx: zmq.Context[Any], backend: BaseKVTransfer, timeout: float,
                  host: str) -> None:
         super().__init__(ctx, backend, timeout, name="sgl-prefill-link")
-        self.router = ctx.socket(zmq.ROUTER)
+        self.router = peer_socket(ctx, zmq.ROUTER)
         port = self.router.bind_to_random_port(f"tcp://{_bind_host(host)}")
         self.endpoint = f"tcp://{_url_host(advertised_host(host))}:{port}"
         self.watch(self.router)
@@ -101,10 +102,14 @@ class PrefillLink(Link):
                 self.gone[room] = (cmd[2], time.monotonic())
 
     def handle_message(self, sock: zmq.Socket[Any]) -> None:
-        identity, raw = self.router.recv_multipart()
+        frames = self.router.recv_multipart()
+        if len(frames) != 2:  # a decode server's DEALER sends one frame (and ROUTER adds one)
+            logger.warning("ignored a message of %d frames from a decode server", len(frames))
+            return
+        identity, raw = frames
         try:
             msg = zmq.utils.jsonapi.loads(raw)
-            room = int(msg["room"])
+            room = room_of(msg)
             kind = msg["type"]
         except (ValueError, KeyError, TypeError):
             logger.warning("ignored a malformed message from a decode server: %r", raw[:200])
@@ -157,7 +162,14 @@ class PrefillLink(Link):
                 raise KVTransferError(f"the decode server's KV layout {msg.get('layout')} "
                                       f"differs from this one's {layout}: serve the same model "
                                       "with the same --dtype on both")
-            skip, dst = int(msg["skip"]), list(msg["dst"])
+            try:
+                skip, dst = int(msg["skip"]), [int(slot) for slot in msg["dst"]]
+            except (KeyError, TypeError, ValueError, OverflowError):
+                raise KVTransferError("the decode server's request is malformed (its skip "
+                                      "and dst)") from None
+            if not 0 <= skip <= len(send.slots):
+                raise KVTransferError(f"the decode server asked to skip {skip} positions of "
+                                      f"{len(send.slots)}")
             src = send.slots[skip:]
             if len(src) != len(dst):
                 raise KVTransferError(f"the decode server asked for {len(dst)} positions from "
@@ -166,7 +178,10 @@ class PrefillLink(Link):
             start = time.perf_counter()
             nbytes = self.backend.write(msg.get("agent") or {}, room, src, dst, self.timeout)
             seconds = time.perf_counter() - start
-        except KVTransferError as exc:
+        except Exception as exc:  # KVTransferError, or the backend's own on a peer's data
+            if not isinstance(exc, KVTransferError):
+                logger.warning("the KV transfer of room %d failed:\n%s", room,
+                               traceback.format_exc(limit=3))
             self._reply(want.identity, {"type": "failed", "room": room, "error": str(exc)})
             self.emit("failed", room, f"the KV transfer failed: {exc}", 502)
             return
