@@ -98,6 +98,45 @@ def test_router_starts_workers_and_answers_every_route(model: Path, tmp_path: Pa
             httpx.get(f"{worker}/health", timeout=2)
 
 
+def _non_loopback_address() -> str | None:
+    import socket
+
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect(("10.255.255.255", 1))  # no packet is sent: picks the outgoing interface
+        address = sock.getsockname()[0]
+        return None if address.startswith("127.") else address
+    return None
+
+
+def test_router_in_front_of_workers_with_an_api_key(model: Path, tmp_path: Path) -> None:
+    """Workers started with --api-key: the router sends them the key and asks its clients for
+    it (issue 55, 2.6), and its Prometheus metrics bind --host (loopback), not every
+    interface."""
+    key = "sk-router-test"
+    worker = ServerProcess(*worker_args(model), "--api-key", key,
+                           log_path=tmp_path / "worker.log")
+    metrics_port = free_port()
+    try:
+        with sgl_router(["--worker-urls", worker.base_url, "--api-key", key,
+                         "--prometheus-port", str(metrics_port)], tmp_path / "router.log") as (
+                url, _):
+            auth = {"Authorization": f"Bearer {key}"}
+            response = httpx.post(f"{url}/generate", timeout=120, headers=auth, json={
+                "text": "Hello", "sampling_params": {"max_new_tokens": 3}})
+            assert response.status_code == 200, response.text
+            # the router asks its own clients for the key too
+            assert httpx.post(f"{url}/generate", timeout=120, json={
+                "text": "Hello", "sampling_params": {"max_new_tokens": 3}}).status_code == 401
+            assert httpx.get(f"http://127.0.0.1:{metrics_port}/metrics",
+                             timeout=10).status_code == 200
+            address = _non_loopback_address()
+            if address is not None:
+                with pytest.raises(httpx.ConnectError):
+                    httpx.get(f"http://{address}:{metrics_port}/metrics", timeout=5)
+    finally:
+        worker.stop()
+
+
 @pytest.fixture(scope="module")
 def two_workers(model: Path, tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[list[ServerProcess]]:

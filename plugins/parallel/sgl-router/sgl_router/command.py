@@ -95,6 +95,13 @@ class _RouterCommand(click.Command):
               help="cache_aware: ... and further apart than this ratio.")
 @click.option("--prometheus-port", type=click.IntRange(1, 65535), default=29000,
               show_default=True, help="Port of the router's Prometheus metrics.")
+@click.option("--prometheus-host", default=None,
+              help="Address the router's Prometheus metrics bind (default: --host; SGLang's "
+                   "router alone binds every interface).")
+@click.option("--api-key", default=None, envvar="SGL_API_KEY", show_envvar=True,
+              help="The workers' --api-key: the router sends it to them and requires it from its "
+                   "own clients too (SGLang's router's --api-key). Default: the --api-key "
+                   "among the worker arguments after --, if any.")
 @click.option("--worker-startup-timeout", type=click.FloatRange(min=1), default=900.0,
               show_default=True, help="Seconds to wait for the workers to become healthy.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warn", "error"]),
@@ -103,7 +110,8 @@ def router(worker_args: tuple[str, ...], worker_urls: tuple[str, ...], workers: 
            pd_disaggregation: bool, prefill: tuple[str, ...], decode: tuple[str, ...],
            policy: str, host: str, port: int, dp_aware: bool, cache_threshold: float | None,
            balance_abs_threshold: int | None, balance_rel_threshold: float | None,
-           prometheus_port: int, worker_startup_timeout: float, log_level: str) -> None:
+           prometheus_port: int, prometheus_host: str | None, api_key: str | None,
+           worker_startup_timeout: float, log_level: str) -> None:
     """SGLang's router in front of sgl workers: ones it starts (`sgl router --workers 2 --
     --model-path ./model`) or running ones (`sgl router --worker-urls
     http://a:30000,http://b:30000`). Clients then talk to the router as to one sgl server."""
@@ -134,19 +142,25 @@ def router(worker_args: tuple[str, ...], worker_urls: tuple[str, ...], workers: 
     problem = check_port(host, port)
     if problem:
         raise click.UsageError(problem)
+    api_key = api_key or _worker_api_key(worker_args)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    shared = ["--prometheus-host", prometheus_host or host]
+    if api_key:
+        shared += ["--api-key", api_key]
 
     if pd_disaggregation:
         _wait_healthy([p.split()[0] for p in prefill] + list(decode), [], worker_startup_timeout)
         command = [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
                    "--port", str(port), "--policy", policy, "--prometheus-port",
-                   str(prometheus_port), "--log-level", log_level, "--pd-disaggregation"]
+                   str(prometheus_port), "--log-level", log_level, "--pd-disaggregation",
+                   *shared]
         for value in prefill:
             url, _, bootstrap = value.partition(" ")
-            command += ["--prefill", url, bootstrap or str(_bootstrap_port(url))]
+            command += ["--prefill", url, bootstrap or str(_bootstrap_port(url, headers))]
         for url in decode:
             command += ["--decode", url]
         sys.exit(_run_router(command, f"http://{_client_host(host)}:{port}",
-                             len(prefill) + len(decode), policy))
+                             len(prefill) + len(decode), policy, headers))
 
     started: list[subprocess.Popen[bytes]] = []
     urls = list(worker_urls)
@@ -158,10 +172,11 @@ def router(worker_args: tuple[str, ...], worker_urls: tuple[str, ...], workers: 
                 urls.append(url)
                 started.append(proc)
         _wait_healthy(urls, started, worker_startup_timeout)
-        expected = sum(_dp_size(url) for url in urls) if dp_aware else len(urls)
+        expected = sum(_dp_size(url, headers) for url in urls) if dp_aware else len(urls)
         command = [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
                    "--port", str(port), "--policy", policy, "--prometheus-port",
-                   str(prometheus_port), "--log-level", log_level, "--worker-urls", *urls]
+                   str(prometheus_port), "--log-level", log_level, *shared,
+                   "--worker-urls", *urls]
         if dp_aware:
             command.append("--dp-aware")
         for flag, value in (("--cache-threshold", cache_threshold),
@@ -169,7 +184,8 @@ def router(worker_args: tuple[str, ...], worker_urls: tuple[str, ...], workers: 
                             ("--balance-rel-threshold", balance_rel_threshold)):
             if value is not None:
                 command += [flag, str(value)]
-        sys.exit(_run_router(command, f"http://{_client_host(host)}:{port}", expected, policy))
+        sys.exit(_run_router(command, f"http://{_client_host(host)}:{port}", expected, policy,
+                             headers))
     finally:
         _stop(started)
 
@@ -198,9 +214,19 @@ def _check_pd(pd_disaggregation: bool, prefill: tuple[str, ...], decode: tuple[s
             raise click.UsageError(f"--decode {url}: expected http://HOST:PORT")
 
 
-def _bootstrap_port(url: str) -> int:
+def _worker_api_key(args: Sequence[str]) -> str | None:
+    """The --api-key among the worker arguments (``--api-key K`` or ``--api-key=K``)."""
+    for i, arg in enumerate(args):
+        if arg == "--api-key" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--api-key="):
+            return arg.partition("=")[2]
+    return None
+
+
+def _bootstrap_port(url: str, headers: dict[str, str]) -> int:
     """A prefill server's --disaggregation-bootstrap-port, from its /get_server_info."""
-    info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    info = httpx.get(f"{url}/get_server_info", headers=headers, timeout=30).json()
     if info.get("disaggregation_mode") != "prefill":
         raise click.ClickException(f"--prefill {url} is not a prefill server (its "
                                    f"disaggregation_mode is {info.get('disaggregation_mode')!r});"
@@ -241,13 +267,14 @@ def _wait_healthy(urls: list[str], started: list[subprocess.Popen[bytes]],
         time.sleep(0.3)
 
 
-def _dp_size(url: str) -> int:
+def _dp_size(url: str, headers: dict[str, str]) -> int:
     """A worker's data-parallel replicas (what the router registers with --dp-aware)."""
-    info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    info = httpx.get(f"{url}/get_server_info", headers=headers, timeout=30).json()
     return int(info.get("dp_size") or 1)
 
 
-def _run_router(command: list[str], url: str, expected: int, policy: str) -> int:
+def _run_router(command: list[str], url: str, expected: int, policy: str,
+                headers: dict[str, str]) -> int:
     proc = subprocess.Popen(command)
     previous = {sig: signal.signal(sig, lambda *_: proc.terminate())
                 for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -255,7 +282,7 @@ def _run_router(command: list[str], url: str, expected: int, policy: str) -> int
         ready = False
         while proc.poll() is None:
             if not ready:
-                ready = _registered(url) >= expected
+                ready = _registered(url, headers) >= expected
                 if ready:
                     logger.info("sgl router is ready: %s, policy %s, in front of %d worker(s)",
                                 url, policy, expected)
@@ -269,9 +296,9 @@ def _run_router(command: list[str], url: str, expected: int, policy: str) -> int
             proc.wait(timeout=30)
 
 
-def _registered(url: str) -> int:
+def _registered(url: str, headers: dict[str, str]) -> int:
     try:
-        return len(httpx.get(f"{url}/get_loads", timeout=2).json()["workers"])
+        return len(httpx.get(f"{url}/get_loads", headers=headers, timeout=2).json()["workers"])
     except (httpx.HTTPError, KeyError, ValueError, TypeError):
         return 0
 
