@@ -167,7 +167,7 @@ def test_next_turn_holding_the_answer(check: Invariance) -> None:
     assert result.cached_tokens >= kept
 
 
-@settings(max_examples=4, deadline=None, derandomize=True,
+@settings(max_examples=3, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=prompt_strategy, cut=st.integers(1, NEW_TOKENS - 1))
 def test_prompt_continuing_an_answer(check: Invariance, text: tuple, cut: int) -> None:
