@@ -210,6 +210,33 @@ static inline int run_decode_attention(
 #define EXT_KB 64   /* keys per block */
 #define EXT_ROWS 64 /* query rows per item, at most */
 
+/* -- the decode kernels' buffers (they walk the extend kernels' blocks) ----------------------- */
+
+/* floats per query row of the decode kernels' scores: a block of keys and a group's padding */
+#define DEC_SLD (EXT_KB + 32)
+
+/* A thread's buffers of the decode kernels: a group of keys' K rows transposed (kt
+   [D][keys]), outputs o [G][Dv], scores s [G][DEC_SLD], queries qs [G][D] (scaled float32, or
+   bfloat16 pairs), and per query row its running maximum, sum and factor. */
+typedef struct {
+    float *qs, *o, *s, *kt, *m, *l, *alpha;
+} dec_buffers;
+
+/* This thread's buffers for job j's items and groups of `keys` keys; -1 when out of memory. */
+static inline int dec_buffers_get(const attention_job *j, int64_t keys, dec_buffers *b) {
+    const int64_t G = j->Hq / j->Hk, D = j->D, Dv = j->Dv;
+    float *buf = scratch_f32(keys * D + G * (Dv + DEC_SLD + D + 3));
+    if (!buf) return -1;
+    b->kt = buf; /* 64-byte aligned, as are o and s: D, Dv and DEC_SLD are multiples of 16 */
+    b->o = b->kt + keys * D;
+    b->s = b->o + G * Dv;
+    b->qs = b->s + G * DEC_SLD;
+    b->m = b->qs + G * D;
+    b->l = b->m + G;
+    b->alpha = b->l + G;
+    return 0;
+}
+
 typedef struct {
     const char *q;
     int64_t q_stride;

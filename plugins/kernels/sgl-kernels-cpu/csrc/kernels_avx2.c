@@ -485,8 +485,6 @@ AVX2_TARGET INLINE void keys_transposed(const char *const *kr, int64_t D, float 
         }
 }
 
-#define DEC_SLD (EXT_KB + 16) /* floats per query row of the scores: a block and its padding */
-
 /* s[g * DEC_SLD + lane] (16 lanes) = sum over d in order of kt[d][lane] qs[g * D + d], one FMA
    chain per key and head as ext_qk, for gn (<= 4) heads */
 AVX2_TARGET INLINE void dec_qk(const float *kt, const float *qs, int64_t D, float *s, const int gn) {
@@ -588,12 +586,6 @@ AVX2_TARGET INLINE void dec_pv(const float *p, const char *const *vr, int64_t nk
         for (int i = 0; i < nv; i++) _mm256_store_ps(o + g * Dv + col + 8 * i, acc[g][i]);
 }
 
-/* A thread's buffers: keys kt [D][16], outputs o [G][Dv], scores s [G][DEC_SLD], queries
-   qs [G][D] (scaled), and per row its maximum, sum and factor. */
-typedef struct {
-    float *qs, *o, *s, *kt, *m, *l, *alpha;
-} dec_buffers;
-
 /* Sequence b against KV head hk (dtype constant in each copy). */
 AVX2_TARGET INLINE void decode_item(const attention_job *j, int64_t b, int64_t hk,
                                     const dec_buffers *w, const int dtype) {
@@ -668,20 +660,11 @@ AVX2_TARGET INLINE void decode_item(const attention_job *j, int64_t b, int64_t h
 /* Items [i0, i1) of a decode attention batch: item i is sequence i / Hk, KV head i % Hk. */
 AVX2_TARGET static void decode_attention_items(void *ctx, int64_t i0, int64_t i1) {
     attention_job *j = ctx;
-    const int64_t G = j->Hq / j->Hk, D = j->D, Dv = j->Dv;
-    float *buf = scratch_f32(16 * D + G * (Dv + DEC_SLD + D + 3)); /* per thread */
-    if (!buf) {
+    dec_buffers w; /* per thread */
+    if (dec_buffers_get(j, 16, &w)) {
         atomic_store(&j->failed, 1);
         return;
     }
-    dec_buffers w; /* 32-byte aligned where vectors are: D, Dv and DEC_SLD are multiples of 16 */
-    w.kt = buf;
-    w.o = w.kt + 16 * D;
-    w.s = w.o + G * Dv;
-    w.qs = w.s + G * DEC_SLD;
-    w.m = w.qs + G * D;
-    w.l = w.m + G;
-    w.alpha = w.l + G;
     for (int64_t i = i0; i < i1; i++) {
         if (j->dtype) decode_item(j, i / j->Hk, i % j->Hk, &w, 1);
         else decode_item(j, i / j->Hk, i % j->Hk, &w, 0);

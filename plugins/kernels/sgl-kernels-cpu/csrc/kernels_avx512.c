@@ -359,8 +359,6 @@ AVX512_TARGET static inline __attribute__((always_inline)) void keys_transposed(
         }
 }
 
-#define DEC_SLD (EXT_KB + 32) /* floats per query row of the scores: a block and its padding */
-
 /* s[g * DEC_SLD + lane] (32 lanes) = sum over d in order of kt[d][lane] qs[g * D + d], one FMA
    chain per key and head as the extend kernel's ext_qk, for gn (<= 4) heads */
 AVX512_TARGET static inline __attribute__((always_inline)) void dec_qk(const float *kt,
@@ -563,26 +561,6 @@ AVX512_BF16_TARGET static void dec_probs_to_bf16(float *s, int64_t G, int64_t nk
 #undef DEC_PV_DP2
 #undef DEC_PV_DP1
 
-/* A thread's buffers: queries qs [G][D] (scaled float32, or bfloat16 pairs), outputs o [G][Dv],
-   scores s [G][DEC_SLD], keys kt [D][32], and per row its maximum, sum and factor. */
-typedef struct {
-    float *qs, *o, *s, *kt, *m, *l, *alpha;
-} dec_buffers;
-
-static inline int64_t dec_buffer_floats(int64_t G, int64_t D, int64_t Dv) {
-    return G * (D + Dv + DEC_SLD + 3) + 32 * D + 16;
-}
-
-static inline void dec_buffers_at(float *buf, int64_t G, int64_t D, int64_t Dv, dec_buffers *b) {
-    b->kt = buf; /* 64-byte aligned, as are o and s: D, Dv and DEC_SLD are multiples of 16 */
-    b->o = b->kt + 32 * D;
-    b->s = b->o + G * Dv;
-    b->qs = b->s + G * DEC_SLD;
-    b->m = b->qs + G * D;
-    b->l = b->m + G;
-    b->alpha = b->l + G;
-}
-
 /* Sequence b against KV head hk: dtype, dp (scores on vdpbf16ps) and pv_dp (the weighted sum
    too) are constants in each copy, so that the loads compile without branches. */
 AVX512_TARGET static inline __attribute__((always_inline)) void decode_item(
@@ -680,14 +658,11 @@ AVX512_TARGET static inline __attribute__((always_inline)) void decode_item(
 /* Items [i0, i1) of a decode attention batch: item i is sequence i / Hk, KV head i % Hk. */
 AVX512_TARGET static void decode_attention_items(void *ctx, int64_t i0, int64_t i1) {
     attention_job *j = ctx;
-    const int64_t G = j->Hq / j->Hk;
-    float *buf = scratch_f32(dec_buffer_floats(G, j->D, j->Dv)); /* per thread */
-    if (!buf) {
+    dec_buffers w; /* per thread */
+    if (dec_buffers_get(j, 32, &w)) {
         atomic_store(&j->failed, 1);
         return;
     }
-    dec_buffers w;
-    dec_buffers_at(buf, G, j->D, j->Dv, &w);
     /* the extend kernel's choices: scores on vdpbf16ps for bfloat16 where the CPU has it, the
        weighted sum too where Dv % 32 == 0 and D >= 32 */
     const int dp = j->dtype && j->bf16_dot, pv_dp = dp && j->Dv % 32 == 0 && j->D >= 32;
