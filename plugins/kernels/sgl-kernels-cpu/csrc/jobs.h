@@ -222,6 +222,27 @@ typedef struct {
     float *qs, *o, *s, *kt, *m, *l, *alpha;
 } dec_buffers;
 
+/* The decode kernels' walk of sequence b's keys for KV head hk (all levels): the block after
+   k0 ends at the next multiple of EXT_KB or at the sequence's end n (*k1); kr and vr get the
+   block's K and V rows, and the next block's rows are asked into L2. The first block begins
+   at the window's first key rounded down to even: the extend kernels' pairs and blocks. */
+static inline int64_t dec_block(const attention_job *j, const int64_t *slots, int64_t hk,
+                                int64_t k0, int64_t n, const char **kr, const char **vr,
+                                int64_t *k1) {
+    const int64_t end = (k0 / EXT_KB + 1) * EXT_KB < n ? (k0 / EXT_KB + 1) * EXT_KB : n;
+    const int64_t koff = hk * j->D * j->es, voff = hk * j->Dv * j->es;
+    for (int64_t x = 0; x < end - k0; x++) {
+        kr[x] = j->kp + slots[k0 + x] * j->k_row + koff;
+        vr[x] = j->vp + slots[k0 + x] * j->v_row + voff;
+    }
+    for (int64_t t = end; t < n && t < end + EXT_KB; t++) {
+        prefetch_l2(j->kp + slots[t] * j->k_row + koff, j->D * j->es);
+        prefetch_l2(j->vp + slots[t] * j->v_row + voff, j->Dv * j->es);
+    }
+    *k1 = end;
+    return end - k0;
+}
+
 /* This thread's buffers for job j's items and groups of `keys` keys; -1 when out of memory. */
 static inline int dec_buffers_get(const attention_job *j, int64_t keys, dec_buffers *b) {
     const int64_t G = j->Hq / j->Hk, D = j->D, Dv = j->Dv;

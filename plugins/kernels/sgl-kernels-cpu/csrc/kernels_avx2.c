@@ -604,17 +604,8 @@ AVX2_TARGET INLINE void decode_item(const attention_job *j, int64_t b, int64_t h
     }
     memset(w->o, 0, (size_t)(G * Dv) * sizeof(float));
     const char *kr[EXT_KB], *vr[EXT_KB];
-    for (int64_t k0 = start & ~(int64_t)1; k0 < n;) { /* the extend kernel's blocks */
-        const int64_t k1 = (k0 / EXT_KB + 1) * EXT_KB < n ? (k0 / EXT_KB + 1) * EXT_KB : n;
-        const int64_t nk = k1 - k0;
-        for (int64_t x = 0; x < nk; x++) {
-            kr[x] = j->kp + slots[k0 + x] * j->k_row + hk * D * es;
-            vr[x] = j->vp + slots[k0 + x] * j->v_row + hk * Dv * es;
-        }
-        for (int64_t x = 0; k1 + x < n && x < EXT_KB; x++) { /* the next block, into L2 */
-            prefetch_l2(j->kp + slots[k1 + x] * j->k_row + hk * D * es, D * es);
-            prefetch_l2(j->vp + slots[k1 + x] * j->v_row + hk * Dv * es, Dv * es);
-        }
+    for (int64_t k0 = start & ~(int64_t)1, k1; k0 < n; k0 = k1) { /* the extend kernel's blocks */
+        const int64_t nk = dec_block(j, slots, hk, k0, n, kr, vr, &k1);
         for (int64_t x0 = 0; x0 < nk; x0 += 16) {
             const char *rows[16]; /* a short last group repeats its first key */
             for (int i = 0; i < 16; i++) rows[i] = kr[x0 + i < nk ? x0 + i : x0];
@@ -647,7 +638,6 @@ AVX2_TARGET INLINE void decode_item(const attention_job *j, int64_t b, int64_t h
 #undef DEC_PV
             }
         }
-        k0 = k1;
     }
     char *ob = (char *)j->out + (b * j->out_stride_t + hk * G * Dv) * es;
     for (int64_t g = 0; g < G; g++) {

@@ -584,17 +584,8 @@ AVX512_TARGET static inline __attribute__((always_inline)) void decode_item(
     }
     memset(w->o, 0, (size_t)(G * Dv) * sizeof(float));
     const char *kr[EXT_KB], *vr[EXT_KB];
-    for (int64_t k0 = start & ~(int64_t)1; k0 < n;) { /* pairs at even positions, as extend's */
-        const int64_t k1 = (k0 / EXT_KB + 1) * EXT_KB < n ? (k0 / EXT_KB + 1) * EXT_KB : n;
-        const int64_t nk = k1 - k0;
-        for (int64_t x = 0; x < nk; x++) {
-            kr[x] = j->kp + slots[k0 + x] * j->k_row + hk * D * es;
-            vr[x] = j->vp + slots[k0 + x] * j->v_row + hk * Dv * es;
-        }
-        for (int64_t x = 0; k1 + x < n && x < EXT_KB; x++) { /* the next block, into L2 */
-            prefetch_l2(j->kp + slots[k1 + x] * j->k_row + hk * D * es, D * es);
-            prefetch_l2(j->vp + slots[k1 + x] * j->v_row + hk * Dv * es, Dv * es);
-        }
+    for (int64_t k0 = start & ~(int64_t)1, k1; k0 < n; k0 = k1) { /* the extend kernel's blocks */
+        const int64_t nk = dec_block(j, slots, hk, k0, n, kr, vr, &k1);
         for (int64_t x0 = 0; x0 < nk; x0 += 32) {
             const char *rows[32]; /* a short last group repeats its first key */
             for (int i = 0; i < 32; i++) rows[i] = kr[x0 + i < nk ? x0 + i : x0];
@@ -633,7 +624,6 @@ AVX512_TARGET static inline __attribute__((always_inline)) void decode_item(
                 col += 16 * dv;
             }
         }
-        k0 = k1;
     }
     char *ob = (char *)j->out + (b * j->out_stride_t + hk * G * Dv) * es;
     const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
