@@ -99,13 +99,14 @@ def load_chat_template(value: str | None) -> str | None:
 CHARS_PER_TOKEN_BOUND = 4
 
 
-def _vocab(tokenizer: Any) -> list[str]:
-    """The tokenizer's token strings (byte-level and SentencePiece tokens are at least as long
-    as the text they stand for); none where it has no vocabulary to list."""
+def _longest_token_chars(tokenizer: Any) -> int:
+    """The characters of the tokenizer's longest token string (byte-level and SentencePiece
+    tokens are at least as long as the text they stand for); 1024 for a tokenizer without a
+    vocabulary to list."""
     try:
-        return list(tokenizer.get_vocab())
-    except Exception:  # a tokenizer without get_vocab: no bound from it
-        return ["x" * 1024]
+        return max(map(len, tokenizer.get_vocab()), default=1)
+    except Exception:  # no get_vocab
+        return 1024
 
 
 def _text_chars(value: Any) -> int:
@@ -146,8 +147,8 @@ class TokenizerManager:
         self.max_logprobs = settings.max_logprobs if settings else 20
         #: the longest prompt text that could fit the context (see _prompt_chars_fit): longer
         #: ones are refused before the tokenizer, which runs on the event loop, sees them
-        self.max_prompt_chars = self.context_length * CHARS_PER_TOKEN_BOUND * max(
-            (len(t) for t in _vocab(tokenizer)), default=1)
+        self.max_prompt_chars = (self.context_length * CHARS_PER_TOKEN_BOUND
+                                 * _longest_token_chars(tokenizer))
         self._states: dict[str, ReqState] = {}
         self._info_waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._token_texts: dict[int, str] = {}

@@ -80,10 +80,6 @@ class Link:
 
     # the scheduler's side --------------------------------------------------------------------
 
-    @property
-    def alive(self) -> bool:
-        return self.thread.is_alive()
-
     def command(self, *cmd: Any) -> bool:
         """Hand ``cmd`` to the thread; never waits. False when the thread is gone (it said so
         with a ``link_failed`` event) and the command was dropped."""

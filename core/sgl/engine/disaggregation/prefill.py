@@ -251,8 +251,11 @@ class PrefillSide:
             room = req.bootstrap.room
             slots = table[req.row, :len(req.input_ids)].tolist()
             payload = {"token": req.output_ids[0], "logprobs": first_logprobs(req)}
+            if not self.link.command("send", room, slots, payload):  # the link is gone
+                s.fail(req, "the KV transfer link stopped (see the server log)", 500)
+                self._finish(req)
+                continue
             self.handed[room] = req
-            self.link.command("send", room, slots, payload)
 
     def ended(self, req: Req, message: str) -> None:
         """``req`` failed or was aborted here before its KV was handed over: tell its decode
