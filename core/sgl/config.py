@@ -161,6 +161,13 @@ class ServerSettings:
     disable_jump_forward: bool = _opt(
         False, "Sample every token of constrained output, even where the grammar allows only one "
         "continuation (jump-forward decoding off).")
+    grammar_compile_timeout: float = _opt(
+        30.0, "Seconds one constraint (json_schema, regex, ebnf) may take to compile; past it the "
+        "compile is killed and the request gets status 400 naming this flag.", minimum=0.001)
+    grammar_compile_memory_mb: int = _opt(
+        2048, "Memory (MiB) one constraint may take to compile, in the compile worker process; "
+        "past it the compile fails and the request gets status 400 naming this flag.",
+        minimum=16)
     speculative_algorithm: str | None = _opt(
         None, "Speculative decoding algorithm by registered name (SGLang's: NGRAM, "
         "STANDALONE, EAGLE, EAGLE3); default: none. Greedy and sampled outputs are those of decoding "

@@ -114,7 +114,7 @@ def run_with(script: Callable[[GenerateRequest], list[TokenOutput]],
 
 
 async def collect(tm: TokenizerManager, obj: Any) -> list[dict[str, Any]]:
-    return [chunk async for chunk in tm.generate_stream(obj)]
+    return [chunk async for chunk in await tm.generate_stream(obj)]
 
 
 def test_result_has_sglangs_shape() -> None:
@@ -142,7 +142,7 @@ def test_stream_chunks_add_up_and_stop_string_is_trimmed() -> None:
     async def body(tm: TokenizerManager) -> Any:
         params = {"stop": ["over the"]}
         chunks = await collect(tm, {"text": "a", "sampling_params": params})
-        cumulative = [c async for c in tm.generate_stream(
+        cumulative = [c async for c in await tm.generate_stream(
             {"text": "a", "sampling_params": params}, incremental=False)]
         full = await tm.generate({"text": "a", "sampling_params": params})
         kept = await tm.generate({"text": "a", "sampling_params": {**params, "no_stop_trim": True}})
@@ -268,7 +268,7 @@ def test_bad_requests_are_refused_before_sending(body: dict[str, Any], needle: s
         with pytest.raises(BadRequestError) as info:
             await tm.generate(body)
         with pytest.raises(BadRequestError):
-            tm.generate_stream(body)  # raises at once, before any iteration
+            await tm.generate_stream(body)  # raises before any iteration
         return info.value
 
     error, fake = run_with(emit(""), run)
@@ -308,7 +308,7 @@ def test_cancelled_request_is_aborted() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        stream = tm.generate_stream({"input_ids": [5], "rid": "closed"})
+        stream = await tm.generate_stream({"input_ids": [5], "rid": "closed"})
         await stream.__anext__()
         await stream.aclose()  # type: ignore[attr-defined]
         await asyncio.sleep(0.2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -28,7 +29,7 @@ CANARY_LIMIT_S = 10.0
 
 
 @contextmanager
-def canary(server: ServerProcess) -> Iterator[list[float]]:
+def canary(server: ServerProcess, limit_s: float = CANARY_LIMIT_S) -> Iterator[list[float]]:
     """A client asking for 4 greedy tokens every half second; yields the latencies so far."""
     latencies: list[float] = []
     errors: list[str] = []
@@ -58,14 +59,14 @@ def canary(server: ServerProcess) -> Iterator[list[float]]:
         thread.join(timeout=150)
     assert not thread.is_alive(), "a canary request never came back"
     assert not errors, f"canary requests failed: {errors[:3]}"
-    assert latencies and max(latencies) < CANARY_LIMIT_S, (
+    assert latencies and max(latencies) < limit_s, (
         f"a canary request waited {max(latencies):.1f} s while the attack ran")
 
 
 def attack(server: ServerProcess, send: Callable[[httpx.Client], httpx.Response],
-           limit_s: float = 30.0) -> httpx.Response:
+           limit_s: float = 30.0, canary_limit_s: float = CANARY_LIMIT_S) -> httpx.Response:
     """``send`` under the canary; the attack itself must be answered within ``limit_s``."""
-    with canary(server):
+    with canary(server, canary_limit_s):
         time.sleep(0.6)  # the canary is running
         start = time.monotonic()
         with httpx.Client(timeout=limit_s + 30) as client:
@@ -161,6 +162,25 @@ def test_batch_times_n_is_capped_before_it_is_expanded(server: ServerProcess) ->
     assert "4096" in response.json()["error"]["message"]
 
 
+def test_long_prompts_are_tokenized_off_the_event_loop(server: ServerProcess) -> None:
+    """Six prompts of 2.4 M characters at once (just under the size bound; about 1.5 s each to
+    tokenize, then refused: 400,000 tokens do not fit the context). They queue on the
+    long-prompt tokenizer thread; the canary's short prompts are tokenized on the other and
+    never wait 3 s (on the event loop, the six held every request for about 9 s)."""
+    body = {"text": "a" * 2_400_000, "sampling_params": {"max_new_tokens": 1}}
+
+    def send(client: httpx.Client) -> httpx.Response:
+        with ThreadPoolExecutor(6) as pool:
+            responses = list(pool.map(
+                lambda _: client.post(f"{server.base_url}/generate", json=body), range(6)))
+        for response in responses:
+            assert response.status_code == 400, response.text[:300]
+            assert "context length" in response.json()["error"]["message"]
+        return responses[0]
+
+    attack(server, send, limit_s=60, canary_limit_s=3.0)
+
+
 @pytest.fixture(scope="module")
 def timed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A server whose requests may take 3 seconds (--request-timeout)."""
@@ -205,3 +225,33 @@ def test_a_request_past_its_deadline_is_aborted(timed_server: ServerProcess) -> 
     assert short.status_code == 200, short.text
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert "sgl:num_request_timeouts_total 3.0" in metrics
+
+
+@pytest.fixture(scope="module")
+def strict_grammar_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server whose constraints may take 2 seconds to compile (--grammar-compile-timeout)."""
+    proc = ServerProcess("--grammar-compile-timeout", "2", "--max-total-tokens", "4096",
+                         log_path=tmp_path_factory.mktemp("grammar") / "server.log")
+    yield proc
+    proc.stop()
+
+
+def test_a_constraint_too_costly_to_compile(strict_grammar_server: ServerProcess) -> None:
+    """A regex of 100,000 alternatives (800 KB) takes xgrammar (the default backend) about 14 s
+    and 100 MB to compile on a Sapphire Rapids core: its compile worker is killed at
+    --grammar-compile-timeout, the request gets a 400 naming the flag, the canary never waits,
+    and the next constraint compiles in a fresh worker."""
+    server = strict_grammar_server
+    url = server.base_url
+    regex = "(" + "|".join(f"x{i}" for i in range(100_000)) + ")"
+    response = attack(server, lambda c: c.post(f"{url}/generate", json={
+        "text": "Say x1", "sampling_params": {"max_new_tokens": 4, "regex": regex}}),
+        limit_s=20)
+    assert response.status_code == 400, response.text[:300]
+    assert "--grammar-compile-timeout" in response.json()["error"]["message"]
+    after = httpx.post(f"{url}/generate", timeout=60, json={
+        "text": "Say 7", "sampling_params": {"max_new_tokens": 4, "regex": "[0-9]+"}})
+    assert after.status_code == 200, after.text
+    assert after.json()["text"].isdigit()
+    info = httpx.get(f"{url}/get_server_info", timeout=10).json()["internal_states"][0]
+    assert info["grammar_compile_workers_lost"] == 1

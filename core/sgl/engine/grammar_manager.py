@@ -2,8 +2,9 @@
 batch bitmask and jump-forward.
 
 A request with a constraint (``json_schema``, ``regex``, ``ebnf``, ``structural_tag``) does not
-join the waiting queue at once: it waits in the *grammar queue* while its grammar compiles on a
-worker thread, and the scheduler keeps decoding the others meanwhile. Compiled grammars are
+join the waiting queue at once: it waits in the *grammar queue* while its grammar compiles in a
+compile worker process bounded in time and memory (:mod:`sgl.grammar.worker`; a thread here waits
+for it), and the scheduler keeps decoding the others meanwhile. Compiled grammars are
 cached by ``(kind, spec)``, so a repeated constraint is ready at once. Each step, the matchers of
 the constrained requests fill one int32 bitmask for the batch, applied to the logits in one
 vectorised operation (:func:`sgl.engine.sampler.apply_token_bitmask`). After sampling, the token
@@ -28,6 +29,7 @@ import torch
 from sgl.engine.sampler import apply_token_bitmask
 from sgl.grammar.base import GrammarError
 from sgl.grammar.select import backend_kinds, resolve_backend, unsupported_message
+from sgl.grammar.worker import BackendRecipe, CompileWorkers
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -41,8 +43,10 @@ __all__ = ["GrammarManager", "GrammarStats", "make_grammar_manager"]
 
 logger = logging.getLogger("sgl.grammar")
 
-#: compiled grammars kept (least recently used dropped first)
+#: compiled grammars kept (least recently used dropped first), and their most serialized bytes
+#: (one constraint can compile to hundreds of MB: the count alone bounds nothing)
 CACHE_SIZE = 256
+CACHE_BYTES = 1 << 30
 #: seconds a step with nothing else to do waits for a grammar to finish compiling
 IDLE_WAIT = 0.005
 
@@ -61,8 +65,9 @@ class GrammarManager:
 
     def __init__(self, backend_cls: type[BaseGrammarBackend] | None, name: str | None, *,
                  kinds: dict[str, frozenset[str]],
-                 make_backend: Callable[[], BaseGrammarBackend] | None, vocab_size: int,
-                 max_batch: int, jump_forward: bool, workers: int | None = None) -> None:
+                 recipe: Callable[[], BackendRecipe] | None, vocab_size: int,
+                 max_batch: int, jump_forward: bool, workers: int | None = None,
+                 compile_timeout: float = 30.0, compile_memory_mb: int = 2048) -> None:
         self.name = name if backend_cls is not None else None
         self.cls = backend_cls
         self.kinds = kinds
@@ -71,15 +76,25 @@ class GrammarManager:
         #: requests whose grammar is compiling, with its future
         self.queue: list[tuple[Req, Future[Any]]] = []
         self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
+        self._sizes: dict[tuple[str, str], int] = {}  # serialized bytes of each compiled grammar
         self._bitmask = torch.zeros((max_batch, math.ceil(vocab_size / 32)), dtype=torch.int32)
         self._executor: ThreadPoolExecutor | None = None
         self._backend: Future[BaseGrammarBackend] | None = None
-        if backend_cls is not None and make_backend is not None:
-            self._executor = ThreadPoolExecutor(
-                workers or min(4, max(2, (os.cpu_count() or 2) // 2)),
-                thread_name_prefix="sgl-grammar")
+        self.workers: CompileWorkers | None = None
+        if backend_cls is not None and recipe is not None:
+            size = workers or min(4, max(2, (os.cpu_count() or 2) // 2))
+            self._executor = ThreadPoolExecutor(size + 1, thread_name_prefix="sgl-grammar")
+            recipe_future = self._executor.submit(recipe)
             # built in the background, so start-up and unconstrained requests never wait for it
-            self._backend = self._executor.submit(make_backend)
+            self._backend = self._executor.submit(self._build, recipe_future)
+            self.workers = CompileWorkers(recipe_future.result, size=size,
+                                          timeout=compile_timeout, memory_mb=compile_memory_mb,
+                                          backend_name=backend_cls.name or str(name))
+
+    def _build(self, recipe: Future[BackendRecipe]) -> BaseGrammarBackend:
+        backend = recipe.result().build()
+        logger.info("grammar backend %s ready", self.name)
+        return backend
 
     @property
     def backend(self) -> BaseGrammarBackend:
@@ -105,17 +120,21 @@ class GrammarManager:
         else:
             future = self._executor.submit(self._compile, *constraint)
             self._cache[constraint] = future
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            while len(self._cache) > CACHE_SIZE or (
+                    len(self._cache) > 1 and sum(self._sizes.values()) > CACHE_BYTES):
+                self._sizes.pop(self._cache.popitem(last=False)[0], None)
         self.queue.append((req, future))
         return None
 
     def _compile(self, kind: str, spec: str) -> Any:
-        """On a worker thread."""
+        """On a worker thread: compiled in a compile worker process, rebuilt here."""
         backend = self.backend  # waits while the backend is being built
+        assert self.workers is not None
         start = time.perf_counter()
         try:
-            return backend.compile(kind, spec)
+            data = self.workers.compile(kind, spec)
+            self._sizes[(kind, spec)] = len(data)
+            return backend.deserialize(data)
         finally:
             self.stats.compile_seconds += time.perf_counter() - start
             self.stats.compiled += 1
@@ -225,11 +244,15 @@ class GrammarManager:
                 "grammar_compiled": s.compiled, "grammar_cache_hits": s.cache_hits,
                 "grammar_failed": s.failed, "grammar_compile_seconds": round(s.compile_seconds, 4),
                 "grammar_jump_forward_tokens": s.jump_forward_tokens,
-                "grammar_jump_forward": self.jump_forward}
+                "grammar_jump_forward": self.jump_forward,
+                "grammar_compile_workers_started": self.workers.started if self.workers else 0,
+                "grammar_compile_workers_lost": self.workers.lost if self.workers else 0}
 
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.workers is not None:
+            self.workers.close()
 
 
 def make_grammar_manager(settings: ServerSettings, pm: SglPluginManager, *,
@@ -241,17 +264,17 @@ def make_grammar_manager(settings: ServerSettings, pm: SglPluginManager, *,
     name = resolve_backend(settings.grammar_backend, registry)
     cls = registry.load(name) if name is not None else None
 
-    def make_backend() -> BaseGrammarBackend:
+    def recipe() -> BackendRecipe:
         tok = tokenizer()
         stops = list(dict.fromkeys([*stop_token_ids, *([tok.eos_token_id]
                                                         if tok.eos_token_id is not None else [])]))
-        backend = cls(tokenizer=tok, vocab_size=vocab_size, stop_token_ids=stops)  # type: ignore[misc]
-        logger.info("grammar backend %s ready", name)
-        return backend
+        return BackendRecipe(cls, tok, vocab_size, stops)  # type: ignore[arg-type]
 
     logger.info("grammar backend: %s; jump-forward %s", name or "none",
                 "off" if settings.disable_jump_forward else "on")
     return GrammarManager(cls, name, kinds=backend_kinds(registry),
-                          make_backend=make_backend if cls is not None else None,
+                          recipe=recipe if cls is not None else None,
                           vocab_size=vocab_size, max_batch=settings.max_running_requests,
-                          jump_forward=not settings.disable_jump_forward)
+                          jump_forward=not settings.disable_jump_forward,
+                          compile_timeout=settings.grammar_compile_timeout,
+                          compile_memory_mb=settings.grammar_compile_memory_mb)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import shutil
@@ -126,7 +127,8 @@ def start_scheduler(settings: ServerSettings, pm: SglPluginManager) -> Scheduler
     ctx = multiprocessing.get_context("spawn")
     ranks: list[RankInfo | None] = [None]
     if chosen is not None:
-        ranks = list(chosen[1].local_ranks(settings.dist_init_addr or _free_loopback_address()))
+        ranks = [dataclasses.replace(rank, rendezvous_dir=ipc_dir) for rank in
+                 chosen[1].local_ranks(settings.dist_init_addr or _free_loopback_address())]
     replicas = sorted({0 if rank is None else rank.replica for rank in ranks})
     requests = {replica: f"ipc://{ipc_dir}/requests" + (f"-{replica}" if replica else "")
                 for replica in replicas}

@@ -307,13 +307,13 @@ class Engine:
         return await asyncio.wrap_future(self._submit(coro))
 
     async def _open_stream(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
-        return self.tokenizer_manager.generate_stream(obj)
+        return await self.tokenizer_manager.generate_stream(obj)
 
     async def _template(self, messages: Any) -> list[int] | list[list[int]]:
         tm = self.tokenizer_manager
         if isinstance(messages, list) and messages and isinstance(messages[0], list):
-            return [tm.apply_chat_template(m) for m in messages]
-        return tm.apply_chat_template(messages)
+            return [await tm.in_tokenizer_thread(tm.apply_chat_template, m) for m in messages]
+        return await tm.in_tokenizer_thread(tm.apply_chat_template, messages)
 
     def _iterate(self, agen: AsyncIterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         done = False

@@ -2,13 +2,15 @@
 
 A backend turns a constraint (a JSON schema, a regular expression, an EBNF grammar or an
 xgrammar structural tag) into a *compiled grammar* once, and makes one *matcher* per request from
-it. The scheduler caches compiled grammars by constraint, compiles on worker threads, and asks
-the matchers of a batch to fill one shared int32 token bitmask (bit ``j`` of word ``i`` allows
-token ``32 * i + j``: the layout xgrammar, llguidance and outlines-core all use).
+it. The scheduler caches compiled grammars by constraint, compiles in child processes bounded in
+time and memory (:mod:`sgl.grammar.worker`), and asks the matchers of a batch to fill one
+shared int32 token bitmask (bit ``j`` of word ``i`` allows token ``32 * i + j``: the layout
+xgrammar, llguidance and outlines-core all use).
 """
 
 from __future__ import annotations
 
+import pickle
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -66,9 +68,11 @@ class BaseGrammarBackend(ABC):
     """Compiles constraints into grammars for one tokenizer; makes a matcher per request.
 
     Built once per scheduler process (on a grammar worker thread, not the scheduler's) with the
-    model's tokenizer, vocabulary size (the width of the logits) and stop token ids.
-    :meth:`compile` runs on worker threads, possibly several at once; :meth:`new_matcher` and
-    the matchers run on the scheduler thread.
+    model's tokenizer, vocabulary size (the width of the logits) and stop token ids, and again
+    in each compile worker (:mod:`sgl.grammar.worker`: a child process bounded in time and
+    memory, since a client's constraint can cost exponential time to compile). :meth:`compile`
+    and :meth:`serialize` run in a worker; :meth:`deserialize`, :meth:`new_matcher` and the
+    matchers in the scheduler process.
     """
 
     #: the registered name, for messages
@@ -93,6 +97,16 @@ class BaseGrammarBackend(ABC):
         """Compile a constraint of ``kind`` (one of :attr:`kinds`) into an object that
         :meth:`new_matcher` turns into matchers; it is cached and shared by every request with
         the same constraint. Raise :class:`GrammarError` when ``spec`` is invalid."""
+
+    def serialize(self, compiled: Any) -> bytes:
+        """``compiled`` (from :meth:`compile`, in a compile worker) as bytes for the scheduler
+        process; the default pickles it."""
+        return pickle.dumps(compiled, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def deserialize(self, data: bytes) -> Any:
+        """The compiled grammar that :meth:`serialize` wrote (in the scheduler process, with
+        this backend's tokenizer); the default unpickles it."""
+        return pickle.loads(data)  # noqa: S301 - written by sgl's own compile worker
 
     @abstractmethod
     def new_matcher(self, compiled: Any) -> BaseGrammarMatcher:

@@ -48,6 +48,8 @@ class RankInfo:
     :param local_size: how many ranks its node runs.
     :param init_addr: ``host:port`` where the ranks meet (torch.distributed's TCP store).
     :param replica: the data-parallel replica it belongs to (0 without data parallelism).
+    :param rendezvous_dir: a directory of this launch that only its user can open (mode 0700),
+        where ranks of one machine can meet through a file instead of a TCP port ("": none).
     """
 
     strategy: str
@@ -58,6 +60,7 @@ class RankInfo:
     init_addr: str
     #: which replica (set of ranks behind one leader, with its own requests socket) it serves
     replica: int = 0
+    rendezvous_dir: str = ""
 
     @property
     def leader(self) -> bool:

@@ -25,13 +25,17 @@ the field and the limit.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
+import functools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -58,6 +62,8 @@ from sgl.server.io_struct import (
 from sgl.server.metrics import ServerMetrics
 from sgl.server.replicas import Replicas
 from sgl.server.request_state import ReqState
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
@@ -97,6 +103,14 @@ def load_chat_template(value: str | None) -> str | None:
 #: how many characters of input one token can stand for, at most, per character of its own
 #: text: normalization (NFKC, composing accents) folds a few input characters into one
 CHARS_PER_TOKEN_BOUND = 4
+#: prompts of more characters are tokenized on the long-prompt thread, so that a short request
+#: never waits behind a long one (tokenizing a million characters takes about a second)
+LONG_PROMPT_CHARS = 1 << 16
+
+
+class _LongPrompt(Exception):
+    """Raised on the short-prompt thread by a call that meets a long prompt, before it
+    tokenizes anything: the call runs again on the long-prompt thread."""
 
 
 def _longest_token_chars(tokenizer: Any) -> int:
@@ -146,9 +160,17 @@ class TokenizerManager:
         #: the most logprobs per position a request may ask for (--max-logprobs)
         self.max_logprobs = settings.max_logprobs if settings else 20
         #: the longest prompt text that could fit the context (see _prompt_chars_fit): longer
-        #: ones are refused before the tokenizer, which runs on the event loop, sees them
+        #: ones are refused before the tokenizer sees them
         self.max_prompt_chars = (self.context_length * CHARS_PER_TOKEN_BOUND
                                  * _longest_token_chars(tokenizer))
+        #: the threads that tokenize and apply chat templates, off the event loop: one for
+        #: short prompts, one for long ones, each with its own copy of the tokenizer (Hugging
+        #: Face's fast tokenizers are not safe to call from two threads at once)
+        self._lane = threading.local()
+        self._tokenizer_threads = {
+            lane: ThreadPoolExecutor(1, thread_name_prefix=f"sgl-tokenize-{lane}",
+                                     initializer=self._start_lane, initargs=(lane,))
+            for lane in ("short", "long")}
         self._states: dict[str, ReqState] = {}
         self._info_waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._token_texts: dict[int, str] = {}
@@ -182,8 +204,39 @@ class TokenizerManager:
             self._recv.close(linger=0)
             self._zmq.term()
             self._zmq = None
+        for thread in self._tokenizer_threads.values():
+            thread.shutdown(wait=False, cancel_futures=True)
 
     # --- encoding -----------------------------------------------------------------------------
+
+    async def in_tokenizer_thread(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on a tokenizer thread: route handlers tokenize and apply
+        chat templates through this, so a long prompt never holds the event loop (and with it
+        every stream, ``/health`` and ``/metrics``). :meth:`generate` and
+        :meth:`generate_stream` use it already.
+
+        ``fn`` runs on the short-prompt thread; if it meets a prompt of more than
+        :data:`LONG_PROMPT_CHARS` characters (:meth:`encode`, :meth:`apply_chat_template` and
+        :meth:`prepare` check before they tokenize), it runs again from the start on the
+        long-prompt thread, so ``fn`` must not have done anything it cannot do twice."""
+        loop = asyncio.get_running_loop()
+        call = functools.partial(fn, *args, **kwargs)
+        try:
+            return await loop.run_in_executor(self._tokenizer_threads["short"], call)
+        except _LongPrompt:
+            return await loop.run_in_executor(self._tokenizer_threads["long"], call)
+
+    def _start_lane(self, lane: str) -> None:
+        self._lane.name = lane
+        try:
+            self._lane.tokenizer = copy.deepcopy(self.tokenizer)
+        except Exception as exc:  # noqa: BLE001 - a tokenizer that cannot be copied is shared
+            logger.debug("tokenizer not copied for the %s-prompt thread: %s", lane, exc)
+
+    @property
+    def _tokenizer(self) -> Any:
+        """The tokenizer of the calling thread: its own copy on a tokenizer thread."""
+        return getattr(self._lane, "tokenizer", self.tokenizer)
 
     def _prompt_chars_fit(self, chars: int, param: str) -> None:
         """A :class:`BadRequestError` for a prompt of ``chars`` characters that cannot fit the
@@ -192,6 +245,13 @@ class TokenizerManager:
             raise BadRequestError(
                 f"{param}: the prompt is {chars} characters, more than any prompt that fits "
                 f"the model's context of {self.context_length} tokens can have", param=param)
+        self._check_lane(chars)
+
+    def _check_lane(self, chars: int) -> None:
+        """On the short-prompt thread, send a call about to tokenize ``chars`` characters to
+        the long-prompt thread (see :meth:`in_tokenizer_thread`)."""
+        if chars > LONG_PROMPT_CHARS and getattr(self._lane, "name", None) == "short":
+            raise _LongPrompt
 
     def apply_chat_template(self, messages: list[dict[str, Any]], /, *,
                             add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
@@ -215,7 +275,7 @@ class TokenizerManager:
                                   "passes that argument of the chat template itself",
                                   param="chat_template_kwargs")
         try:
-            ids = self.tokenizer.apply_chat_template(
+            ids = self._tokenizer.apply_chat_template(
                 messages, chat_template=self.chat_template,
                 add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs)
         except Exception as exc:  # jinja errors from the template itself, or text no
@@ -229,8 +289,12 @@ class TokenizerManager:
             ids = ids["input_ids"]
         return [int(t) for t in ids]
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    def encode(self, text: str, add_special_tokens: bool = False, *, param: str = "prompt"
+               ) -> list[int]:
+        """Token ids of ``text``; one too long to fit the context in any tokenization is a
+        :class:`BadRequestError` naming ``param``, refused before tokenizing."""
+        self._prompt_chars_fit(len(text), param)
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True,
                spaces_between_special_tokens: bool = True) -> str:
@@ -258,6 +322,8 @@ class TokenizerManager:
         if isinstance(obj, dict):
             obj = GenerateReqInput.from_dict(obj)
         requests, as_list = obj.split()
+        self._check_lane(sum(len(text) for text in {id(r.text): r.text for r in requests
+                                                     if r.text is not None}.values()))
         prepared: list[tuple[OneRequest, list[int]]] = []
         rids: set[str] = set()
         tokenized: dict[int, list[int]] = {}  # n > 1 shares one prompt: tokenize it once
@@ -285,7 +351,7 @@ class TokenizerManager:
         toolkit refuses already) is a :class:`BadRequestError` naming the field."""
         self._prompt_chars_fit(len(req.text), req.field_name.split("[")[0])
         try:
-            return list(self.tokenizer.encode(req.text))
+            return list(self._tokenizer.encode(req.text))
         except Exception:
             if unpaired_surrogate(req.text) is None:
                 raise
@@ -352,7 +418,7 @@ class TokenizerManager:
                        ) -> dict[str, Any] | list[dict[str, Any]]:
         """Run a request to completion: one result dict, or a list for a batch or ``n > 1``."""
         received = time.time()
-        prepared, as_list = self.prepare(obj)
+        prepared, as_list = await self.in_tokenizer_thread(self.prepare, obj)
         states, waker = await self._submit(prepared, received)
         try:
             while not all(st.finished for st in states):
@@ -365,16 +431,16 @@ class TokenizerManager:
             await self._release(states)
         return results if as_list else results[0]
 
-    def generate_stream(self, obj: GenerateReqInput | dict[str, Any], *,
-                        incremental: bool = True) -> AsyncIterator[dict[str, Any]]:
-        """Check the request now (raising :class:`BadRequestError` at once), then return an
+    async def generate_stream(self, obj: GenerateReqInput | dict[str, Any], *,
+                              incremental: bool = True) -> AsyncIterator[dict[str, Any]]:
+        """Check the request (raising :class:`BadRequestError` before any chunk), then return an
         async iterator of chunks ``{"text", "output_ids", "meta_info"}`` holding what is new
         (with ``incremental=False``: everything so far, as SGLang's ``/generate`` streams by
         default); the last chunk of each sequence has its ``finish_reason`` and timings. For a
         batch or ``n > 1`` each chunk also has ``"index"``, its position in the result list.
         Closing the iterator early aborts the request."""
         received = time.time()
-        prepared, as_list = self.prepare(obj)
+        prepared, as_list = await self.in_tokenizer_thread(self.prepare, obj)
         return self._stream(prepared, as_list, received, not incremental)
 
     async def _stream(self, prepared: list[tuple[OneRequest, list[int]]], as_list: bool,

@@ -7,8 +7,9 @@ unsupported constraints fail with a message."""
 from __future__ import annotations
 
 import json
+import os
 import sys
-import threading
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ from sgl.config import load_settings  # noqa: E402
 from sgl.engine.messages import TokenBatch  # noqa: E402
 from sgl.grammar import GrammarError  # noqa: E402
 from sgl.grammar.select import GrammarChecker  # noqa: E402
+from sgl.grammar.worker import BackendRecipe, CompileWorkers  # noqa: E402
 from sgl.plugins import create_plugin_manager  # noqa: E402
 from sgl.sampling import SamplingParams  # noqa: E402
 
@@ -37,16 +39,23 @@ pytestmark = pytest.mark.slow
 BACKENDS = ["xgrammar", "llguidance", "outlines"]
 
 
+#: a file whose absence holds "gated" constraints compiling; named in the environment, which
+#: the compile worker processes inherit (they run this module's GatedXGrammar)
+GATE = Path(os.environ.setdefault("SGL_TEST_GRAMMAR_GATE",
+                                  str(Path(tempfile.mkdtemp(prefix="sgl-gate-")) / "open")))
+
+
 class GatedXGrammar(XGrammarBackend):
-    """xgrammar whose compile of a constraint mentioning "gated" waits for :attr:`gate`: a
-    grammar that takes as long to compile as the test wants."""
+    """xgrammar whose compile of a constraint mentioning "gated" waits (in its compile worker)
+    until the file :data:`GATE` exists: a grammar that takes as long to compile as the test
+    wants."""
 
     name = "gated-xgrammar"
-    gate = threading.Event()
 
     def compile(self, kind: str, spec: str) -> Any:
-        if "gated" in spec:
-            self.gate.wait(120)
+        deadline = time.monotonic() + 120
+        while "gated" in spec and not GATE.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
         return super().compile(kind, spec)
 
 
@@ -194,8 +203,7 @@ def test_slow_compilation_blocks_nobody_and_jump_forward(gh: GrammarHarness) -> 
     """(xgrammar) A grammar held compiling waits in the grammar queue while a free request and
     a request whose grammar compiled meanwhile (on the other worker) finish; then it runs.
     Jump-forward appends forced tokens; off, every token is sampled; both outputs validate."""
-    gate = GatedXGrammar.gate
-    gate.clear()
+    GATE.unlink(missing_ok=True)
     s = gh.scheduler
     slow = gh.submit(gh.chat_ids(PERSON_PROMPT), max_new_tokens=120, temperature=0,
                      json_schema=json.dumps({**PERSON, "title": "gated"}))
@@ -207,7 +215,7 @@ def test_slow_compilation_blocks_nobody_and_jump_forward(gh: GrammarHarness) -> 
         assert [r.rid for r, _ in s.grammar.queue] == [slow]
         check_regex(gh.text(res[regex]))
     finally:
-        gate.set()
+        GATE.touch()
     done = gh.drive([slow], until=[slow])[slow]
     check_json(gh.text(done), PERSON)
     jumped = s.grammar.stats.jump_forward_tokens
@@ -223,6 +231,64 @@ def test_slow_compilation_blocks_nobody_and_jump_forward(gh: GrammarHarness) -> 
     assert s.grammar.stats.cache_hits == hits + 1  # compiled once, reused
     assert s.grammar.stats.jump_forward_tokens == jumped
     check_json(gh.text(off), PERSON)
+
+
+@pytest.mark.parametrize("gh", ["xgrammar"], indirect=True)  # the gated backend wraps it
+def test_compile_past_its_deadline_is_killed(gh: GrammarHarness) -> None:
+    """A constraint still compiling at --grammar-compile-timeout: its worker process is
+    killed, the request fails naming the flag while a free request decodes, the same
+    constraint is refused again at once (cached), and the next constraint compiles in a fresh
+    worker."""
+    GATE.unlink(missing_ok=True)
+    grammar = gh.scheduler.grammar
+    workers = grammar.workers
+    assert workers is not None
+    workers.timeout, lost = 2.0, workers.lost
+    hung = json.dumps({**PERSON, "title": "gated past the deadline"})
+    try:
+        slow = gh.submit(gh.chat_ids(PERSON_PROMPT), max_new_tokens=20, temperature=0,
+                         json_schema=hung)
+        free = gh.submit(gh.chat_ids("Say hello."), max_new_tokens=8, temperature=0)
+        start = time.monotonic()
+        res = gh.drive([slow, free], until=[slow, free])
+        took = time.monotonic() - start
+        again = gh.submit(gh.chat_ids(PERSON_PROMPT), max_new_tokens=20, temperature=0,
+                          json_schema=hung)
+        refused = gh.drive([again], until=[again])[again]
+    finally:
+        workers.timeout = 30.0
+        GATE.touch()
+    assert res[free].error is None and res[free].output_ids
+    assert res[slow].error is not None and "--grammar-compile-timeout" in res[slow].error
+    assert 1.9 < took < 30
+    assert refused.error == res[slow].error
+    assert workers.lost == lost + 1
+    rid = gh.submit(gh.chat_ids(REGEX_PROMPT), max_new_tokens=40, temperature=0, regex=REGEX)
+    after = gh.run([rid])[rid]
+    assert after.error is None
+    check_regex(gh.text(after))
+
+
+@pytest.mark.parametrize("gh", ["outlines"], indirect=True)
+def test_compile_past_the_memory_cap_fails_alone(gh: GrammarHarness) -> None:
+    """(outlines) ``[ab]*a[ab]{30}`` has a 2^30-state automaton, which outlines-core builds in
+    full: under a 256 MiB cap its compile worker fails (not the scheduler), the error names
+    --grammar-compile-memory-mb, and a fresh worker compiles the next constraint."""
+    backend = gh.scheduler.grammar.backend
+    workers = CompileWorkers(
+        lambda: BackendRecipe(type(backend), gh.tokenizer, backend.vocab_size,
+                              backend.stop_token_ids),
+        size=1, timeout=120, memory_mb=256, backend_name="outlines")
+    try:
+        with pytest.raises(GrammarError, match="more than 256 MiB.*--grammar-compile-memory-mb"):
+            workers.compile("regex", "[ab]*a[ab]{30}")
+        assert workers.lost == 1
+        matcher = backend.new_matcher(backend.deserialize(workers.compile("regex", "[0-9]+")))
+    finally:
+        workers.close()
+    digit = gh.tokenizer.convert_tokens_to_ids("7")
+    assert matcher.accept_token(digit)
+    assert not matcher.accept_token(gh.tokenizer.convert_tokens_to_ids("a"))
 
 
 def test_checker_in_the_server_process() -> None:

@@ -10,6 +10,7 @@ distribution is compared (``token_ids_logprob`` over the vocabulary), plus the g
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import torch
 
@@ -173,6 +175,16 @@ def test_a_killed_rank_fails_requests_and_stops_the_server(tmp_path: Path) -> No
     try:
         match = re.search(r"tensor-parallel rank 1 of 2: pid (\d+)", server.log())
         assert match, server.log()
+        # one machine: the ranks met through a file and gloo is on loopback, so no process
+        # of the server listens beyond this machine (torch's TCP store would bind every
+        # interface)
+        tree = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(
+            recursive=True)]
+        assert len(tree) >= 3
+        listening = {(c.laddr.ip, c.laddr.port) for proc in tree
+                     for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+        assert listening and all(ipaddress.ip_address(ip).is_loopback for ip, _ in listening), \
+            listening
         result: dict[str, httpx.Response] = {}
 
         def long_request() -> None:

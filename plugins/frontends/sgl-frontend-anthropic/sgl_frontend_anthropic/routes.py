@@ -66,7 +66,7 @@ def _prompt_ids(server: ServerContext, req: CountTokensRequest) -> tuple[list[in
         head, last = messages[:-1], messages[-1]["content"]
         if not head:
             raise AnthropicError(400, "messages: the first message must be a user message")
-        return tm.apply_chat_template(head) + tm.encode(last.rstrip()), True
+        return tm.apply_chat_template(head) + tm.encode(last.rstrip(), param="messages"), True
     return tm.apply_chat_template(messages), False
 
 
@@ -150,12 +150,12 @@ def make_router(server: ServerContext) -> APIRouter:
     async def answer(request: Request) -> Response:
         req = await _parse(request, MessagesRequest)
         _check_model(server, req.model)
-        ids, _ = _prompt_ids(server, req)
+        ids, _ = await tm.in_tokenizer_thread(_prompt_ids, server, req)
         sampling = _sampling(server, req, server.info.context_length - len(ids))
         obj = GenerateReqInput(input_ids=ids, sampling_params=sampling, stream=req.stream)
         mid = f"msg_{uuid.uuid4().hex}"
         if req.stream:
-            stream = tm.generate_stream(obj)  # a bad request raises here, before any byte
+            stream = await tm.generate_stream(obj)  # a bad request raises here, before any byte
             return http.EventStreamResponse(_events(server, mid, len(ids), stream),
                                             closes=[stream])
         result = await tm.generate(obj)
@@ -179,7 +179,7 @@ def make_router(server: ServerContext) -> APIRouter:
         try:
             req = await _parse(request, CountTokensRequest)
             _check_model(server, req.model)
-            ids, _ = _prompt_ids(server, req)
+            ids, _ = await tm.in_tokenizer_thread(_prompt_ids, server, req)
         except AnthropicError as exc:
             return exc.response()
         except GenerateError as exc:

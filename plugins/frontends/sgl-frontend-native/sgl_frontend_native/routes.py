@@ -114,7 +114,7 @@ def make_router(server: ServerContext) -> APIRouter:
         try:
             obj = GenerateReqInput.from_dict(await _read_json(request))
             if obj.stream is True:
-                chunks = tm.generate_stream(obj, incremental=False)
+                chunks = await tm.generate_stream(obj, incremental=False)
                 return EventStreamResponse(_events(chunks), closes=[chunks])
             result = await tm.generate(obj)
         except BodyError as exc:

@@ -187,7 +187,7 @@ def make_router(server: ServerContext) -> APIRouter:
         """Generate, answering either an NDJSON stream or one object; ``shape(text)`` builds
         the per-line fields, ``shape(text, meta)`` those of the last line."""
         if stream:
-            parts = tm.generate_stream(obj)
+            parts = await tm.generate_stream(obj)
 
             async def lines() -> AsyncIterator[dict[str, Any]]:
                 output_ids: list[int] = []
@@ -225,7 +225,7 @@ def make_router(server: ServerContext) -> APIRouter:
         if not req.messages:  # Ollama answers an empty chat by loading the model
             return _loaded(server, message={"role": "assistant", "content": ""})
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
-        ids = tm.apply_chat_template(messages)
+        ids = await tm.in_tokenizer_thread(tm.apply_chat_template, messages)
         obj = GenerateReqInput(input_ids=ids, sampling_params=_sampling(server, req, len(ids)))
 
         def shape(text: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -248,12 +248,12 @@ def make_router(server: ServerContext) -> APIRouter:
         if not req.prompt and not req.context:  # Ollama: load the model, generate nothing
             return _loaded(server, response="")
         if req.raw:
-            ids = tm.encode(req.prompt)
+            ids = await tm.in_tokenizer_thread(tm.encode, req.prompt)
         else:
             messages = [{"role": "user", "content": req.prompt}]
             if req.system:
                 messages.insert(0, {"role": "system", "content": req.system})
-            ids = tm.apply_chat_template(messages)
+            ids = await tm.in_tokenizer_thread(tm.apply_chat_template, messages)
         ids = list(req.context or []) + ids
         obj = GenerateReqInput(input_ids=ids, sampling_params=_sampling(server, req, len(ids)))
 

@@ -146,10 +146,10 @@ def _message(plan: _Plan, parser: BaseToolParser, text: str) -> tuple[dict[str, 
 async def create_chat_completion(server: ServerContext, parser: BaseToolParser,
                                  req: ChatCompletionRequest) -> JSONResponse | EventStreamResponse:
     """Answer one chat completion request, streamed (SSE) or as one body."""
-    plan = plan_chat(server, parser, req)
     tm = server.tokenizer_manager
+    plan = await tm.in_tokenizer_thread(plan_chat, server, parser, req)
     if req.stream:
-        stream = tm.generate_stream(plan.obj)  # raises BadRequestError before any byte is out
+        stream = await tm.generate_stream(plan.obj)  # raises BadRequestError before any byte is out
         return EventStreamResponse(sse_stream(_chunks(server, parser, plan, req, stream)),
                                    closes=[stream])
     out = await tm.generate(plan.obj)

@@ -102,10 +102,10 @@ def _finish(meta: dict[str, Any]) -> str:
 async def create_completion(server: ServerContext,
                             req: CompletionRequest) -> JSONResponse | EventStreamResponse:
     """Answer one completion request, streamed (SSE) or as one body."""
-    obj, texts = _request(server, req)
     tm = server.tokenizer_manager
+    obj, texts = await tm.in_tokenizer_thread(_request, server, req)
     if req.stream:
-        stream = tm.generate_stream(obj)
+        stream = await tm.generate_stream(obj)
         return EventStreamResponse(sse_stream(_chunks(server, req, texts, stream)),
                                    closes=[stream])
     out = await tm.generate(obj)

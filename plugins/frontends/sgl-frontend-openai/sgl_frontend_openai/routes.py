@@ -84,10 +84,11 @@ def make_router(server: ServerContext) -> APIRouter:
                 except ValueError as exc:
                     raise OpenAIError(400, f"messages[{i}].content: {exc}",
                                       "messages") from None
-            ids = tm.apply_chat_template(messages,
-                                         add_generation_prompt=req.add_generation_prompt)
+            ids = await tm.in_tokenizer_thread(
+                tm.apply_chat_template, messages, add_generation_prompt=req.add_generation_prompt)
         else:
-            ids = tm.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+            ids = await tm.in_tokenizer_thread(tm.encode, req.prompt or "",
+                                               add_special_tokens=req.add_special_tokens)
         body: dict[str, Any] = {"tokens": ids, "count": len(ids),
                                 "max_model_len": server.info.context_length}
         if req.return_token_strs:

@@ -2,7 +2,9 @@
 Lark syntax); jump-forward with llguidance's forced tokens.
 
 llguidance computes masks lazily from the grammar, so "compiling" is building one matcher (which
-checks the grammar against the tokenizer); each request gets a deep copy of it.
+checks the grammar against the tokenizer); each request gets a deep copy of it. A matcher cannot
+be pickled, so the compile worker sends back the checked grammar text and the scheduler builds
+the matcher from it again (milliseconds).
 """
 
 from __future__ import annotations
@@ -89,10 +91,21 @@ class LLGuidanceBackend(BaseGrammarBackend):
         _grammar(kind, spec)
 
     def compile(self, kind: str, spec: str) -> Any:
-        matcher = self.llg.LLMatcher(self.ll_tokenizer, _grammar(kind, spec))
+        """(the grammar text, its matcher)."""
+        return self._matcher(kind, _grammar(kind, spec))
+
+    def serialize(self, compiled: Any) -> bytes:
+        grammar, _ = compiled
+        return grammar.encode()
+
+    def deserialize(self, data: bytes) -> Any:
+        return self._matcher("grammar", data.decode())
+
+    def _matcher(self, kind: str, grammar: str) -> tuple[str, Any]:
+        matcher = self.llg.LLMatcher(self.ll_tokenizer, grammar)
         if matcher.is_error():
             raise GrammarError(kind, matcher.get_error())
-        return matcher
+        return grammar, matcher
 
     def new_matcher(self, compiled: Any) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(compiled.deep_copy(), self._fill)
+        return LLGuidanceMatcher(compiled[1].deep_copy(), self._fill)

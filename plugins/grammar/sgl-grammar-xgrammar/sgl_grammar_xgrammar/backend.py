@@ -87,10 +87,10 @@ class XGrammarBackend(BaseGrammarBackend):
         import xgrammar as xgr
 
         self.xgr = xgr
-        info = xgr.TokenizerInfo.from_huggingface(
+        self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None)
         # sgl caches compiled grammars itself; one thread per compile, several compiles at once
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
 
     @classmethod
     def validate(cls, kind: str, spec: str) -> None:
@@ -106,6 +106,12 @@ class XGrammarBackend(BaseGrammarBackend):
             return self.compiler.compile_grammar(_grammar(self.xgr, kind, spec))
         except (RuntimeError, ValueError, TypeError, KeyError) as exc:
             raise GrammarError(kind, _message(exc)) from None
+
+    def serialize(self, compiled: Any) -> bytes:
+        return compiled.serialize_json().encode()
+
+    def deserialize(self, data: bytes) -> Any:
+        return self.xgr.CompiledGrammar.deserialize_json(data.decode(), self.info)
 
     def new_matcher(self, compiled: Any) -> XGrammarMatcher:
         return XGrammarMatcher(self.xgr.GrammarMatcher(compiled))

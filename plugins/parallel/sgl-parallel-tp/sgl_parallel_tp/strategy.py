@@ -9,8 +9,11 @@ batch, samples and answers the server. Before each forward and each logits compu
 all-reduces after attention and after the MLP, and the all-gather of the logits, then meet in
 the same order on every rank. Since only the leader samples, the ranks never diverge.
 
-The ranks talk through torch.distributed, over TCP: on one machine through a loopback port,
-across machines (``--nnodes``) through ``--dist-init-addr``. The forward's collectives run on
+The ranks talk through torch.distributed. On one machine they meet through a file in the
+launch's private directory and gloo connects them over the loopback interface, so no rank listens
+on the network (torch's TCP store binds every interface, whatever address it is given); across
+machines (``--nnodes``), or where ``--dist-init-addr`` is given, they meet at that address over
+TCP, on the interface ``GLOO_SOCKET_IFNAME`` names. The forward's collectives run on
 gloo on CPU (through shared memory when every rank is on one machine) and on NCCL with
 ``--device cuda``, where rank ``i`` of a machine takes its GPU ``i``
 (:func:`collective_backend`); the leader's calls always travel on a gloo group, pickled. Each
@@ -49,6 +52,17 @@ logger = logging.getLogger("sgl.parallel.tp")
 IDLE_TIMEOUT = timedelta(days=365)
 #: the batch's fields that are the process's own objects, not sent
 LOCAL_FIELDS = ("req_to_token_pool", "kv_pool", "attn_backend", "attn_metadata")
+
+
+def _loopback_interface() -> str | None:
+    """The name of this machine's loopback interface (``lo`` on Linux, ``lo0`` on macOS)."""
+    import socket
+
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in names if n in ("lo", "lo0")), None)
 
 
 def collective_backend(device: torch.device) -> str:
@@ -102,14 +116,21 @@ class TensorParallel(BaseParallelStrategy):
         if address is None:
             raise ValueError(f"--dist-init-addr {rank.init_addr!r}: expected HOST:PORT")
         host, port = address
+        init_method = f"tcp://{host}:{port}"
+        if self.settings.nnodes == 1 and not self.settings.dist_init_addr \
+                and rank.rendezvous_dir:
+            init_method = f"file://{os.path.join(rank.rendezvous_dir, 'tp-store')}"
+            if (loopback := _loopback_interface()) is not None:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
         timeout = timedelta(seconds=self.settings.dist_timeout)
         device = resolve_device(self.settings.device)
         if device.type == "cuda":
             torch.cuda.set_device(rank.local_rank)  # the runner's "cuda" is this GPU
         backend = collective_backend(device)
         try:
-            # rank 0 listens at the address (TCPStore); the others connect until the timeout
-            dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank.rank,
+            # rank 0 listens at the address (TCPStore) or creates the file; the others connect
+            # until the timeout
+            dist.init_process_group(backend, init_method=init_method, rank=rank.rank,
                                     world_size=rank.world_size, timeout=timeout)
         except Exception as exc:
             raise RuntimeError(
