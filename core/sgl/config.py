@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import ipaddress
 import json
 import os
+import re
 import tomllib
 import types
 import typing
@@ -237,6 +239,18 @@ class ServerSettings:
         "the decode server to ask for the KV, on the decode side for the KV to arrive, and "
         "for one transfer; then it ends with an error and its KV memory is freed.",
         minimum=0.1)
+    disaggregation_prefill_hosts: tuple[str, ...] = _opt(
+        (), "A prefill server a decode server may take KV from, by the bootstrap_host requests "
+        "name (repeatable): a host name, an IP address, a network such as 10.0.0.0/24, or * "
+        "for any. A request naming another host is refused with status 400, before anything "
+        "is fetched from it. Default: this machine's loopback addresses only.",
+        flags=("--disaggregation-prefill-host",))
+    disaggregation_secret: str | None = _opt(
+        None, "A secret shared by the prefill and decode servers: their link messages carry an "
+        "HMAC-SHA256 of it, messages without a valid one are refused, and a decode server "
+        "shares KV from prefill servers in its prefix cache only with it (without, that KV "
+        "serves its own request only). Give it through SGL_DISAGGREGATION_SECRET rather than "
+        "the command line.", secret=True)
     frontends: tuple[str, ...] = _opt(
         (), "HTTP frontends to mount (repeatable); default: every installed one.",
         registry="frontends", flags=("--frontend",))
@@ -476,6 +490,43 @@ def split_host_port(address: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
+_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?")
+
+
+def prefill_host_error(entry: str) -> str | None:
+    """Why ``entry`` is not a ``--disaggregation-prefill-host`` (None: it is one): ``*``, an
+    IP address, a network in CIDR notation, or a host name."""
+    if entry == "*" or _network(entry) is not None or _HOST_NAME.fullmatch(entry):
+        return None
+    return f"{entry!r} is not a host name, an IP address, a network such as 10.0.0.0/24, or *"
+
+
+def _network(text: str) -> Any:
+    try:
+        return ipaddress.ip_network(text.removeprefix("[").removesuffix("]"), strict=False)
+    except ValueError:
+        return None
+
+
+def prefill_host_allowed(host: str, entries: tuple[str, ...]) -> bool:
+    """Whether a request's ``bootstrap_host`` names a prefill server ``entries`` allow (no
+    entries: the loopback addresses and ``localhost``). Names are compared as written, never
+    resolved: resolving a client's name would let it point anywhere."""
+    try:
+        address: Any = ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        address = None
+    if not entries:
+        return host == "localhost" or (address is not None and address.is_loopback)
+    for entry in entries:
+        network = _network(entry)
+        if entry == "*" or (network is None and entry.lower() == host.lower()):
+            return True
+        if network is not None and address is not None and address in network:
+            return True
+    return False
+
+
 def cores_per_rank(s: ServerSettings) -> int:
     """The CPU cores each scheduler process of this machine gets: the usable cores shared out
     among its tensor-parallel ranks (at least one)."""
@@ -513,7 +564,8 @@ def _check_ranges(s: ServerSettings) -> None:
              "request)")
     if s.disaggregation_mode == "null":
         for key in ("disaggregation_transfer_backend", "disaggregation_bootstrap_port",
-                    "disaggregation_timeout"):
+                    "disaggregation_timeout", "disaggregation_prefill_hosts",
+                    "disaggregation_secret"):
             if s.sources.get(key, "default") != "default":
                 fail(key, "it needs --disaggregation-mode prefill or decode")
     else:
@@ -529,6 +581,15 @@ def _check_ranges(s: ServerSettings) -> None:
         if s.speculative_algorithm is not None:
             fail("speculative_algorithm", "speculative decoding with --disaggregation-mode is "
                  "not built yet (the draft model's KV is not transferred)")
+        if s.disaggregation_prefill_hosts and s.disaggregation_mode != "decode":
+            fail("disaggregation_prefill_hosts", "only a decode server takes KV from prefill "
+                 "servers (--disaggregation-mode decode)")
+        for host in s.disaggregation_prefill_hosts:
+            if (why := prefill_host_error(host)) is not None:
+                fail("disaggregation_prefill_hosts", why)
+        if s.disaggregation_secret is not None and len(s.disaggregation_secret) < 16:
+            fail("disaggregation_secret", "expected at least 16 characters (for example the "
+                 "output of: python -c 'import secrets; print(secrets.token_hex(16))')")
     if s.node_rank >= s.nnodes:
         fail("node_rank", f"expected a node index below --nnodes ({s.nnodes})")
     if s.tp_size % s.nnodes:

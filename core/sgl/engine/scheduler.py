@@ -819,6 +819,8 @@ class Scheduler:
         keep = len(token_ids)
         if req.session_id is None and not self.runner.decode_matches_prefill:
             keep = max(min(len(token_ids), len(req.input_ids)), len(req.prefix))
+        if req.private_kv:  # KV from an unauthenticated peer serves this request only
+            keep, req.private_kv = len(req.prefix), False
         if keep < len(token_ids):
             self.runner.kv_pool.free(slots[keep:])
         self.cache.cache_finished(token_ids[:keep], slots[:keep], req.prefix)

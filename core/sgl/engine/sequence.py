@@ -33,6 +33,8 @@ class Req:
     cached_tokens: int | None = None  # prompt tokens found in the cache at first admission
     session_id: str | None = None
     bootstrap: Bootstrap | None = None  # the peer of a disaggregated request
+    #: its KV past ``prefix`` came from an unauthenticated peer: freed at the end, never cached
+    private_kv: bool = False
     finish_reason: dict[str, Any] | None = None
     error: str | None = None
     error_status: int = 400

@@ -88,9 +88,13 @@ class BaseKVTransfer(ABC):
         with each request for KV). Default: nothing."""
         return {}
 
-    def expect(self, room: int, dst_slots: list[int]) -> None:  # noqa: B027 (optional hook)
+    def expect(self, room: int, dst_slots: list[int]) -> dict[str, Any] | None:
         """Decode side: rows ``dst_slots`` may be written for transfer ``room`` from now on.
-        Backends that receive the bytes themselves check incoming writes against it."""
+        Backends that receive the bytes themselves check incoming writes against it. Returns
+        fields added to :meth:`local_info` for this transfer only (JSON-able; sent to the
+        prefill side in the want, which ``--disaggregation-secret`` authenticates), for
+        example a token the writer must present; default none."""
+        return None
 
     def forget(self, room: int) -> None:  # noqa: B027 (optional hook)
         """Decode side: transfer ``room`` is over (done, failed or aborted); a write for it

@@ -8,6 +8,7 @@ it), unless ``SGL_TEST_ALLOW_NO_MOONCAKE=1``: then they are skipped with the rea
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -205,6 +206,12 @@ def test_mooncake_without_libibverbs_says_what_to_install(monkeypatch: pytest.Mo
 
 # moving bytes ----------------------------------------------------------------------------------
 
+def expect(decode: Any, room: int, dst: list[int]) -> dict[str, Any]:
+    """Announce ``room`` on the decode side; what the prefill side is told (as the core's
+    want does: the backend's info and this transfer's own fields)."""
+    return {**decode.local_info(), **(decode.expect(room, dst) or {})}
+
+
 @pytest.mark.parametrize("pair", MOVING, indirect=True)
 def test_write_lands_exactly_in_the_destination_rows(pair: tuple[Any, Any]) -> None:
     prefill, decode = pair
@@ -212,18 +219,16 @@ def test_write_lands_exactly_in_the_destination_rows(pair: tuple[Any, Any]) -> N
     for room, seed in enumerate((1, 2, 3)):
         src, dst = pages_and_scattered(seed)
         before = snapshot(decode.buffers)
-        decode.expect(room, dst)
-        assert prefill.write(decode.local_info(), room, src, dst, timeout=10) == \
-            len(src) * row_bytes
+        agent = expect(decode, room, dst)
+        assert prefill.write(agent, room, src, dst, timeout=10) == len(src) * row_bytes
         decode.forget(room)
         assert_written(prefill, decode, before, src, dst)
     # one whole run, and one single slot
     for room, (src, dst) in enumerate([(list(range(1, 65)), list(range(1, 65))),
                                        ([7], [64])], start=10):
         before = snapshot(decode.buffers)
-        decode.expect(room, dst)
-        assert prefill.write(decode.local_info(), room, src, dst, timeout=10) == \
-            len(src) * row_bytes
+        agent = expect(decode, room, dst)
+        assert prefill.write(agent, room, src, dst, timeout=10) == len(src) * row_bytes
         assert_written(prefill, decode, before, src, dst)
 
 
@@ -234,17 +239,21 @@ def test_tcp_refuses_rooms_it_does_not_expect(pair: tuple[Any, Any]) -> None:
     before = snapshot(decode.buffers)
     with pytest.raises(KVTransferError, match="room 5 is not expected"):
         prefill.write(decode.local_info(), 5, src, dst, timeout=5)
-    decode.expect(6, dst)
+    agent = expect(decode, 6, dst)
     decode.forget(6)
     with pytest.raises(KVTransferError, match="room 6 is not expected"):
-        prefill.write(decode.local_info(), 6, src, dst, timeout=5)
-    decode.expect(7, dst[:-1])
+        prefill.write(agent, 6, src, dst, timeout=5)
+    agent = expect(decode, 7, dst[:-1])
     with pytest.raises(KVTransferError, match="are not room 7's"):
-        prefill.write(decode.local_info(), 7, src, dst, timeout=5)
+        prefill.write(agent, 7, src, dst, timeout=5)
+    # a writer that knows the room and the slots but did not see the want: no token
+    agent = expect(decode, 9, dst)
+    for wrong in ({}, {"token": "0" * 32}, {"token": expect(decode, 10, dst)["token"]}):
+        with pytest.raises(KVTransferError, match="does not carry the room's token"):
+            prefill.write({**agent, "token": None, **wrong}, 9, src, dst, timeout=5)
     assert_unchanged(decode, before)
     # the refusals leave nothing behind: the next write goes through
-    decode.expect(8, dst)
-    prefill.write(decode.local_info(), 8, src, dst, timeout=5)
+    prefill.write(agent, 9, src, dst, timeout=5)
     assert_written(prefill, decode, before, src, dst)
 
 
@@ -280,8 +289,29 @@ def test_fake_moves_nothing(pm: SglPluginManager) -> None:
     prefill = cls(make_buffers(1), role="prefill", host="127.0.0.1")
     decode = cls(make_buffers(2), role="decode", host="127.0.0.1")
     before = snapshot(decode.buffers)
-    decode.expect(1, [3, 4])
-    assert prefill.write(decode.local_info(), 1, [1, 2], [3, 4], timeout=1) == 0
+    assert prefill.write(expect(decode, 1, [3, 4]), 1, [1, 2], [3, 4], timeout=1) == 0
     assert_unchanged(decode, before)
     prefill.close()
     decode.close()
+
+
+def test_link_codec_authenticates_with_the_secret() -> None:
+    """The disaggregation link's messages: with a secret, an HMAC envelope that verifies only
+    with the same secret and the same body; without one, plain JSON (an envelope is read but
+    never counts as authenticated)."""
+    from sgl.engine.disaggregation.link import LinkCodec
+
+    msg = {"type": "done", "room": 7, "token": 42, "seconds": 0.1}
+    codec, other, none = LinkCodec("s" * 16), LinkCodec("t" * 16), LinkCodec(None)
+    raw = codec.dumps(msg)
+    assert codec.loads(raw) == (msg, True)
+    assert other.loads(raw) == (msg, False)
+    assert none.loads(raw) == (msg, False)
+    envelope = json.loads(raw)
+    envelope["body"] = envelope["body"].replace("42", "43")
+    assert codec.loads(json.dumps(envelope).encode())[1] is False
+    assert codec.loads(none.dumps(msg)) == (msg, False)
+    assert json.loads(none.dumps(msg)) == msg
+    for bad in (b"[1]", b"not json", json.dumps({"mac": "x", "body": "[1]"}).encode()):
+        with pytest.raises(ValueError):
+            codec.loads(bad)

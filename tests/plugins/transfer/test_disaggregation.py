@@ -22,7 +22,9 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 #: what the session's reference server runs with (tests/conftest.py), so outputs compare
 REFERENCE_ARGS = ["--dtype", "float32", "--max-total-tokens", "16384"]
 TIMEOUT_S = 4.0  # --disaggregation-timeout of the failure tests' servers
+SECRET = "a secret of the pd fixture's two servers"
 
 
 @dataclass
@@ -54,15 +57,16 @@ class PD:
 
 
 def start_pd(args: list[str], prefill_args: list[str], decode_args: list[str],
-             logs: Path, other_decode_args: list[str] | None = None) -> PD:
+             logs: Path, other_decode_args: list[str] | None = None,
+             env: dict[str, str] | None = None) -> PD:
     """A prefill and a decode server (and another decode server) started side by side."""
     bootstrap = free_port()
     with ThreadPoolExecutor(3) as pool:
         prefill = pool.submit(ServerProcess, *args, "--disaggregation-mode", "prefill",
                               "--disaggregation-bootstrap-port", str(bootstrap), *prefill_args,
-                              log_path=logs / "prefill.log")
+                              log_path=logs / "prefill.log", env=env)
         decode = pool.submit(ServerProcess, *args, "--disaggregation-mode", "decode",
-                             *decode_args, log_path=logs / "decode.log")
+                             *decode_args, log_path=logs / "decode.log", env=env)
         other = None if other_decode_args is None else pool.submit(
             ServerProcess, *args, "--disaggregation-mode", "decode", *other_decode_args,
             log_path=logs / "other-decode.log")
@@ -91,6 +95,23 @@ def assert_idle(*servers: ServerProcess, within: float = 10.0) -> None:
         assert state(server)["kv_used_tokens"] == 0, state(server)
 
 
+@contextmanager
+def link_socket(prefill: ServerProcess) -> Iterator[Any]:
+    """A ZMQ DEALER connected to the prefill server's link port, as any process that reaches
+    it could connect."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(state(prefill)["bootstrap_endpoint"])
+    try:
+        yield sock
+    finally:
+        sock.close()
+        ctx.term()
+
+
 def both(pd: PD, path: str, body: dict[str, Any], room: int | None = None,
          timeout: float = 120) -> tuple[httpx.Response, httpx.Response]:
     """``body`` sent to the prefill and the decode server at once, as SGLang's router does."""
@@ -112,8 +133,10 @@ def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     logs = tmp_path_factory.mktemp(f"pd-{backend}")
     # the two sides' page sizes differ, one way with each backend
     pages = ("1", "16") if backend == "tcp" else ("16", "1")
+    # authenticated (the secret from the environment), so the decode server shares peer KV
     pd = start_pd([*REFERENCE_ARGS, "--disaggregation-transfer-backend", backend],
-                  ["--page-size", pages[0]], ["--page-size", pages[1]], logs)
+                  ["--page-size", pages[0]], ["--page-size", pages[1]], logs,
+                  env={"SGL_DISAGGREGATION_SECRET": SECRET})
     try:
         with sgl_router(["--pd-disaggregation", "--prefill", pd.prefill.base_url,
                          "--decode", pd.decode.base_url, "--policy", "round_robin"],
@@ -213,6 +236,34 @@ def test_long_prompt_in_chunks_and_a_cached_prefix_is_not_sent_again(
     assert second["kv_transfer_bytes"] - first["kv_transfer_bytes"] == \
         (keep + 100 - cached) * 30 * 3 * 64 * 2 * 4
     assert via.json()["output_ids"] == one_server(server, "/generate", again)["output_ids"]
+
+
+def test_an_unauthenticated_want_gets_no_kv(pd: PD) -> None:
+    """With --disaggregation-secret, a want that does not carry its HMAC (here: for a room
+    the prefill server holds, asking for the KV to go elsewhere) is answered "not
+    authenticated" and changes nothing: the real decode server then gets the KV."""
+    room = random.getrandbits(63)
+    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bootstrap_port,
+              "bootstrap_room": room}
+    body = {"input_ids": list(range(1000, 1100)), "sampling_params": {"max_new_tokens": 4},
+            **fields}
+    with link_socket(pd.prefill) as sock:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(httpx.post, f"{pd.prefill.base_url}/generate", json=body,
+                               timeout=120)
+            time.sleep(1.0)  # prefilled, waiting for its decode server
+            sock.send_json({"type": "want", "room": room, "dst": list(range(1, 101)),
+                            "skip": 0, "agent": {"endpoint": "tcp://127.0.0.1:9"},
+                            "layout": {}})
+            assert sock.poll(10_000), "no answer"
+            answer = json.loads(json.loads(sock.recv())["body"])
+            assert answer["type"] == "failed" and answer["room"] == room
+            assert "not authenticated" in answer["error"]
+            assert "--disaggregation-secret" in answer["error"]
+            decode = httpx.post(f"{pd.decode.base_url}/generate", json=body, timeout=120)
+            prefill = held.result()
+    assert prefill.status_code == decode.status_code == 200, (prefill.text, decode.text)
+    assert decode.json()["meta_info"]["completion_tokens"] == 4
 
 
 def test_queues_and_transfers_are_reported(pd: PD) -> None:
@@ -371,14 +422,7 @@ def test_malformed_link_messages_leave_the_link_serving(failing: PD) -> None:
     """Messages any process that reaches the prefill server's link port can send: each is
     dropped with a warning, and the pair serves as before. One malformed message used to end
     the link thread, after which the scheduler's next command to it blocked for good."""
-    import zmq
-
-    endpoint = state(failing.prefill)["bootstrap_endpoint"]
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    try:
+    with link_socket(failing.prefill) as sock:
         for frames in ([b"one", b"two"],  # three frames at the ROUTER
                        [b'{"type": "want", "room": 1e400}'], [b'{"type": "want"}'],
                        [b'{"room": 7}'], [b"not json"], [b"[1, 2]"], [b"\xff\xfe"],
@@ -396,9 +440,146 @@ def test_malformed_link_messages_leave_the_link_serving(failing: PD) -> None:
             reply = held.result()
         assert reply.status_code == 502, reply.text
         assert "layout" in reply.text
+    prefill, decode = both(failing, "/generate", PROMPT)
+    assert prefill.status_code == decode.status_code == 200, (prefill.text, decode.text)
+    assert_idle(failing.prefill, failing.decode)
+
+
+def test_a_prefill_host_not_allowed_is_refused_before_any_fetch(failing: PD) -> None:
+    """The decode server takes KV only from the prefill servers --disaggregation-prefill-host
+    names (default: loopback): any other bootstrap_host is a 400 at once, nothing fetched."""
+    for host in ("10.9.8.7", "prefill.example.com", "169.254.169.254"):
+        start = time.monotonic()
+        reply = httpx.post(f"{failing.decode.base_url}/generate", timeout=30, json={
+            **PROMPT, "bootstrap_host": host, "bootstrap_port": 80,
+            "bootstrap_room": random.getrandbits(63)})
+        assert reply.status_code == 400, reply.text
+        assert "--disaggregation-prefill-host" in reply.text and "loopback" in reply.text
+        assert time.monotonic() - start < 2
+    assert_idle(failing.decode)
+
+
+class _Impostor(BaseHTTPRequestHandler):
+    """Something on an allowed host that is not a bootstrap server."""
+
+    answers: dict[str, tuple[int, dict[str, str], bytes]] = {}
+
+    def do_GET(self) -> None:  # noqa: N802
+        status, headers, body = self.answers[self.server.server_port]  # type: ignore[index]
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_bootstrap_answer_that_is_not_sgls_is_refused_unquoted(failing: PD) -> None:
+    """A listener on an allowed host: a redirect is not followed, a huge answer is not read
+    whole, an endpoint that is not tcp:// is not dialled, and its content is never quoted in
+    the error (it was reflected into the 502 before)."""
+    marker = "IMPOSTOR-SECRET-42"
+    cases = [(302, {"Location": f"http://127.0.0.1:{failing.bootstrap_port}/route"}, b""),
+             (200, {}, json.dumps({"endpoint": "ipc:///tmp/sgl", "x": marker}).encode()),
+             (200, {}, b'{"endpoint": "tcp://127.0.0.1:1", "pad": "' + b"a" * 100_000
+              + marker.encode() + b'"}'),
+             (500, {}, marker.encode())]
+    for answer in cases:
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Impostor)
+        _Impostor.answers[httpd.server_port] = answer
+        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+        thread.start()
+        try:
+            reply, took = _one_side(failing.decode, failing, port=httpd.server_port)
+        finally:
+            httpd.shutdown()
+            httpd.server_close()
+        assert reply.status_code == 502, (answer[0], reply.text)
+        assert "is not an sgl bootstrap server" in reply.text, reply.text
+        assert marker not in reply.text and "/route" in reply.text
+        assert took < 6
+    assert_idle(failing.decode)
+
+
+def test_kv_that_is_not_finite_is_refused(failing: PD) -> None:
+    """A hostile prefill server (sgl's own bootstrap server and tcp backend, answering like a
+    prefill server but writing NaN rows): the decode server finds the rows not finite and
+    fails the request with a 502 instead of decoding from them, or caching them."""
+    import torch
+    import zmq
+    from sgl_transfer_tcp.backend import TcpKVTransfer
+
+    from sgl.engine.disaggregation.bootstrap import BootstrapServer
+    from sgl.transfer import KVBuffers
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    bootstrap = BootstrapServer("127.0.0.1", free_port(),
+                                {"endpoint": f"tcp://127.0.0.1:{port}"})
+    box: dict[str, Any] = {}
+
+    def serve_one_want() -> None:
+        if not router.poll(30_000):
+            return
+        identity, raw = router.recv_multipart()
+        want = json.loads(raw)
+        layout, dst = want["layout"], want["dst"]
+        dtype = getattr(torch, layout["dtype"])
+        rows = len(dst) + 1
+        buffers = KVBuffers([torch.full((rows, b // dtype.itemsize), float("nan"), dtype=dtype)
+                             for b in layout["row_bytes"]])
+        writer = TcpKVTransfer(buffers, role="prefill", host="127.0.0.1")
+        try:
+            box["bytes"] = writer.write(want["agent"], want["room"], list(range(1, rows)), dst,
+                                        timeout=10)
+        finally:
+            writer.close()
+        router.send_multipart([identity, json.dumps({
+            "type": "done", "room": want["room"], "token": 5, "bytes": box["bytes"],
+            "seconds": 0.0}).encode()])
+
+    thread = threading.Thread(target=serve_one_want, daemon=True)
+    thread.start()
+    try:
+        reply, _ = _one_side(failing.decode, failing,
+                             port=bootstrap.httpd.server_address[1])
+        thread.join(timeout=30)
     finally:
-        sock.close()
+        bootstrap.close()
+        router.close()
         ctx.term()
+    assert box.get("bytes", 0) > 0  # the NaN rows did land in the decode server's slots
+    assert reply.status_code == 502, reply.text
+    assert "not finite" in reply.text, reply.text
+    assert_idle(failing.decode)
+
+
+def test_without_a_secret_peer_kv_serves_its_request_only(failing: PD) -> None:
+    """No --disaggregation-secret: the decode server cannot tell its peers from anyone, so
+    the KV it is sent never enters its prefix cache; the same prompt again is transferred
+    whole again (with the secret, tests of the `pd` fixture see it cached)."""
+    moved = []
+    for _ in range(2):
+        before = state(failing.decode)["kv_transfer_bytes"]
+        prefill, decode = both(failing, "/generate", PROMPT)
+        assert prefill.status_code == decode.status_code == 200, (prefill.text, decode.text)
+        assert decode.json()["meta_info"]["cached_tokens"] == 0
+        moved.append(state(failing.decode)["kv_transfer_bytes"] - before)
+    assert moved[0] == moved[1] > 0
+    assert_idle(failing.prefill, failing.decode)
+
+
+def test_a_message_past_the_size_limit_drops_only_its_sender(failing: PD) -> None:
+    """A 33 MiB message to the prefill server's link port (the limit is 32 MiB): ZMQ drops
+    that connection, and the pair serves as before."""
+    with link_socket(failing.prefill) as sock:
+        sock.send(b'{"type": "want", "room": 1, "pad": "' + b"a" * (33 << 20) + b'"}')
+        time.sleep(1.0)
     prefill, decode = both(failing, "/generate", PROMPT)
     assert prefill.status_code == decode.status_code == 200, (prefill.text, decode.text)
     assert_idle(failing.prefill, failing.decode)
@@ -448,6 +629,13 @@ def _kill_tree(pid: int) -> None:
     (["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl"],
      "no installed plugin provides that KV transfer backend; available: "),
     (["--disaggregation-mode", "banana"], "banana"),
+    (["--disaggregation-secret", "0123456789abcdef"], "it needs --disaggregation-mode"),
+    (["--disaggregation-mode", "decode", "--disaggregation-secret", "short"],
+     "at least 16 characters"),
+    (["--disaggregation-mode", "prefill", "--disaggregation-prefill-host", "127.0.0.1"],
+     "only a decode server takes KV"),
+    (["--disaggregation-mode", "decode", "--disaggregation-prefill-host", "a b"],
+     "'a b' is not a host name"),
 ])
 def test_bad_disaggregation_flags_are_named(args: list[str], says: str) -> None:
     result = run_cli(["serve", "--port", str(free_port()), *args], timeout=60)

@@ -12,18 +12,23 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.error import URLError
-from urllib.request import urlopen
+from urllib.error import HTTPError, URLError
+from urllib.request import HTTPRedirectHandler, build_opener
 
 __all__ = ["BootstrapServer", "advertised_host", "is_alive", "lookup_route"]
 
 logger = logging.getLogger("sgl.disaggregation")
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+#: the largest /route answer a decode server reads (an sgl answer is about 150 bytes)
+MAX_ROUTE_BYTES = 16 * 1024
+#: the only endpoints a route may name: a TCP host and port (not ipc:// or inproc://)
+_TCP_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}")
 
 
 def advertised_host(host: str) -> str:
@@ -82,27 +87,49 @@ class BootstrapServer:
         self.httpd.server_close()
 
 
+class _NoRedirects(HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # a redirect is an error: the answer must come from the host asked
+
+
+_opener = build_opener(_NoRedirects)
+
+
 def lookup_route(host: str, port: int, timeout: float) -> dict[str, Any]:
-    """The route a prefill server's bootstrap server gives; ConnectionError saying what failed."""
+    """The route a prefill server's bootstrap server gives; ConnectionError saying what failed.
+
+    ``host`` comes from a client (checked against ``--disaggregation-prefill-host`` first), so
+    the lookup follows no redirect, reads at most :data:`MAX_ROUTE_BYTES`, never quotes the
+    answer back, and takes only a ``tcp://`` endpoint."""
     url = f"http://{_url_host(host)}:{port}/route"
+    not_sgl = ConnectionError(f"{host}:{port} is not an sgl bootstrap server (its /route "
+                              "answer is not one); check bootstrap_host/bootstrap_port")
     try:
-        with urlopen(url, timeout=timeout) as response:  # noqa: S310 (http only)
-            route = json.loads(response.read())
-    except (URLError, OSError, ValueError) as exc:
+        with _opener.open(url, timeout=timeout) as response:
+            if response.status != 200:
+                raise not_sgl
+            data = response.read(MAX_ROUTE_BYTES + 1)
+    except HTTPError:
+        raise not_sgl from None
+    except (URLError, OSError) as exc:
         raise ConnectionError(f"cannot reach the prefill server's bootstrap server at "
                               f"{host}:{port} ({getattr(exc, 'reason', exc)}); check "
                               "bootstrap_host/bootstrap_port and that the prefill server runs "
                               "with --disaggregation-mode prefill") from None
-    if not isinstance(route, dict) or "endpoint" not in route:
-        raise ConnectionError(f"{host}:{port} is not an sgl bootstrap server (its /route "
-                              f"answered {str(route)[:100]!r})")
+    try:
+        route = json.loads(data) if len(data) <= MAX_ROUTE_BYTES else None
+    except ValueError:
+        route = None
+    endpoint = route.get("endpoint") if isinstance(route, dict) else None
+    if not isinstance(endpoint, str) or not _TCP_ENDPOINT.fullmatch(endpoint):
+        raise not_sgl
     return route
 
 
 def is_alive(host: str, port: int, timeout: float = 1.0) -> bool:
     """Whether the bootstrap server at ``host:port`` answers ``/health``."""
     try:
-        with urlopen(f"http://{_url_host(host)}:{port}/health", timeout=timeout) as response:  # noqa: S310
+        with _opener.open(f"http://{_url_host(host)}:{port}/health", timeout=timeout) as response:
             return bool(response.status == 200)
     except (URLError, OSError):
         return False

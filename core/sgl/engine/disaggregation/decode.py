@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import zmq
 
+from sgl.config import prefill_host_allowed
 from sgl.engine.disaggregation.bootstrap import is_alive, lookup_route
-from sgl.engine.disaggregation.link import Link, peer_socket, room_of
+from sgl.engine.disaggregation.link import Link, LinkCodec, peer_socket, room_of
 from sgl.kvcache import PrefixMatch
 from sgl.transfer import BaseKVTransfer, KVTransferError
 
@@ -56,8 +57,10 @@ class DecodeLink(Link):
     """Sends the wants to the prefill servers' schedulers and reports their answers, watching
     the prefill servers it waits on."""
 
-    def __init__(self, ctx: zmq.Context[Any], backend: BaseKVTransfer, timeout: float) -> None:
+    def __init__(self, ctx: zmq.Context[Any], backend: BaseKVTransfer, timeout: float,
+                 codec: LinkCodec) -> None:
         super().__init__(ctx, backend, timeout, name="sgl-decode-link")
+        self.codec = codec
         self.routes: dict[tuple[str, int], str] = {}
         self.dealers: dict[str, zmq.Socket[Any]] = {}
         self.pending: dict[int, _Pending] = {}
@@ -71,10 +74,9 @@ class DecodeLink(Link):
             except ConnectionError as exc:
                 self.emit("failed", room, str(exc), 502)
                 return
-            self.backend.expect(room, dst)
+            agent = {**self.backend.local_info(), **(self.backend.expect(room, dst) or {})}
             self._send(endpoint, {"type": "want", "room": room, "dst": dst, "skip": skip,
-                                  "agent": self.backend.local_info(),
-                                  "layout": self.backend.buffers.layout()})
+                                  "agent": agent, "layout": self.backend.buffers.layout()})
             self.pending[room] = _Pending(host, port, endpoint, time.monotonic())
         elif cmd[0] == "cancel":
             pending = self.pending.get(cmd[1])
@@ -90,12 +92,15 @@ class DecodeLink(Link):
 
     def handle_message(self, sock: zmq.Socket[Any]) -> None:
         try:
-            msg = sock.recv_json()
+            msg, authentic = self.codec.loads(sock.recv())
             room = room_of(msg)
-            kind = msg["type"]  # type: ignore[index]
+            kind = msg["type"]
         except (ValueError, KeyError, TypeError):
             logger.warning("ignored a malformed message from a prefill server")
             return
+        if kind == "done" and self.codec.required and not authentic:
+            kind, msg = "failed", {"error": "its answer is not authenticated: give the prefill "
+                                   "and decode servers the same --disaggregation-secret"}
         pending = self.pending.pop(room, None)
         if pending is None:
             return
@@ -160,7 +165,7 @@ class DecodeLink(Link):
             sock = self.dealers[endpoint] = peer_socket(self.ctx, zmq.DEALER)
             sock.connect(endpoint)
             self.watch(sock)
-        sock.send_json(msg)
+        sock.send(self.codec.dumps(msg))
 
     def shutdown(self) -> None:
         for sock in self.dealers.values():
@@ -183,7 +188,17 @@ class DecodeSide:
     def __init__(self, scheduler: Scheduler, backend: BaseKVTransfer) -> None:
         self.scheduler = scheduler
         self.default_port = scheduler.settings.disaggregation_bootstrap_port
-        self.link = DecodeLink(scheduler.zmq, backend, scheduler.settings.disaggregation_timeout)
+        #: the prefill servers requests may name (--disaggregation-prefill-host)
+        self.allowed_hosts = scheduler.settings.disaggregation_prefill_hosts
+        secret = scheduler.settings.disaggregation_secret
+        self.link = DecodeLink(scheduler.zmq, backend, scheduler.settings.disaggregation_timeout,
+                               LinkCodec(secret))
+        #: KV from prefill servers enters the prefix cache only when they are authenticated
+        self.shares_peer_kv = secret is not None
+        if not self.shares_peer_kv:
+            logger.warning("KV from prefill servers serves its own request only, never the "
+                           "prefix cache: give both servers --disaggregation-secret (or "
+                           "SGL_DISAGGREGATION_SECRET) to authenticate them and share it")
         self.link.start()
         self.queue: deque[Req] = deque()
         self.transferring: dict[int, _Incoming] = {}
@@ -202,6 +217,11 @@ class DecodeSide:
                     "router in PD mode (sgl router --pd-disaggregation)")
         if req.session_id is not None:
             return "sessions are not supported with --disaggregation-mode"
+        host = req.bootstrap.host
+        if not prefill_host_allowed(host, self.allowed_hosts):
+            allowed = ", ".join(self.allowed_hosts) or "loopback addresses only"
+            return (f"bootstrap_host {host[:100]!r} is not a prefill server this decode server "
+                    f"takes KV from (--disaggregation-prefill-host: {allowed})")
         room = req.bootstrap.room
         if room in self.transferring or any(r.bootstrap and r.bootstrap.room == room
                                             for r in self.queue):
@@ -276,6 +296,7 @@ class DecodeSide:
                 or not 0 <= token < s.runner.vocab_size:
             raise KVTransferError(f"the prefill server sent first token {token!r}, not a token "
                                   f"id of this model's vocabulary ({s.runner.vocab_size})")
+        self._check_finite(req)
         req.output_ids.append(token)
         req.first_token_time = time.time()
         logprobs = msg.get("logprobs") or {}
@@ -288,9 +309,24 @@ class DecodeSide:
             req.output_token_ids_logprobs.extend(
                 None if ids is None else [_entry(e) for e in ids]
                 for ids in logprobs.get("output_token_ids_logprobs", []))
-        s.cache_prefills([req])  # later requests with this prompt's prefix find it here
+        if self.shares_peer_kv:
+            s.cache_prefills([req])  # later requests with this prompt's prefix find it here
+        else:
+            req.private_kv = True
         s.running.append(req)
         s.take_token(req, token, None, None)  # the grammar, the finish check
+
+    def _check_finite(self, req: Req) -> None:
+        """The transferred rows hold no NaN or infinity: attention spreads one to every token
+        after it, and through the prefix cache to every request that shares the prefix."""
+        s = self.scheduler
+        table = s.runner.req_to_token_pool.req_to_token
+        slots = table[req.row, len(req.prefix):len(req.input_ids)].long()
+        for buffer in self.link.backend.buffers.tensors:
+            if buffer.is_floating_point() and \
+                    not torch.isfinite(buffer.index_select(0, slots.to(buffer.device))).all():
+                raise KVTransferError("the prefill server sent KV that is not finite (NaN or "
+                                      "infinity); the request was not run")
 
     def _start_transfers(self) -> None:
         s = self.scheduler

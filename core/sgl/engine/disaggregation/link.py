@@ -7,7 +7,10 @@ messages (:attr:`Link.wake` is a socket it polls beside its request socket).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
+import json
 import logging
 import threading
 import time
@@ -18,7 +21,7 @@ import zmq
 
 from sgl.transfer import BaseKVTransfer
 
-__all__ = ["MAX_MESSAGE_BYTES", "Link", "peer_socket", "room_of"]
+__all__ = ["MAX_MESSAGE_BYTES", "Link", "LinkCodec", "peer_socket", "room_of"]
 
 logger = logging.getLogger("sgl.disaggregation")
 
@@ -44,6 +47,54 @@ def room_of(msg: Any) -> int:
     if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**64:
         raise ValueError(f"bad room {room!r}")
     return room
+
+
+class LinkCodec:
+    """How the peers' messages go on the wire: JSON objects, and with a shared secret
+    (``--disaggregation-secret``) inside an envelope ``{"mac": HMAC-SHA256 of the body, "body":
+    the JSON text}``, so that a peer without the secret can neither make nor alter one.
+
+    :meth:`loads` reads both forms (a server without the secret reads an envelope's body
+    unchecked, so a mismatch is reported, not silent) and says whether the message was
+    authenticated; each side refuses what must be authenticated when it has the secret
+    (:attr:`required`)."""
+
+    #: what the MAC covers besides the body: messages of other protocols never verify
+    DOMAIN = b"sgl-disaggregation-link-v1\n"
+
+    def __init__(self, secret: str | None) -> None:
+        self._key = secret.encode() if secret else None
+
+    @property
+    def required(self) -> bool:
+        return self._key is not None
+
+    def _mac(self, body: bytes) -> str:
+        assert self._key is not None
+        return hmac.new(self._key, self.DOMAIN + body, hashlib.sha256).hexdigest()
+
+    def dumps(self, msg: dict[str, Any]) -> bytes:
+        body = json.dumps(msg, separators=(",", ":")).encode()
+        if self._key is None:
+            return body
+        return json.dumps({"mac": self._mac(body), "body": body.decode()}).encode()
+
+    def loads(self, raw: bytes) -> tuple[dict[str, Any], bool]:
+        """The message and whether its MAC is valid; ``ValueError`` for one that is not a JSON
+        object (or an envelope whose body is not)."""
+        msg = json.loads(raw)
+        if not isinstance(msg, dict):
+            raise ValueError("not a JSON object")
+        if set(msg) != {"mac", "body"} or not isinstance(msg["body"], str):
+            return msg, False
+        body = msg["body"].encode()
+        inner = json.loads(body)
+        if not isinstance(inner, dict):
+            raise ValueError("not a JSON object")
+        valid = (self._key is not None and isinstance(msg["mac"], str)
+                 and hmac.compare_digest(msg["mac"], self._mac(body)))
+        return inner, valid
+
 
 _ids = itertools.count()
 

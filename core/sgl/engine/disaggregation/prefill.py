@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from sgl.engine.disaggregation.bootstrap import BootstrapServer, advertised_host
-from sgl.engine.disaggregation.link import Link, peer_socket, room_of
+from sgl.engine.disaggregation.link import Link, LinkCodec, peer_socket, room_of
 from sgl.transfer import BaseKVTransfer, KVBuffers, KVTransferError
 
 if TYPE_CHECKING:
@@ -72,8 +72,9 @@ class PrefillLink(Link):
     and runs the writes."""
 
     def __init__(self, ctx: zmq.Context[Any], backend: BaseKVTransfer, timeout: float,
-                 host: str) -> None:
+                 host: str, codec: LinkCodec) -> None:
         super().__init__(ctx, backend, timeout, name="sgl-prefill-link")
+        self.codec = codec
         self.router = peer_socket(ctx, zmq.ROUTER)
         port = self.router.bind_to_random_port(f"tcp://{_bind_host(host)}")
         self.endpoint = f"tcp://{_url_host(advertised_host(host))}:{port}"
@@ -108,11 +109,17 @@ class PrefillLink(Link):
             return
         identity, raw = frames
         try:
-            msg = zmq.utils.jsonapi.loads(raw)
+            msg, authentic = self.codec.loads(raw)
             room = room_of(msg)
             kind = msg["type"]
         except (ValueError, KeyError, TypeError):
             logger.warning("ignored a malformed message from a decode server: %r", raw[:200])
+            return
+        if self.codec.required and not authentic:  # nothing it asks for is done
+            logger.warning("refused an unauthenticated %r message for room %d", kind, room)
+            self._reply(identity, {"type": "failed", "room": room, "error": (
+                "the message is not authenticated: give the prefill and decode servers the "
+                "same --disaggregation-secret")})
             return
         if kind == "want":
             if room in self.gone:
@@ -190,7 +197,7 @@ class PrefillLink(Link):
         self.emit("sent", room, nbytes, seconds)
 
     def _reply(self, identity: bytes, msg: dict[str, Any]) -> None:
-        self.router.send_multipart([identity, zmq.utils.jsonapi.dumps(msg)])
+        self.router.send_multipart([identity, self.codec.dumps(msg)])
 
     def shutdown(self) -> None:
         self.router.close(linger=0)
@@ -206,7 +213,7 @@ class PrefillSide:
         settings = scheduler.settings
         self.scheduler = scheduler
         self.link = PrefillLink(scheduler.zmq, backend, settings.disaggregation_timeout,
-                                settings.host)
+                                settings.host, LinkCodec(settings.disaggregation_secret))
         self.bootstrap = BootstrapServer(
             settings.host, settings.disaggregation_bootstrap_port,
             {"endpoint": self.link.endpoint, "backend": backend.name, "engine_rank": 0,

@@ -19,9 +19,11 @@ awaited, so gathering, sending and scattering overlap.
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import json
 import logging
+import secrets
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -77,7 +79,7 @@ class TcpKVTransfer(BaseKVTransfer):
         self._seq = itertools.count(1)
         self._lock = threading.Lock()  # the prefill side's sockets
         self._peers: dict[str, zmq.Socket[Any]] = {}
-        self._expected: dict[int, frozenset[int]] = {}
+        self._expected: dict[int, tuple[frozenset[int], str]] = {}
         self._expected_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,9 +99,13 @@ class TcpKVTransfer(BaseKVTransfer):
     def local_info(self) -> dict[str, Any]:
         return {"endpoint": self.endpoint} if self.endpoint else {}
 
-    def expect(self, room: int, dst_slots: list[int]) -> None:
+    def expect(self, room: int, dst_slots: list[int]) -> dict[str, Any]:
+        """A fresh random token for this room: a write must present it (whoever reaches this
+        port but did not see the want cannot write, even knowing the room)."""
+        token = secrets.token_hex(16)
         with self._expected_lock:
-            self._expected[room] = frozenset(dst_slots)
+            self._expected[room] = (frozenset(dst_slots), token)
+        return {"token": token}
 
     def forget(self, room: int) -> None:
         with self._expected_lock:
@@ -136,10 +142,14 @@ class TcpKVTransfer(BaseKVTransfer):
                  frames: Sequence[zmq.Frame]) -> str | None:
         """Write a message's rows into the buffers, or say why not (then nothing is written)."""
         with self._expected_lock:
-            allowed = self._expected.get(room)
-        if allowed is None:
+            expected = self._expected.get(room)
+        if expected is None:
             return (f"room {room} is not expected here (never announced, or forgotten: done, "
                     "failed or aborted)")
+        allowed, token = expected
+        if not isinstance(header.get("token"), str) \
+                or not hmac.compare_digest(header["token"], token):
+            return f"the write for room {room} does not carry the room's token"
         dst = torch.frombuffer(bytearray(frames[0].buffer), dtype=torch.int64)
         slots = dst.tolist()
         if not set(slots) <= allowed:
@@ -189,7 +199,7 @@ class TcpKVTransfer(BaseKVTransfer):
             sock = self._peer(endpoint)
             try:
                 return self._send_and_wait(sock, endpoint, room, src_slots, dst_slots,
-                                           deadline, timeout)
+                                           deadline, timeout, peer)
             except KVTransferError:
                 # answers still owed on this socket must not be taken for the next write's
                 self._drop(endpoint)
@@ -197,7 +207,7 @@ class TcpKVTransfer(BaseKVTransfer):
 
     def _send_and_wait(self, sock: zmq.Socket[Any], endpoint: str, room: int,
                        src_slots: list[int], dst_slots: list[int], deadline: float,
-                       timeout: float) -> int:
+                       timeout: float, peer: dict[str, Any]) -> int:
         dst = torch.tensor(dst_slots, dtype=torch.int64).numpy().tobytes()
         index = torch.tensor(src_slots, dtype=torch.int64, device=self._rows[0].device)
         owed: set[int] = set()
@@ -206,7 +216,7 @@ class TcpKVTransfer(BaseKVTransfer):
         for first, last in self._chunks(len(src_slots)):
             parts = [self._rows[i].index_select(0, index).cpu() for i in range(first, last)]
             seq = next(self._seq)
-            header = {"seq": seq, "room": room, "first": first,
+            header = {"seq": seq, "room": room, "first": first, "token": peer.get("token"),
                       "bytes": [p.numel() * p.element_size() for p in parts],
                       "row_bytes": self.buffers.row_bytes[first:last]}
             try:
