@@ -103,7 +103,15 @@ class CompileWorker:
         assert self.process.stdin is not None and self.process.stdout is not None
         self._stdin, self._fd = self.process.stdin, self.process.stdout.fileno()
         self._ready = False
-        _write(self._stdin, (sys.path, recipe, memory_bytes))
+        # written from a thread: the pipe holds 64 KiB, and the child reads the recipe (the
+        # tokenizer, megabytes) only once it has started, which the caller need not wait for
+        self._sending = threading.Thread(target=self._send_recipe, name="sgl-grammar-recipe",
+                                         args=((sys.path, recipe, memory_bytes),), daemon=True)
+        self._sending.start()
+
+    def _send_recipe(self, message: tuple[Any, ...]) -> None:
+        with contextlib.suppress(OSError, ValueError):  # the child died: _wait_ready says so
+            _write(self._stdin, message)
 
     def _wait_ready(self) -> None:
         if self._ready:
@@ -117,6 +125,7 @@ class CompileWorker:
         if status != "ready":
             self.kill()
             raise RuntimeError(f"the grammar compile worker could not build its backend: {detail}")
+        self._sending.join()
         self._ready = True
 
     def compile(self, kind: str, spec: str, timeout: float) -> bytes:

@@ -440,6 +440,14 @@ def test_malformed_link_messages_leave_the_link_serving(failing: PD) -> None:
             reply = held.result()
         assert reply.status_code == 502, reply.text
         assert "layout" in reply.text
+        # a flood of wants for rooms nobody holds: past MAX_PENDING_ROOMS each is refused
+        for room in range(5000):
+            sock.send_json({"type": "want", "room": room, "dst": [], "skip": 0})
+        refused = 0
+        while sock.poll(3000):
+            answer = json.loads(sock.recv())
+            refused += "holds 4096 wants already" in answer.get("error", "")
+        assert refused == 5000 - 4096
     prefill, decode = both(failing, "/generate", PROMPT)
     assert prefill.status_code == decode.status_code == 200, (prefill.text, decode.text)
     assert_idle(failing.prefill, failing.decode)

@@ -36,9 +36,13 @@ if TYPE_CHECKING:
     from sgl.engine.scheduler import Scheduler
     from sgl.engine.sequence import Req
 
-__all__ = ["PrefillLink", "PrefillSide"]
+__all__ = ["MAX_PENDING_ROOMS", "PrefillLink", "PrefillSide"]
 
 logger = logging.getLogger("sgl.disaggregation")
+
+#: wants (and cancels of rooms not held here) kept at once, each until its request comes or
+#: --disaggregation-timeout passes: a bound on what a flood of them can hold
+MAX_PENDING_ROOMS = 4096
 
 
 @dataclass
@@ -126,6 +130,10 @@ class PrefillLink(Link):
                 error, _ = self.gone.pop(room)
                 self._reply(identity, {"type": "failed", "room": room, "error": error})
                 return
+            if room not in self.wants and len(self.wants) >= MAX_PENDING_ROOMS:
+                self._reply(identity, {"type": "failed", "room": room, "error": (
+                    f"this prefill server holds {MAX_PENDING_ROOMS} wants already; retry")})
+                return
             self.wants[room] = _Want(identity, msg, time.monotonic())
             self._try(room)
         elif kind == "cancel":
@@ -136,6 +144,8 @@ class PrefillLink(Link):
                 self.emit("failed", room, "the decode server gave the request up", 499)
             else:  # still prefilling here: end it once its KV is ready
                 self.cancelled[room] = time.monotonic()
+                if len(self.cancelled) > MAX_PENDING_ROOMS:  # the oldest is forgotten
+                    del self.cancelled[next(iter(self.cancelled))]
 
     def tick(self, now: float) -> None:
         for room, send in list(self.sends.items()):
