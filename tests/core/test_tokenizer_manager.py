@@ -354,3 +354,28 @@ def test_a_lone_surrogate_is_a_bad_request_without_http(template_file: str) -> N
         tm.prepare({"text": "a\ud800b"})
     with pytest.raises(BadRequestError, match=r"messages\[0\]\.content: .*unpaired surrogate"):
         tm.apply_chat_template([{"role": "user", "content": "a\ud800b"}])
+
+
+def test_long_prompts_are_tokenized_on_their_own_thread() -> None:
+    """Calls run on the short-prompt thread until the prompts they tokenize pass
+    LONG_PROMPT_CHARS in all (one long text, or many short ones); then from the start on the
+    long-prompt thread, each thread with its own copy of the tokenizer."""
+    from sgl.server.tokenizer_manager import LONG_PROMPT_CHARS
+
+    def where(tm: TokenizerManager, texts: list[str]) -> tuple[str, list[int]]:
+        ids = [len(tm.encode(t)) for t in texts]
+        return threading.current_thread().name, ids
+
+    async def body(tm: TokenizerManager) -> Any:
+        tm.max_prompt_chars = 10**9  # the toy context fits no long prompt
+        short = await tm.in_tokenizer_thread(where, tm, ["a b c"])
+        long = await tm.in_tokenizer_thread(where, tm, ["a " * LONG_PROMPT_CHARS])
+        many = await tm.in_tokenizer_thread(where, tm, ["a " * 1000] * (LONG_PROMPT_CHARS // 1000))
+        copies = [await tm.in_tokenizer_thread(lambda: tm._tokenizer) for _ in range(2)]
+        return short, long, many, copies, tm.tokenizer
+
+    (short, long, many, copies, shared), _ = run_with(emit(""), body)
+    assert short[0].startswith("sgl-tokenize-short")
+    assert long[0].startswith("sgl-tokenize-long") and long[1][0] > 0
+    assert many[0].startswith("sgl-tokenize-long") and len(many[1]) == LONG_PROMPT_CHARS // 1000
+    assert copies[0] is copies[1] and copies[0] is not shared

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -215,12 +214,16 @@ class TokenizerManager:
         every stream, ``/health`` and ``/metrics``). :meth:`generate` and
         :meth:`generate_stream` use it already.
 
-        ``fn`` runs on the short-prompt thread; if it meets a prompt of more than
-        :data:`LONG_PROMPT_CHARS` characters (:meth:`encode`, :meth:`apply_chat_template` and
-        :meth:`prepare` check before they tokenize), it runs again from the start on the
-        long-prompt thread, so ``fn`` must not have done anything it cannot do twice."""
+        ``fn`` runs on the short-prompt thread; once the prompts it tokenizes come to more than
+        :data:`LONG_PROMPT_CHARS` characters (:meth:`encode` and :meth:`apply_chat_template`
+        count them before they tokenize), it runs again from the start on the long-prompt
+        thread, so ``fn`` must not have done anything it cannot do twice."""
         loop = asyncio.get_running_loop()
-        call = functools.partial(fn, *args, **kwargs)
+
+        def call() -> T:
+            self._lane.chars = 0
+            return fn(*args, **kwargs)
+
         try:
             return await loop.run_in_executor(self._tokenizer_threads["short"], call)
         except _LongPrompt:
@@ -248,9 +251,11 @@ class TokenizerManager:
         self._check_lane(chars)
 
     def _check_lane(self, chars: int) -> None:
-        """On the short-prompt thread, send a call about to tokenize ``chars`` characters to
-        the long-prompt thread (see :meth:`in_tokenizer_thread`)."""
-        if chars > LONG_PROMPT_CHARS and getattr(self._lane, "name", None) == "short":
+        """Count ``chars`` more characters to tokenize in this call; on the short-prompt thread,
+        past :data:`LONG_PROMPT_CHARS` in all, send the call to the long-prompt thread (see
+        :meth:`in_tokenizer_thread`)."""
+        self._lane.chars = getattr(self._lane, "chars", 0) + chars
+        if self._lane.chars > LONG_PROMPT_CHARS and getattr(self._lane, "name", None) == "short":
             raise _LongPrompt
 
     def apply_chat_template(self, messages: list[dict[str, Any]], /, *,
@@ -322,8 +327,6 @@ class TokenizerManager:
         if isinstance(obj, dict):
             obj = GenerateReqInput.from_dict(obj)
         requests, as_list = obj.split()
-        self._check_lane(sum(len(text) for text in {id(r.text): r.text for r in requests
-                                                     if r.text is not None}.values()))
         prepared: list[tuple[OneRequest, list[int]]] = []
         rids: set[str] = set()
         tokenized: dict[int, list[int]] = {}  # n > 1 shares one prompt: tokenize it once
