@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import httpx
+import psutil
 import pytest
 
 from sgl_testing import ServerProcess
@@ -26,14 +27,33 @@ pytestmark = pytest.mark.slow
 
 #: the longest a canary request may take while an attack runs (a 2-core CI machine included)
 CANARY_LIMIT_S = 10.0
+#: the most the server's processes may grow while an attack runs (the logprob attack grew the
+#: scheduler by 14 GB before its fix)
+MEMORY_LIMIT = 1 << 30
+
+
+def server_rss(server: ServerProcess) -> int:
+    """Resident bytes of the server's processes, its grammar compile workers left out (each
+    has its own cap, --grammar-compile-memory-mb, and is killed past it)."""
+    root = psutil.Process(server.proc.pid)
+    total = 0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            if "sgl.grammar.worker" not in " ".join(proc.cmdline()):
+                total += proc.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 
 @contextmanager
 def canary(server: ServerProcess, limit_s: float = CANARY_LIMIT_S) -> Iterator[list[float]]:
-    """A client asking for 4 greedy tokens every half second; yields the latencies so far."""
+    """A client asking for 4 greedy tokens every half second, watching the server's memory;
+    yields the latencies so far."""
     latencies: list[float] = []
     errors: list[str] = []
     stop = threading.Event()
+    baseline, peak = server_rss(server), [0]
 
     def run() -> None:
         with httpx.Client(timeout=120) as client:
@@ -48,6 +68,7 @@ def canary(server: ServerProcess, limit_s: float = CANARY_LIMIT_S) -> Iterator[l
                 except httpx.HTTPError as exc:
                     errors.append(repr(exc))
                 latencies.append(time.monotonic() - start)
+                peak[0] = max(peak[0], server_rss(server))
                 stop.wait(0.5)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -61,6 +82,9 @@ def canary(server: ServerProcess, limit_s: float = CANARY_LIMIT_S) -> Iterator[l
     assert not errors, f"canary requests failed: {errors[:3]}"
     assert latencies and max(latencies) < limit_s, (
         f"a canary request waited {max(latencies):.1f} s while the attack ran")
+    peak[0] = max(peak[0], server_rss(server))
+    assert peak[0] - baseline < MEMORY_LIMIT, (
+        f"the server grew by {(peak[0] - baseline) >> 20} MiB while the attack ran")
 
 
 def attack(server: ServerProcess, send: Callable[[httpx.Client], httpx.Response],
