@@ -55,3 +55,23 @@ def test_hook_is_documented_with_its_signature(name: str, fn) -> None:
 def test_hook_has_a_test(name: str, fn) -> None:
     sources = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py"))
     assert re.search(rf"def test_hook_{name}\b", sources), f"no test_hook_{name} in tests/"
+
+
+@pytest.mark.parametrize("name,fn", HOOKS, ids=[n for n, _ in HOOKS])
+def test_hook_has_a_row_in_the_architecture(name: str, fn) -> None:
+    """docs/architecture.md's table of plugin kinds names every hook: a hook added without a
+    row there (as the kernel libraries' and the API names' once were) is a page that drifted."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    table = page.split("## Plugin kinds", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert any(f"`{name}`" in row for row in rows), f"no row names `{name}`"
+
+
+def test_hooks_md_counts_the_registries() -> None:
+    """The number of registries hooks.md's process table gives is the number of
+    ``sgl_register_*`` hooks that fill a registry (every one but the commands')."""
+    registries = [n for n, _ in HOOKS if n.startswith("sgl_register_") and
+                  n != "sgl_register_commands"]
+    words = {9: "nine", 10: "ten", 11: "eleven", 12: "twelve", 13: "thirteen", 14: "fourteen"}
+    page = (ROOT / "docs" / "hooks.md").read_text()
+    assert f"(all {words[len(registries)]} registries)" in page, len(registries)
