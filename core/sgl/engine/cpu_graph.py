@@ -1,10 +1,8 @@
 """Replaying recorded decode forwards on CPU, what CUDA graphs do for a GPU.
 
 On CPU a decode step of a small model spends much of its time in Python around the kernels:
-module calls, shape and dtype checks, tensor allocations, argument conversion. For
-SmolLM2-135M (30 layers, about nine kernel calls each) that is 9-10 ms of every step on this
-project's 2-core VM, measured with a model of the same depth whose kernels cost next to nothing;
-a batch-1 bfloat16 step is about 36 ms.
+module calls, shape and dtype checks, tensor allocations, argument conversion (how much:
+docs/benchmarks.md, "Replaying decode forwards").
 
 :class:`CpuGraphRunner` runs the second decode forward of a batch size as usual while
 :func:`sgl.kernels.cpu.recording` has the kernel library take down every kernel call (the
@@ -21,10 +19,9 @@ Before serving, :meth:`CpuGraphRunner.record_batch_sizes` records every batch si
 largest (the scheduler's ``--cpu-graph-max-bs``) over batches of padding rows, largest first,
 the kernels' outputs of all of them carved from one arena the size of the largest's
 activations, as CUDA graphs share a memory pool: only one forward runs at a time, and a replay
-writes every activation before it reads it. For SmolLM2-135M in bfloat16, batch sizes 1 to 64
-take 4.1 s on two Zen 4 cores and 38 MiB (64 graphs each with their own activations would hold
-about 1.2 GiB). A size beyond them is recorded the second time it is seen (recording costs
-about 1.6 eager forwards: a size the batch passes through only once is not worth it), its
+writes every activation before it reads it (each graph with its own activations would hold
+dozens of times more). A size beyond them is recorded the second time it is seen (recording
+costs more than an eager forward: a size the batch passes through only once is not worth it), its
 activations in the arena as far as they fit and the rest on their own; graphs are dropped least
 recently used first beyond ``max_bytes``.
 
@@ -33,12 +30,9 @@ recorded as two parts, each the forward of half of its sequences, and a replay r
 at once, one thread each, every kernel of a part on its own thread
 (:meth:`~sgl.kernels.library.KernelLibrary.replay_parts`): the threads then never wait for each
 other inside the step, and one runs a part's memory-bound attention while the other runs the
-other part's matmuls. On two Zen 4 cores (``benchmarks/decode_parts.py``, 192 tokens of
-context) the forward of 32 took 23.1 ms in two parts of 16 against 24.5 ms whole, 16 in parts of
-8 12.8 against 13.5 ms, and served random prompts at concurrency 32 ran 3% faster; two decoders
-of 4 sequences on one thread each were slower than 8 on both threads (16.2 against 12.7 ms a
-step), hence the minimum. Every sequence's hidden states are the same bits either way: each row
-of a kernel's output is computed alone.
+other part's matmuls; below the minimum, parts run slower than the whole batch on both threads
+(docs/kernels.md, "Decode steps in two parts"). Every sequence's hidden states are the same bits
+either way: each row of a kernel's output is computed alone.
 
 As with CUDA graphs, the hidden states returned by a replay are the recorded tensor: they stay
 valid until the next forward. The models' and the attention backend's kernels must not decide
@@ -71,10 +65,10 @@ __all__ = ["CPU_GRAPH_MAX_BS", "DEFAULT_MAX_BYTES", "MIN_PART_SIZE", "CpuGraphRu
 logger = logging.getLogger(__name__)
 
 #: memory the recorded activations of all kept graphs may hold (least recently used dropped
-#: first); a batch-32 SmolLM2 graph holds about 20 MiB
+#: first)
 DEFAULT_MAX_BYTES = 256 * 2**20
 #: the largest decode batch recorded before serving by default (--cpu-graph-max-bs, never
-#: above --max-running-requests): 1 to 64 take SmolLM2-135M about 4 s on two Zen 4 cores
+#: above --max-running-requests)
 CPU_GRAPH_MAX_BS = 64
 #: recording costs about 1.6 eager forwards (the dispatch mode's Python runs for every torch
 #: op), so a batch size is recorded when it comes back, not the first time it is seen

@@ -78,9 +78,8 @@ def auto_cpu_dtype() -> tuple[torch.dtype, str]:
     """What ``--dtype auto`` runs on this CPU, and why (for the log).
 
     bfloat16 where the CPU has AVX512-BF16 or AMX and sgl's kernels run at such a level
-    (``amx``, ``avx512_bf16``): SmolLM2 on 2 cores decoded 1.8x (batch 1) and 2.7x (batch 32)
-    float32's speed on AMX tiles, 1.5x and 1.15x at ``avx512_bf16`` (docs/benchmarks.md).
-    Elsewhere float32. bfloat16's greedy tokens leave float32's within a few dozen, as
+    (``amx``, ``avx512_bf16``), where its bfloat16 matmuls read half the bytes and decode
+    faster than float32 (docs/benchmarks.md, "dtype `auto` on CPU"). Elsewhere float32. bfloat16's greedy tokens leave float32's within a few dozen, as
     transformers' own bfloat16 does; ``--dtype float32`` keeps them."""
     from sgl.kernels import cpu
 
@@ -470,10 +469,9 @@ class ModelRunner:
 
         :param reuse: write them into a buffer that the next call with ``reuse`` overwrites,
             not into a new tensor: for a caller done with them by then (the scheduler's
-            sampling). A new float32 tensor every step (6 MiB at batch 32 for SmolLM2's 49152
-            tokens) often came from fresh pages, the heap having split the last one for small
-            objects, and on the project's VMs its 1536 page faults made a decode step 20-60 ms
-            slower (docs/benchmarks.md, "Page faults in the decode step").
+            sampling). A new float32 tensor of a batch's logits every step often came from
+            fresh pages, the heap having split the last one for small objects, and its page
+            faults slowed the step (docs/benchmarks.md, "Page faults in the decode step").
         """
         rows = hidden.index_select(0, indices.to(hidden.device))
         if self.mirror is not None:

@@ -7,8 +7,8 @@ whatever they decode, so ``"▁world"`` decoded alone loses its space.
 
 :class:`IncrementalDetokenizer` avoids both. With a fast (Rust) tokenizer it runs on
 ``tokenizers``' own ``DecodeStream``, primed with the last prompt tokens as context, which
-holds back the bytes of a character until it is complete (about 8x faster per token than
-decoding windows in Python; a stray byte that never completes is emitted after
+holds back the bytes of a character until it is complete (faster per token than decoding
+windows in Python, ``benchmarks/detokenizer.py``; a stray byte that never completes is emitted after
 :data:`MAX_PENDING` tokens, as U+FFFD, as a full decode writes it). Otherwise, and for special
 tokens kept with spaces between them (which ``DecodeStream`` does not write), it keeps two
 offsets into the ids seen so far: the text of ``ids[prefix_offset:read_offset]`` was already

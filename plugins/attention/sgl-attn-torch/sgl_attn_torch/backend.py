@@ -5,7 +5,7 @@ On CPU with the kernels, decode and extend are one kernel call per layer that re
 and values straight from the pool through ``req_to_token`` and shares the batch out over the
 kernels' threads; in a mixed step (the running requests' one new token each, then prompt
 chunks) the running requests' rows (``ForwardBatch.decode_seqs``) go to the decode kernel, which
-attends them 2-3x faster than the extend kernel's tiles of query rows, and prompt tokens to the
+attends them faster than the extend kernel's tiles of query rows, and prompt tokens to the
 extend kernel; the two give a query row the same bits (``decode_matches_prefill``), so a
 token's result does not depend on which took it. Otherwise, extend runs one SDPA call per sequence
 over its cached prefix plus its new tokens, so there is no padding to the longest sequence. When
@@ -14,24 +14,10 @@ masking.
 
 Decode gathers the KV of several sequences at once into a padded block (``index_select``
 through ``req_to_token``) with a key-padding mask, in chunks of at most
-``DECODE_CHUNK_TOKENS`` padded keys so that the gathered block stays in cache.
-
-Measured for one SmolLM2-135M layer's decode attention (9 query heads, 3 KV heads, head_dim 64,
-float32, KV slots scattered over the pool, 1 torch thread on a 2-core VM), microseconds per
-layer call including the KV write and the planning:
-
-===============  =============  ===================  ================
-batch x context  per-sequence   one padded block     chunked (used)
-===============  =============  ===================  ================
-1 x 512          347            211                  217
-1 x 2048         1094           762                  748
-32 x 512         7741           13160                4474
-32 x 2048        35654          69563                29938
-===============  =============  ===================  ================
-
-"per-sequence" is one ``index_select`` + SDPA call per sequence; "one padded block" gathers the
-whole batch at once, which falls out of cache at batch 32. Gathering with ``index_select`` is
-3-6x faster than advanced indexing (``pool[idx]``) on CPU.
+``DECODE_CHUNK_TOKENS`` padded keys so that the gathered block stays in cache (one block for
+the whole batch falls out of cache; one SDPA call per sequence pays its overhead each time;
+docs/kernels.md, "Decode attention without the kernels"). Gathering with ``index_select`` is
+faster than advanced indexing (``pool[idx]``) on CPU.
 """
 
 from __future__ import annotations
@@ -115,7 +101,7 @@ class _NativeExtend:
     #: its sequence), -1 elsewhere; None without trees
     tree_bits: torch.Tensor | None = None
     #: the batch's leading sequences of one new token on a cached prefix (the running requests
-    #: of a mixed step), which the decode kernel attends 2-3x faster than extend tiles can; the
+    #: of a mixed step), which the decode kernel attends faster than extend tiles can; the
     #: other arguments then describe only the sequences after them
     decodes: _NativeDecode | None = None
 

@@ -149,17 +149,11 @@ class CpuKernelLibrary(KernelLibrary):
         return linear.pack(weight, bias)
 
     def extend_attention_faster(self, dtype: torch.dtype) -> bool:
-        """One layer of a 1024-token SmolLM2 prefill (9 heads, 3 KV heads, 64 wide; 2-core
-        Sapphire Rapids, ms, kernel on 1 / 2 threads vs SDPA on 1): float32 19.8 / 11.6 vs 24.4;
-        bfloat16 at ``amx`` 19.1 / 11.3 vs 10.5 (SDPA's bfloat16 runs on AMX tiles), at
-        ``avx512_bf16`` 19.4 / 10.4 vs 14.3 (oneDNN capped likewise), at ``avx512`` 29.6 / 12.1
-        vs 19.0; at ``avx2`` (torch capped alike: ``ATEN_CPU_CAPABILITY=avx2``,
-        ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX2``; two runs) float32
-        40-53 / 24-31 vs 32-36, bfloat16 46-53 / 23-30 vs 40-41
-        (``benchmarks/extend_attention.py``). The kernel computes in float32 at every level; at
-        ``amx`` and ``avx512_bf16`` its bfloat16 scores are vdpbf16ps products (exact, summed in
-        float32), which took a shared-prefix extend (16 questions of 64 tokens on 512 cached
-        ones) from 8.7 to 6.5 ms on two Zen 4 cores.
+        """Whether the extend kernel runs for ``dtype``: float32 and bfloat16, at every level.
+        On two kernel threads it is faster than torch's SDPA on one at every level measured
+        (docs/kernels.md, "Extend (prefill) attention"). The kernel computes in float32; at
+        ``amx`` and ``avx512_bf16`` its bfloat16 scores are vdpbf16ps products (exact, summed
+        in float32).
 
         It runs wherever it takes the dtype, even where SDPA is as fast (bfloat16 at ``amx``,
         one kernel thread): SDPA's sums over a row's keys depend on how many query rows come
@@ -167,13 +161,11 @@ class CpuKernelLibrary(KernelLibrary):
         the same row as in the cold prefill, and greedy output would depend on the cache."""
         return dtype in (torch.float32, torch.bfloat16)
 
-    #: up to this many rows the AVX2 kernel's integer tiles beat its exact ones: for one SmolLM2
-    #: forward's matmuls on one AVX2 thread 8.5 against 13.4 ms at 1 row, 11.6 against 16.1
-    #: at 2, 15.6 against 18.7 at 3, even at 4 (docs/benchmarks.md, "Quantized matmuls")
+    #: up to this many rows the AVX2 kernel's integer tiles beat its exact ones (measured:
+    #: docs/benchmarks.md, "Quantized matmuls")
     ROUND_X_FEW_ROWS = 3
-    #: from this many rows, with AVX512-VNNI, the 16-column vpdpbusd tiles: on Zen 4 (2
-    #: threads) 23-27 ms at 32 rows against the exact kernel's 35-42 and the dense bfloat16
-    #: weight's 24-27 (docs/benchmarks.md, "Quantized matmuls on AVX-512")
+    #: from this many rows, with AVX512-VNNI, the 16-column vpdpbusd tiles beat the exact
+    #: kernel (docs/benchmarks.md, "Quantized matmuls on AVX-512")
     ROUND_X_MANY_ROWS = 8
 
     def round_x_faster(self, rows: int) -> bool:

@@ -15,42 +15,12 @@ the weight into its blocked layout on every call. The copies:
   ``F.linear`` on the plain weight.
   (Below the kernel levels the core packs bfloat16 weights for oneDNN instead.)
 
-The matmuls of one SmolLM2-135M decode step (30 layers plus the LM head, bfloat16, weights not
-in cache, 1 thread, 2-core Sapphire Rapids VM; the three kinds interleaved in one process,
-median of 7): the weights alone take 26-30 ms to read.
-
-=====  ============  ===============  ==============
-rows   ``F.linear``  oneDNN packed    AMX (used)
-=====  ============  ===============  ==============
-1      46-54 ms      40-48 ms         26-28 ms
-8      --            45 ms            23-25 ms
-32     55 ms         45-47 ms         32-35 ms
-64     --            50-57 ms         40-45 ms
-=====  ============  ===============  ==============
-
 * ``"f32"``: float32 weights at every kernel level, the 32-column panels of
   :func:`sgl.kernels.ops.pack_f32_weight`, multiplied by ``sgl::linear_f32`` when torch runs on one
   thread: for any number of rows with two or more kernel threads (the panels split over them),
   for :data:`F32_MIN_ROWS` to :data:`F32_MAX_ROWS` rows with one. MKL reads the weight at memory
-  speed for one or two rows but repacks it on every call for more; the same matmuls in float32
-  (30 layers + LM head, torch on 1 thread, median of 3; the last column measured later, in
-  another run, next to MKL at 44, 46, 79, 133, 163 and 429 ms for 1, 2, 4, 32, 64, 256 rows):
-
-  =====  ======  =====================  =======================
-  rows   MKL     panels (used, 4-64)    panels, 2 kernel threads
-  =====  ======  =====================  =======================
-  1      48 ms   49 ms                  25 ms
-  2      --      --                     28 ms
-  4      95 ms   66 ms                  31 ms
-  8      145 ms  78 ms                  --
-  32     166 ms  128 ms                 57 ms
-  64     206 ms  192 ms                 84 ms
-  256    --      --                     247 ms
-  =====  ======  =====================  =======================
-
-  At ``avx2`` the same row ranges are used; there (``benchmarks/linear_kernels.py``, MKL capped
-  at AVX2) the kernel leads MKL up to about 32 rows on one thread and is within 0.85-1.1x of it
-  above, and leads on two threads up to 128 rows.
+  speed for one or two rows but repacks it on every call for more. The measured row ranges
+  and timings: docs/kernels.md, "Linear layers".
 """
 
 from __future__ import annotations

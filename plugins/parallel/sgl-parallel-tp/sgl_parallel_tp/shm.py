@@ -1,8 +1,8 @@
 """All-reduce and all-gather through shared memory, for the ranks of one machine.
 
-gloo's collectives go through TCP on loopback: about 1-1.7 ms each on the 2-core VMs here
-(``docs/benchmarks.md``, "Tensor parallelism"), and a decode step of a 30-layer model runs 61 of
-them. Ranks on one machine can instead meet in a shared memory block: each rank copies its
+gloo's collectives go through TCP on loopback, a round trip through the kernel's network
+stack each (``docs/benchmarks.md``, "Tensor parallelism"), and a decode step of a 30-layer model
+runs 61 of them. Ranks on one machine can instead meet in a shared memory block: each rank copies its
 tensor into its own slot and raises its *ready* counter; once every rank's counter reached the
 step, each reads all slots and combines them in rank order (so every rank gets the same bits),
 then raises its *done* counter, which a rank waits for before it overwrites its slot again.
