@@ -2,9 +2,10 @@
 
 sgl's CPU kernels (the matmuls, the decode attention, the norms; :mod:`sgl.kernels.cpu`) run on
 a pool of their own threads and are used only while torch runs on one thread: torch's OpenMP
-threads spin at barriers, so the two pools on the same cores would slow each other down
-(measured on a 2-core VM: with another process busy on one core, two torch threads decode
-13-18x slower than one; the kernel threads, which claim work chunk by chunk, lose little).
+threads spin at barriers, so the two pools on the same cores would slow each other down, and
+with another process busy on a core torch's threads wait for the slowest one at every barrier
+(the kernel threads, which claim work chunk by chunk, lose little; docs/benchmarks.md,
+"Threads").
 So, by default:
 
 * where the kernels run (an instruction-set level of :data:`sgl.kernels.cpu.KERNEL_LEVELS`),

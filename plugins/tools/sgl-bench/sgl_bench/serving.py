@@ -14,10 +14,9 @@ generates its requested length. Token counts are the server's when it reports th
 ``meta_info``, OpenAI ``usage``), else the prompt's own count and the number of output chunks.
 
 The requests go out on aiohttp, as in SGLang's ``bench_serving``: the client shares the
-machine with the server, and what it spends per streamed chunk is taken from the server. On the
-project's 2-core VM, 64 requests at concurrency 32 cost httpx's client 0.84-1.07 s of CPU and
-aiohttp's 0.32-0.45 s, and the same sgl server measured 5.8% faster with the latter (means of
-3 runs, 590.8 against 558.5 tok/s; docs/benchmarks.md, "The benchmark client's CPU").
+machine with the server, and what it spends per streamed chunk is taken from the server;
+aiohttp spends less CPU per chunk than httpx (docs/benchmarks.md, "The benchmark client's
+CPU").
 """
 
 from __future__ import annotations
