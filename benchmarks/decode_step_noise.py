@@ -29,7 +29,7 @@ import torch
 
 from sgl.engine.batch_builder import BatchSeq, make_forward_batch
 from sgl.engine.model_runner import ModelRunner
-from sgl.engine.scheduler import configure_threads
+from sgl.engine.setup import configure_threads
 from sgl.forward_batch import ForwardMode
 from sgl.kernels import cpu
 from sgl.plugins import create_plugin_manager

@@ -82,7 +82,7 @@ def profile_rank(rank: int, tp: int, addr: str, model: str | None, dtype: str, b
                  steps: int, results: Any) -> None:
     from sgl.config import ServerSettings
     from sgl.engine.batch_builder import BatchSeq, make_forward_batch
-    from sgl.engine.scheduler import build_runner, prepare_process
+    from sgl.engine.setup import build_runner, prepare_process
     from sgl.forward_batch import ForwardMode
     from sgl.parallel import RankInfo
     from sgl.plugins import create_plugin_manager

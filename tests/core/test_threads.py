@@ -59,7 +59,7 @@ def test_usable_cores_follow_the_affinity_mask(mask: set[int]) -> None:
     script = textwrap.dedent(f"""
         import os, torch
         os.sched_setaffinity(0, {sorted(mask)!r})
-        from sgl.engine.scheduler import configure_threads
+        from sgl.engine.setup import configure_threads
         from sgl.kernels import cpu
         from sgl.threads import usable_cores
         plan = configure_threads(None, None)

@@ -118,7 +118,7 @@ def start_scheduler(settings: ServerSettings, pm: SglPluginManager) -> Scheduler
     """Spawn this node's scheduler processes: one, or the ranks of the parallel strategy the
     settings turn on (:mod:`sgl.parallel`). They load the plugins ``pm`` loaded (no
     rediscovery) and the model, then report through :meth:`SchedulerHandle.wait_ready`."""
-    from sgl.engine.scheduler import run_scheduler_process
+    from sgl.engine.scheduler_process import run_scheduler_process
     from sgl.parallel.select import parallel_strategy
 
     chosen = parallel_strategy(settings, pm.registries)

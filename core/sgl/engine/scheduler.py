@@ -38,6 +38,7 @@ from sgl.engine.cpu_graph import CPU_GRAPH_MAX_BS
 from sgl.engine.disaggregation import disaggregation_side
 from sgl.engine.grammar_manager import IDLE_WAIT, make_grammar_manager
 from sgl.engine.logprobs import LogprobRows
+from sgl.engine.setup import build_runner, prepare_process
 from sgl.engine.messages import (
     AbortRequest,
     CloseSessionRequest,
@@ -61,11 +62,8 @@ from sgl.engine.speculative import (
 from sgl.engine.sequence import Req
 from sgl.kernels import cpu
 from sgl.layers.tp import get_tp_group
-from sgl.model_loader import ModelLoadError
 from sgl.kvcache import BaseCachePolicy, NoPrefixCache, PrefixMatch
-from sgl.parallel.base import GroupFailure, RankInfo
 from sgl.sampling import stop_regex
-from sgl.threads import ThreadPlan, plan_threads
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
@@ -84,48 +82,6 @@ NEW_TOKEN_RATIO_DECAY = 0.002
 STOP_REGEX_WINDOW = 32
 #: the most sessions open at once (each is an entry here and a protected cache prefix)
 MAX_OPEN_SESSIONS = 1024
-
-
-def configure_threads(num_threads: int | None, kernel_threads: int | None) -> ThreadPlan:
-    """Set torch's and sgl's kernel threads as the scheduler runs them (see :mod:`sgl.threads`;
-    after ``cpu.set_isa``, which decides whether the kernels run). ValueError for counts that
-    would fight over the cores."""
-    kernels = cpu.load() is not None
-    plan = plan_threads(num_threads, kernel_threads, kernels=kernels)
-    torch.set_num_threads(plan.torch_threads)
-    cpu.set_threads(plan.kernel_threads)
-    if kernel_threads is not None and not kernels:
-        logger.warning("--kernel-threads %d has no effect: sgl's CPU kernels do not run here "
-                       "(%s)", kernel_threads, cpu.describe_isa())
-    elif kernels and not plan.kernels_on:
-        logger.warning("torch runs on %d threads: sgl's CPU matmul kernels and the replayed "
-                       "decode forwards are off (they need --num-threads 1)", plan.torch_threads)
-    return plan
-
-
-def prepare_process(settings: ServerSettings, pm: SglPluginManager) -> ThreadPlan:
-    """What a scheduler process sets before it builds its model: the CPU kernels' library and
-    level, and the threads."""
-    cpu.use_plugins(pm)  # the kernel library of the plugins this process loaded
-    cpu.set_isa(settings.cpu_isa)
-    return configure_threads(settings.num_threads, settings.kernel_threads)
-
-
-def build_runner(settings: ServerSettings, pm: SglPluginManager) -> ModelRunner:
-    """The model runner the settings describe."""
-    from sgl.engine.model_runner import ModelRunner
-
-    return ModelRunner(
-        model_path=settings.model_path, dtype=settings.dtype,
-        quantization=settings.quantization,
-        int8_activations=settings.int8_activations, attention_backend=settings.attention_backend, registries=pm.registries,
-        plugin_manager=pm, max_total_tokens=settings.max_total_tokens,
-        mem_fraction=settings.mem_fraction_static,
-        max_running_requests=settings.max_running_requests,
-        context_length=settings.context_length, page_size=settings.page_size,
-        device=settings.device, cpu_graphs=not settings.disable_cpu_graph,
-        cuda_graphs=not settings.disable_cuda_graph, cuda_graph_max_bs=settings.cuda_graph_max_bs,
-        show_progress=get_tp_group().rank == 0)  # one bar, not one per rank
 
 
 class Scheduler:
@@ -872,62 +828,3 @@ def _eos_ids(hf_config: Any) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
-
-def run_scheduler_process(settings_data: dict[str, Any], records: tuple[Any, ...],
-                          endpoints: dict[str, str], ready_conn: Any,
-                          rank: RankInfo | None = None) -> None:
-    """Entry point of a scheduler process (started with the ``spawn`` method): the only one,
-    or one rank of a parallel strategy, where the leader schedules and the others follow."""
-    from sgl.config import settings_from_dict
-    from sgl.log import setup_logging
-    from sgl.plugins import PluginSelection, create_plugin_manager
-
-    setup_logging(settings_data.get("log_level", "info"),
-                  process="scheduler" if rank is None else rank.tag)
-    try:
-        pm = create_plugin_manager(PluginSelection(exact=tuple(records)))
-        settings = settings_from_dict(settings_data, pm.config_classes())
-        strategy = None
-        if rank is not None:
-            strategy = pm.registries.parallel.load(rank.strategy)(settings)
-            strategy.init_process(rank)
-        if rank is not None and not rank.leader:
-            prepare_process(settings, pm)
-            runner = build_runner(settings, pm)
-        else:
-            scheduler = Scheduler(settings, pm, endpoints)
-            if strategy is not None:
-                strategy.lead(scheduler.runner)
-                scheduler.parallel = {"strategy": rank.strategy, **strategy.describe()}
-            pm.notify_startup(settings=settings, process="scheduler", context=scheduler)
-    except BaseException as exc:  # report why, then exit non-zero
-        if isinstance(exc, (ValueError, ModelLoadError)):  # the message says it all
-            logger.error("scheduler failed to start: %s", exc)
-        else:
-            logger.error("scheduler failed to start:\n%s", traceback.format_exc())
-        ready_conn.send(SchedulerInfo(ok=False, error=f"{type(exc).__name__}: {exc}"))
-        raise SystemExit(1) from None
-    if rank is not None and not rank.leader:
-        assert strategy is not None
-        ready_conn.send(SchedulerInfo(ok=True, model_path=str(runner.model_path),
-                                      architecture=runner.architecture,
-                                      max_total_tokens=runner.kv_pool.size))
-        ready_conn.close()
-        try:
-            strategy.follow(runner)
-        except GroupFailure as exc:
-            logger.error("rank %d stops: %s", rank.rank, exc)
-            raise SystemExit(1) from None
-        return
-    ready_conn.send(scheduler.info())
-    ready_conn.close()
-    try:
-        with torch.inference_mode():
-            scheduler.event_loop()
-    except GroupFailure as exc:
-        logger.error("the scheduler stops: %s", exc)
-        raise SystemExit(1) from None
-    finally:
-        pm.notify_shutdown(settings=settings, process="scheduler")
-        scheduler.close()

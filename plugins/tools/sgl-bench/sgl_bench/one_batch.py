@@ -25,7 +25,7 @@ def load_runner(*, model_path: str | None, dtype: str, quantization: str = "auto
     """A ``ModelRunner`` sized for the largest case, with torch's and the kernels' thread
     counts set as the scheduler sets them."""
     from sgl.engine.model_runner import ModelRunner
-    from sgl.engine.scheduler import configure_threads
+    from sgl.engine.setup import configure_threads
     from sgl.plugins import PluginSelection, create_plugin_manager
 
     configure_threads(num_threads, None)

@@ -1,0 +1,67 @@
+"""What a scheduler process sets before it builds its model, and the model runner it builds:
+the CPU kernels' library and instruction-set level, torch's and the kernels' threads (see
+:mod:`sgl.threads`), and the :class:`~sgl.engine.model_runner.ModelRunner` the settings
+describe. Leaders and followers of a parallel group alike (:mod:`sgl.engine.scheduler_process`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from sgl.kernels import cpu
+from sgl.layers.tp import get_tp_group
+from sgl.threads import ThreadPlan, plan_threads
+
+if TYPE_CHECKING:
+    from sgl.config import ServerSettings
+    from sgl.engine.model_runner import ModelRunner
+    from sgl.plugins import SglPluginManager
+
+__all__ = ["build_runner", "configure_threads", "prepare_process"]
+
+logger = logging.getLogger("sgl.scheduler")
+
+
+def configure_threads(num_threads: int | None, kernel_threads: int | None) -> ThreadPlan:
+    """Set torch's and sgl's kernel threads as the scheduler runs them (see :mod:`sgl.threads`;
+    after ``cpu.set_isa``, which decides whether the kernels run). ValueError for counts that
+    would fight over the cores."""
+    kernels = cpu.load() is not None
+    plan = plan_threads(num_threads, kernel_threads, kernels=kernels)
+    torch.set_num_threads(plan.torch_threads)
+    cpu.set_threads(plan.kernel_threads)
+    if kernel_threads is not None and not kernels:
+        logger.warning("--kernel-threads %d has no effect: sgl's CPU kernels do not run here "
+                       "(%s)", kernel_threads, cpu.describe_isa())
+    elif kernels and not plan.kernels_on:
+        logger.warning("torch runs on %d threads: sgl's CPU matmul kernels and the replayed "
+                       "decode forwards are off (they need --num-threads 1)", plan.torch_threads)
+    return plan
+
+
+def prepare_process(settings: ServerSettings, pm: SglPluginManager) -> ThreadPlan:
+    """What a scheduler process sets before it builds its model: the CPU kernels' library and
+    level, and the threads."""
+    cpu.use_plugins(pm)  # the kernel library of the plugins this process loaded
+    cpu.set_isa(settings.cpu_isa)
+    return configure_threads(settings.num_threads, settings.kernel_threads)
+
+
+def build_runner(settings: ServerSettings, pm: SglPluginManager) -> ModelRunner:
+    """The model runner the settings describe."""
+    from sgl.engine.model_runner import ModelRunner
+
+    return ModelRunner(
+        model_path=settings.model_path, dtype=settings.dtype,
+        quantization=settings.quantization,
+        int8_activations=settings.int8_activations, attention_backend=settings.attention_backend, registries=pm.registries,
+        plugin_manager=pm, max_total_tokens=settings.max_total_tokens,
+        mem_fraction=settings.mem_fraction_static,
+        max_running_requests=settings.max_running_requests,
+        context_length=settings.context_length, page_size=settings.page_size,
+        device=settings.device, cpu_graphs=not settings.disable_cpu_graph,
+        cuda_graphs=not settings.disable_cuda_graph, cuda_graph_max_bs=settings.cuda_graph_max_bs,
+        show_progress=get_tp_group().rank == 0)  # one bar, not one per rank
