@@ -34,6 +34,7 @@ import torch
 import zmq
 
 from sgl.engine.batch_builder import make_forward_batch
+from sgl.engine.finishing import FinishRules
 from sgl.engine.cpu_graph import CPU_GRAPH_MAX_BS
 from sgl.engine.disaggregation import disaggregation_side
 from sgl.engine.grammar_manager import IDLE_WAIT, make_grammar_manager
@@ -63,7 +64,6 @@ from sgl.engine.sequence import Req
 from sgl.kernels import cpu
 from sgl.layers.tp import get_tp_group
 from sgl.kvcache import BaseCachePolicy, NoPrefixCache, PrefixMatch
-from sgl.sampling import stop_regex
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
@@ -78,8 +78,6 @@ logger = logging.getLogger("sgl.scheduler")
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002
-#: output tokens a stop_regex is matched against (the end of the output)
-STOP_REGEX_WINDOW = 32
 #: the most sessions open at once (each is an entry here and a protected cache prefix)
 MAX_OPEN_SESSIONS = 1024
 
@@ -105,6 +103,9 @@ class Scheduler:
             load_tokenizer, resolve_model_path(settings.model_path))
         self.runner: ModelRunner = build_runner(settings, pm)
         self.eos_token_ids = _eos_ids(self.runner.hf_config)
+        #: when a request's output ends (stop tokens and strings, lengths)
+        self.finish = FinishRules(self.eos_token_ids, self.runner.context_length,
+                                  self._tokenizer.result)
         if self.runner.kv_pool.size < self.runner.context_length:
             logger.warning("the KV pool (%d tokens) is smaller than the context length (%d): a "
                            "request that fills it alone stops there (finish reason length); "
@@ -422,7 +423,7 @@ class Scheduler:
         (:mod:`sgl.engine.speculative`); a failure fails only the request it concerns."""
         assert self.spec is not None
         try:
-            verified = self.spec.verify(items, hidden, self.grammar, self.banned)
+            verified = self.spec.verify(items, hidden, self.grammar, self.finish.banned)
         except Exception:
             if len(items) == 1:
                 raise
@@ -475,7 +476,7 @@ class Scheduler:
         next_ids = sample_next_tokens(logits, SamplingInput(
             params=[r.sampling for r in reqs], seeds=[r.seed for r in reqs],
             steps=[len(r.output_ids) for r in reqs], output_ids=[r.output_ids for r in reqs],
-            prompt_ids=[r.input_ids for r in reqs], banned=[self.banned(r) for r in reqs],
+            prompt_ids=[r.input_ids for r in reqs], banned=[self.finish.banned(r) for r in reqs],
         )).tolist()
         now = time.time()
         lp_row = {i: row for row, i in enumerate(wants)}  # request -> its row of lp
@@ -493,7 +494,7 @@ class Scheduler:
         room = min(req.remaining_new_tokens(), self.runner.context_length - req.seq_len)
         if (error := self.grammar.advance(req, room)) is not None:
             self.fail(req, error, 500)
-        self.check_finished(req)
+        self.finish.check(req)
 
     def output_logprobs(self, req: Req, lp: LogprobRows, row: int, token: int) -> None:
         opts = req.logprobs
@@ -542,46 +543,6 @@ class Scheduler:
                 req.input_top_logprobs.append(lp.top(j, opts.top_logprobs_num))
             if opts.token_ids_logprob:
                 req.input_token_ids_logprobs.append(lp.of_ids(j, opts.token_ids_logprob))
-
-    def banned(self, req: Req, output_len: int | None = None) -> list[int]:
-        """EOS and stop tokens may not end the output before min_new_tokens (unless a grammar
-        decides when the output ends); ``output_len``: the output's length at that token
-        (default: now)."""
-        n = len(req.output_ids) if output_len is None else output_len
-        if n >= req.sampling.min_new_tokens or req.grammar is not None:
-            return []
-        return sorted(set(req.sampling.stop_token_ids) | set(self.eos_token_ids))
-
-    def check_finished(self, req: Req) -> None:
-        if req.finished:  # by its grammar
-            return
-        token, params = req.output_ids[-1], req.sampling
-        if len(req.output_ids) >= params.min_new_tokens and (
-                token in params.stop_token_ids
-                or (not params.ignore_eos and token in self.eos_token_ids)):
-            req.finish_reason = {"type": "stop", "matched": token}
-        elif (params.stop or params.stop_regex) and \
-                (matched := self.matched_stop_string(req)) is not None:
-            req.finish_reason = {"type": "stop", "matched": matched}
-        elif len(req.output_ids) >= params.max_new_tokens:
-            req.finish_reason = {"type": "length", "length": params.max_new_tokens}
-        elif req.seq_len >= self.runner.context_length:
-            req.finish_reason = {"type": "length", "length": len(req.output_ids)}
-
-    def matched_stop_string(self, req: Req) -> str | None:
-        if len(req.output_ids) < req.sampling.min_new_tokens:
-            return None
-        window = max((len(s) for s in req.sampling.stop), default=0) + 4
-        if req.sampling.stop_regex:
-            window = max(window, STOP_REGEX_WINDOW)
-        tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False)
-        for stop in req.sampling.stop:
-            if stop in tail:
-                return stop
-        for pattern in req.sampling.stop_regex:  # compiled once (RE2: linear time)
-            if (found := stop_regex(pattern).search(tail)) and found.group(0):
-                return found.group(0)
-        return None
 
     # messages --------------------------------------------------------------------------------
 
