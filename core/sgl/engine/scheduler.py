@@ -281,7 +281,7 @@ class Scheduler:
             self.enqueue(req)
         for req, message, status in failed:
             self.fail(req, message, status)
-            self._replies.append(self.output_of(req))
+            self._replies.append(self.take_output(req))
 
     def start(self, req: Req, match: PrefixMatch) -> None:
         """Give a request its row, starting from the (locked) cached prefix ``match``."""
@@ -598,7 +598,7 @@ class Scheduler:
                 return
         if error is not None:
             self.fail(req, error, 400)
-            self._replies.append(self.output_of(req))
+            self._replies.append(self.take_output(req))
             return
         self.enqueue(req)
 
@@ -608,7 +608,7 @@ class Scheduler:
         if self.disagg is not None and self.disagg.mode == "decode":
             if req.sampling.max_new_tokens == 0:  # nothing to generate, nothing to transfer
                 req.finish_reason = {"type": "length", "length": 0}
-                self._replies.append(self.output_of(req))
+                self._replies.append(self.take_output(req))
             else:
                 self.disagg.add(req)
             return
@@ -692,7 +692,9 @@ class Scheduler:
     def reply_info(self, rid: str, info: dict[str, Any]) -> None:
         self.send_sock.send_pyobj(TokenBatch(info=info, info_rid=rid))
 
-    def output_of(self, r: Req) -> TokenOutput:
+    def take_output(self, r: Req) -> TokenOutput:
+        """What is new of ``r`` since its last output (tokens not sent, logprob entries), as a
+        :class:`TokenOutput`; the logprob lists go with it, emptied here."""
         out = TokenOutput(
             rid=r.rid, new_token_ids=r.unsent(), prompt_tokens=len(r.input_ids),
             cached_tokens=r.cached_tokens or 0,
@@ -718,7 +720,7 @@ class Scheduler:
                 continue
             seen.add(r.rid)
             if r.sent < len(r.output_ids) or r.finished or r.input_token_logprobs:
-                outputs.append(self.output_of(r))
+                outputs.append(self.take_output(r))
         if outputs:
             self.send_sock.send_pyobj(TokenBatch(outputs))
 

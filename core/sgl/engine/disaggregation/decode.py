@@ -252,7 +252,7 @@ class DecodeSide:
                 self._free(incoming)
                 if not incoming.cancelled:
                     s.fail(incoming.req, "the KV transfer link stopped (see the server log)", 500)
-                    s._replies.append(s.output_of(incoming.req))
+                    s._replies.append(s.take_output(incoming.req))
             return None
         incoming = self.transferring.pop(event[1], None)
         if incoming is None:
@@ -267,14 +267,14 @@ class DecodeSide:
             except KVTransferError as exc:  # what the prefill server sent is not usable
                 self._free(incoming)
                 s.fail(req, str(exc), 502)
-                s._replies.append(s.output_of(req))
+                s._replies.append(s.take_output(req))
                 return None
             except Exception as exc:  # noqa: BLE001 (one request fails, the server goes on)
                 logger.exception("taking over request %s failed", req.rid)
                 self._free(incoming)
                 s.fail(req, f"internal error while taking over the prefilled request: {exc}",
                        500)
-                s._replies.append(s.output_of(req))
+                s._replies.append(s.take_output(req))
                 return None
             return req
         self._free(incoming)
@@ -285,7 +285,7 @@ class DecodeSide:
                 s.fail(req, event[2], event[3])
             finally:
                 self._failing = False
-            s._replies.append(s.output_of(req))
+            s._replies.append(s.take_output(req))
         return None
 
     def _arrive(self, req: Req, msg: dict[str, Any]) -> None:

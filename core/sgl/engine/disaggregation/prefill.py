@@ -309,7 +309,7 @@ class PrefillSide:
         if req.finish_reason is None:
             req.finish_reason = {"type": "length", "length": len(req.output_ids)}
         s.free_memory(req)
-        s._replies.append(s.output_of(req))
+        s._replies.append(s.take_output(req))
 
     @property
     def busy(self) -> bool:
