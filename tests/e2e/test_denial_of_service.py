@@ -205,13 +205,19 @@ def test_long_prompts_are_tokenized_off_the_event_loop(server: ServerProcess) ->
     attack(server, send, limit_s=60, canary_limit_s=3.0)
 
 
+def own_server(tmp_path_factory: pytest.TempPathFactory, name: str,
+               *args: str) -> Iterator[ServerProcess]:
+    """A server of this module's own, with ``args`` besides a small KV pool."""
+    proc = ServerProcess(*args, "--max-total-tokens", "4096",
+                         log_path=tmp_path_factory.mktemp(name) / "server.log")
+    yield proc
+    proc.stop()
+
+
 @pytest.fixture(scope="module")
 def timed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A server whose requests may take 3 seconds (--request-timeout)."""
-    proc = ServerProcess("--request-timeout", "3", "--max-total-tokens", "4096",
-                         log_path=tmp_path_factory.mktemp("timed") / "server.log")
-    yield proc
-    proc.stop()
+    yield from own_server(tmp_path_factory, "timed", "--request-timeout", "3")
 
 
 LONG = {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}
@@ -254,10 +260,7 @@ def test_a_request_past_its_deadline_is_aborted(timed_server: ServerProcess) -> 
 @pytest.fixture(scope="module")
 def strict_grammar_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A server whose constraints may take 2 seconds to compile (--grammar-compile-timeout)."""
-    proc = ServerProcess("--grammar-compile-timeout", "2", "--max-total-tokens", "4096",
-                         log_path=tmp_path_factory.mktemp("grammar") / "server.log")
-    yield proc
-    proc.stop()
+    yield from own_server(tmp_path_factory, "grammar", "--grammar-compile-timeout", "2")
 
 
 def test_a_constraint_too_costly_to_compile(strict_grammar_server: ServerProcess) -> None:
