@@ -19,6 +19,7 @@ PLUGINS := \
 	plugins/attention/sgl-attn-triton \
 	plugins/attention/sgl-attn-flashinfer \
 	plugins/kernels/sgl-kernels-cpu \
+	plugins/quantization/sgl-quant-packed \
 	plugins/cache/sgl-cache-radix \
 	plugins/speculative/sgl-spec-ngram \
 	plugins/speculative/sgl-spec-standalone \
@@ -29,6 +30,7 @@ PLUGINS := \
 	plugins/transfer/sgl-transfer-tcp \
 	plugins/transfer/sgl-transfer-mooncake \
 	plugins/transfer/sgl-transfer-fake \
+	plugins/transfer/sgl-disaggregation \
 	plugins/tools/sgl-bench \
 	plugins/grammar/sgl-grammar-xgrammar \
 	plugins/grammar/sgl-grammar-outlines \

@@ -1,4 +1,4 @@
-"""Decode with and without replaying recorded forwards (``sgl.engine.cpu_graph``), same run.
+"""Decode with and without replaying recorded forwards (``sgl_kernels_cpu.graphs``), same run.
 
 Runs the bundled SmolLM2-135M-Instruct in sgl's ``ModelRunner`` the way the scheduler does
 (torch on one thread, sgl's kernels on ``--kernel-threads``), and decodes ``batch`` prompts of
@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     threads = [int(t) for t in args.kernel_threads.split(",")]
     tokenizer = load_tokenizer(bundled_model_path())
     runner = load_sgl(args.dtype, max(batches), max(batches) * (32 + args.decode_tokens) + 64)
-    graphs = runner.cpu_graphs
+    graphs = runner.decode_graphs
     if graphs is None:
         raise SystemExit("sgl's CPU kernels are unavailable here: nothing to replay")
     rates: dict[tuple[int, int, str], list[float]] = {}
@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         modes = ["eager", "graph"] if rep % 2 == 0 else ["graph", "eager"]
         tokens = {}
         for mode in modes:
-            runner.cpu_graphs = graphs if mode == "graph" else None
+            runner.decode_graphs = graphs if mode == "graph" else None
             graphs.clear()  # every graph run records its batch size anew
             _, seconds, tokens[mode] = sgl_generate(runner, prompts, args.decode_tokens)
             rates.setdefault((n, b, mode), []).append(b * (args.decode_tokens - 1) / seconds)

@@ -1,5 +1,5 @@
 """A recorded decode step replayed whole on the kernel threads against the same step replayed
-in parts, one kernel thread each (``sgl.engine.cpu_graph``), in one process.
+in parts, one kernel thread each (``sgl_kernels_cpu.graphs``), in one process.
 
     .venv/bin/python benchmarks/decode_parts.py [--batch-sizes 16,32] [--context 192]
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from decode_stages import Decoder
-from sgl.engine import cpu_graph
+from sgl_kernels_cpu import graphs as cpu_graph
 from sgl.engine.model_runner import ModelRunner
 from sgl.kernels import cpu
 from sgl.plugins import create_plugin_manager
@@ -32,11 +32,11 @@ def recorded(runner: ModelRunner, decoder: Decoder, parts: int) -> Any:
     split = cpu_graph.SPLIT_THREADS
     cpu_graph.SPLIT_THREADS = split if parts > 1 else 0
     try:
-        runner.cpu_graphs.clear()
+        runner.decode_graphs.clear()
         decoder.run(cpu_graph.SEEN_BEFORE_RECORDING + 1)  # seen, then recorded
     finally:
         cpu_graph.SPLIT_THREADS = split
-    graph = next(g for g in runner.cpu_graphs.graphs.values() if g is not None)
+    graph = next(g for g in runner.decode_graphs.graphs.values() if g is not None)
     if len(graph.parts) != parts:
         raise SystemExit(f"recorded {len(graph.parts)} part(s), wanted {parts}")
     return graph

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/decode_stages.py [--batch-sizes 1,32] [--dtypes bfloat16,float32]
 
-The stages (the "what changed" table of ``docs/benchmarks.md``), measured on the same loaded
+The stages (the "Decode stages" table of ``docs/benchmarks.md``), measured on the same loaded
 model, interleaved, median of ``--reps``, one torch thread, ``--context`` prompt tokens:
 
 * ``torch only``: no prepared weights (``F.linear``), sgl's C kernels off;

@@ -15,7 +15,7 @@ from sgl_testing import ServerProcess
 
 # Servers and CLI runs started by the tests record the decode forwards of batch sizes 1-8 before
 # serving, not the default 1-64 (seconds of start-up each; larger sizes are still recorded when
-# they recur). The shared session server below keeps the default, and tests/core/test_cpu_graph.py
+# they recur). The shared session server below keeps the default, and tests/plugins/kernels/test_cpu_graph.py
 # tests it.
 os.environ.setdefault("SGL_CPU_GRAPH_MAX_BS", "8")
 

@@ -73,24 +73,23 @@ class ServerSettings:
         "cuda when torch sees a GPU, else cpu.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(
         "auto", "Data type of weights and activations; auto: on CPU bfloat16 where sgl's "
-        "kernels run with AMX or AVX512-BF16 (faster decode), else float32; on accelerators "
-        "the checkpoint's half type.")
-    quantization: Literal["auto", "none", "gguf", "compressed-tensors", "gptq", "awq", "int8",
-                          "int4"] = _opt(
+        "kernels run at a level with bfloat16 instructions (faster decode), else float32; on "
+        "accelerators the checkpoint's half type.")
+    quantization: str = _opt(
         "auto", "How the weights are held. auto: a GGUF file's Q4_0, Q4_1 and Q8_0 blocks as "
         "they are (multiplied by sgl's quantized kernels; other GGUF types dequantized, with a "
-        "log line), the packed int4/int8 weights of a compressed-tensors (W4A16, W8A16), GPTQ "
-        "or AWQ checkpoint as blocks too, any other Hugging Face checkpoint dense. none: "
-        "everything dequantized to --dtype. int8 / int4: a dense Hugging Face checkpoint's "
-        "linear weights rounded to 8-/4-bit blocks of 32 at load (weight-only; the embedding "
-        "and LM head to 8 bits). gguf, compressed-tensors, gptq, awq: as auto, but only for "
-        "that kind of checkpoint.")
+        "log line), a checkpoint in a weight format a plugin registers (the choices after "
+        "int4) as its blocks too, any other Hugging Face checkpoint dense. none: everything dequantized to --dtype. int8 / int4: a dense Hugging Face "
+        "checkpoint's linear weights rounded to 8-/4-bit blocks of 32 at load (weight-only; the "
+        "embedding and LM head to 8 bits). gguf, or a weight format's name: as auto, but only "
+        "for that kind of checkpoint.",
+        registry="weight_formats", keywords=("auto", "none", "gguf", "int8", "int4"))
     int8_activations: Literal["auto", "on", "off"] = _opt(
         "off", "Round the activations to int8 per block of 32 before each 4-bit quantized "
         "matmul of a decode step and multiply integers, as llama.cpp does with every matmul. "
         "off (default): every product exact, and greedy output the same alone, in any batch "
         "and after a prefix-cache hit. auto: in steps of 8 or more sequences, on CPUs whose "
-        "kernels are faster so (AVX512-VNNI); on: also in steps of 1-3 sequences. Rounding "
+        "kernels are faster so (integer dot-product instructions); on: also in steps of 1-3 sequences. Rounding "
         "moves the logits by about 0.5, so with auto or on the output depends on the batch "
         "size (auto: on the load).")
     enable_deterministic_inference: bool = _opt(
@@ -109,10 +108,11 @@ class ServerSettings:
         "chunk, so a busy core slows them little. Default: the usable cores where the kernels "
         "run, else 1. Not above the usable cores, nor above 1 with --num-threads above 1.",
         minimum=1)
-    cpu_isa: Literal["auto", "amx", "avx512_bf16", "avx512", "avx2", "none"] = _opt(
-        "auto", "Highest instruction-set level of sgl's CPU kernels: amx, avx512_bf16 "
-        "(vdpbf16ps), avx512, avx2 or none (torch's operators only); never above what the CPU "
-        "has. auto: the CPU's best. For comparisons and for testing the lower paths.")
+    cpu_isa: str = _opt(
+        "auto", "Highest instruction-set level of sgl's CPU kernels: one of the CPU kernel "
+        "library's levels (`sgl plugins` lists them, best first) or none (torch's operators "
+        "only); never above what the CPU has. auto: the CPU's best. For comparisons and for "
+        "testing the lower paths.")
     disable_cpu_graph: bool = _opt(
         False, "Run every decode forward through the model's Python code instead of replaying "
         "the kernel calls recorded for its batch size (CPU; what --disable-cuda-graph is on a "

@@ -9,6 +9,7 @@ entry-point group of installed distributions, from ``--plugin NAME|module|path.p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -124,12 +125,16 @@ class Registries:
 
     attention: Registry[Any] = _registry("attention backend", "sgl_register_attention_backends")
     models: Registry[Any] = _registry("model architecture", "sgl_register_model_archs")
+    gguf_archs: Registry[Any] = _registry("GGUF architecture", "sgl_register_gguf_archs")
+    weight_formats: Registry[Any] = _registry("weight format", "sgl_register_weight_formats")
     grammar: Registry[Any] = _registry("grammar backend", "sgl_register_grammar_backends")
     cache: Registry[Any] = _registry("cache policy", "sgl_register_cache_policies")
     speculative: Registry[Any] = _registry("speculative algorithm",
                                            "sgl_register_speculative_algorithms")
     parallel: Registry[Any] = _registry("parallel strategy", "sgl_register_parallel_strategies")
     transfer: Registry[Any] = _registry("KV transfer backend", "sgl_register_kv_transfer_backends")
+    extensions: Registry[Any] = _registry("scheduler extension",
+                                          "sgl_register_scheduler_extensions")
     frontends: Registry[Any] = _registry("frontend", "sgl_register_frontends")
     kernels: Registry[Any] = _registry("kernel library", "sgl_register_kernel_libraries")
     tool_parsers: Registry[Any] = _registry("tool-call parser", "sgl_register_tool_parsers")
@@ -219,6 +224,13 @@ class SglPluginManager(pluggy.PluginManager):
                     f"{settings.sources.get(f.name, 'default')}): no installed plugin provides "
                     f"that {registry.kind}; available: "
                     f"{', '.join(registry.names()) or 'none installed'}{hint}")
+        if settings.cpu_isa not in ("auto", "none") and "cpu" in self.registries.kernels:
+            levels = getattr(self.registries.kernels.load("cpu"), "levels", ())
+            if settings.cpu_isa not in levels:
+                raise ConfigError(
+                    f"invalid value {settings.cpu_isa!r} for 'cpu_isa' (from "
+                    f"{settings.sources.get('cpu_isa', 'default')}): expected auto, none or a "
+                    f"level of the CPU kernel library: {', '.join(levels)}")
         if settings.speculative_algorithm is not None:
             entry = self.registries.speculative.entry(settings.speculative_algorithm)
             try:
@@ -256,6 +268,13 @@ class SglPluginManager(pluggy.PluginManager):
                     f"--disaggregation-transfer-backend {name}: plugin {entry.owner!r} "
                     f"registered {backend!r}, which is not a subclass of "
                     "sgl.transfer.BaseKVTransfer")
+            served = [e.name for e in self.registries.extensions
+                      if getattr(e.load(), "enabled", lambda _: False)(settings)]
+            if not served:
+                raise ConfigError(
+                    f"--disaggregation-mode {settings.disaggregation_mode}: no installed plugin "
+                    "serves it (a scheduler extension of sgl-disaggregation); install it: pip "
+                    "install sgl-disaggregation (plugins/transfer/sgl-disaggregation)")
 
     @cached_property
     def registries(self) -> Registries:
@@ -338,6 +357,14 @@ def _register_checked(pm: SglPluginManager, module: ModuleType, name: str) -> st
 
 def _is_path(spec: str) -> bool:
     return spec.endswith(".py") or os.sep in spec or spec.startswith(".")
+
+
+@functools.cache
+def installed_plugin_manager() -> SglPluginManager:
+    """The plugin manager of the installed plugins (as the environment selects them), built
+    once: for code that runs outside a server, an engine or a scheduler, which pass their
+    own (scripts, tests, a model config read on its own)."""
+    return create_plugin_manager()
 
 
 def create_plugin_manager(selection: PluginSelection | None = None) -> SglPluginManager:

@@ -8,7 +8,7 @@ with another process busy on a core torch's threads wait for the slowest one at 
 "Threads").
 So, by default:
 
-* where the kernels run (an instruction-set level of :data:`sgl.kernels.cpu.KERNEL_LEVELS`),
+* where the kernels run (an instruction-set level of :func:`sgl.kernels.cpu.kernel_levels`),
   torch gets 1 thread and the kernels one thread per core this process may use;
 * below those levels torch does everything, on one thread per usable core but one (which the
   HTTP process keeps for tokenizing), and the kernel pool stays at 1.

@@ -31,11 +31,14 @@ def registering(hook: str, name: str, target: Any) -> object:
 @pytest.mark.parametrize("hook,registry", [
     ("sgl_register_attention_backends", "attention"),
     ("sgl_register_model_archs", "models"),
+    ("sgl_register_gguf_archs", "gguf_archs"),
+    ("sgl_register_weight_formats", "weight_formats"),
     ("sgl_register_grammar_backends", "grammar"),
     ("sgl_register_cache_policies", "cache"),
     ("sgl_register_speculative_algorithms", "speculative"),
     ("sgl_register_parallel_strategies", "parallel"),
     ("sgl_register_kv_transfer_backends", "transfer"),
+    ("sgl_register_scheduler_extensions", "extensions"),
     ("sgl_register_frontends", "frontends"),
     ("sgl_register_tool_parsers", "tool_parsers"),
     ("sgl_register_api_names", "api_names"),
@@ -83,6 +86,106 @@ def test_hook_sgl_register_parallel_strategies(plugin_manager, register_plugin) 
 def test_hook_sgl_register_kv_transfer_backends(plugin_manager, register_plugin) -> None:
     register_plugin(registering("sgl_register_kv_transfer_backends", "toy-xfer", "a:B"), "p")
     assert plugin_manager.registries.transfer.entry("toy-xfer").owner == "p"
+
+
+def test_hook_sgl_register_gguf_archs(plugin_manager, register_plugin) -> None:
+    """A registered GGUF architecture is what the loader reads a file of that architecture
+    with; an entry that is not a GGUFArch of its name is refused naming the plugin."""
+    import dataclasses
+
+    from sgl.model_loader import ModelLoadError, open_weights
+    from sgl.model_loader.gguf_archs import gguf_arch, gguf_archs_of
+
+    llama = gguf_archs_of(plugin_manager.registries)["llama"]
+    toy = dataclasses.replace(llama, name="toyarch")
+    register_plugin(registering("sgl_register_gguf_archs", "toyarch", toy), "p")
+    archs = gguf_archs_of(plugin_manager.registries)
+    assert archs["toyarch"] is toy and gguf_arch("toyarch", archs) is toy
+    # the bundled model's file is "llama": without that architecture its weights are refused,
+    # naming the architectures there are
+    with pytest.raises(ModelLoadError, match="architecture 'llama'.*supported GGUF "
+                                             "architectures: toyarch"):
+        open_weights(None, gguf_archs={"toyarch": toy})
+    register_plugin(registering("sgl_register_gguf_archs", "bad", llama), "q")
+    with pytest.raises(ValueError, match="plugin 'q' registered GGUF architecture 'bad'"):
+        gguf_archs_of(plugin_manager.registries)
+
+
+def test_hook_sgl_register_weight_formats(plugin_manager, register_plugin, tmp_path) -> None:
+    """A registered weight format is a --quantization choice and reads the checkpoints of its
+    quant_method; an entry that is not a WeightFormat of its name is refused naming the
+    plugin."""
+    import json
+
+    from sgl.engine.model_runner import resolve_quantization
+    from sgl.model_loader import open_weights
+    from sgl.model_loader.formats import WeightFormat, weight_formats_of
+
+    opened = []
+
+    class Toy(WeightFormat):
+        name = "toyq"
+        description = "a toy-quantized"
+
+        @classmethod
+        def check(cls, quant, name):
+            if quant.get("bits") != 3:
+                raise ValueError(f"{name}: toyq needs 3 bits")
+
+        @classmethod
+        def open(cls, path, dtype, quant, *, quantized):
+            opened.append((path, quant["bits"], quantized))
+            return "weights"
+
+    register_plugin(registering("sgl_register_weight_formats", "toyq", Toy), "p")
+    formats = weight_formats_of(plugin_manager.registries)
+    assert formats["toyq"] is Toy and "gptq" in formats
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"quantization_config": {"quant_method": "toyq", "bits": 3}}))
+
+    class Config:
+        quantization_config = {"quant_method": "toyq", "bits": 3}
+
+    assert resolve_quantization("auto", tmp_path, Config(), formats) == "toyq"
+    assert resolve_quantization("toyq", tmp_path, Config(), formats) == "toyq"
+    with pytest.raises(ValueError, match="--quantization toyq needs a toy-quantized checkpoint"):
+        resolve_quantization("toyq", tmp_path, type("Dense", (), {})(), formats)
+    Config.quantization_config = {"quant_method": "toyq", "bits": 4}
+    with pytest.raises(ValueError, match="toyq needs 3 bits"):
+        resolve_quantization("auto", tmp_path, Config(), formats)
+    assert open_weights(tmp_path, quantized=True, weight_formats=formats) == "weights"
+    assert opened == [(tmp_path, 3, True)]
+    register_plugin(registering("sgl_register_weight_formats", "bad", Toy), "q")
+    with pytest.raises(ValueError, match="plugin 'q' registered weight format 'bad'"):
+        weight_formats_of(plugin_manager.registries)
+
+
+def test_hook_sgl_register_scheduler_extensions(plugin_manager, register_plugin) -> None:
+    """A registered extension whose settings ask for it is made by the scheduler, after the
+    core's own; one that does not subclass the contract is refused by name."""
+    from sgl.config import load_settings
+    from sgl.engine.extension import SchedulerExtension
+    from sgl.engine.scheduler_view import extension_classes
+
+    class Counting(SchedulerExtension):
+        name = "counting"
+
+    class Off(SchedulerExtension):
+        name = "off"
+
+        @classmethod
+        def enabled(cls, settings: Any) -> bool:
+            return False
+
+    register_plugin(registering("sgl_register_scheduler_extensions", "counting", Counting), "p")
+    register_plugin(registering("sgl_register_scheduler_extensions", "off", Off), "q")
+    assert plugin_manager.registries.extensions.entry("counting").owner == "p"
+    settings = load_settings(env={}, cli={"speculative_algorithm": "NGRAM"})
+    names = [cls.name for cls in extension_classes(settings, plugin_manager)]
+    assert names[0] == "speculative" and "counting" in names and "off" not in names
+    register_plugin(registering("sgl_register_scheduler_extensions", "bad", dict), "r")
+    with pytest.raises(TypeError, match="not a subclass of sgl.engine.extension"):
+        extension_classes(settings, plugin_manager)
 
 
 def test_plugin_registrations_are_selected_by_their_flags(tmp_path) -> None:

@@ -197,12 +197,12 @@ def test_resolve_model_arch_hook_claims_unknown_architecture(register_plugin: An
 # -- GGUF ------------------------------------------------------------------------------------
 
 def test_gguf_names() -> None:
-    assert gguf_to_hf_name("token_embd.weight") == "model.embed_tokens.weight"
-    assert gguf_to_hf_name("blk.12.attn_output.weight") == "model.layers.12.self_attn.o_proj.weight"
-    assert gguf_to_hf_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
-    assert gguf_to_hf_name("output_norm.weight") == "model.norm.weight"
-    assert gguf_to_hf_name("output.weight") == "lm_head.weight"
-    assert gguf_to_hf_name("blk.0.mystery.weight") is None
+    assert gguf_to_hf_name("token_embd.weight", "llama") == "model.embed_tokens.weight"
+    assert gguf_to_hf_name("blk.12.attn_output.weight", "llama") == "model.layers.12.self_attn.o_proj.weight"
+    assert gguf_to_hf_name("blk.0.ffn_norm.weight", "llama") == "model.layers.0.post_attention_layernorm.weight"
+    assert gguf_to_hf_name("output_norm.weight", "llama") == "model.norm.weight"
+    assert gguf_to_hf_name("output.weight", "llama") == "lm_head.weight"
+    assert gguf_to_hf_name("blk.0.mystery.weight", "llama") is None
     # per architecture: Gemma's four norms, Phi-3's fused q/k/v (split by the reader), unknown
     assert gguf_to_hf_name("blk.0.ffn_norm.weight", "gemma2") == \
         "model.layers.0.pre_feedforward_layernorm.weight"

@@ -136,8 +136,8 @@ def test_eviction_under_memory_pressure_loses_nothing(harness: Harness) -> None:
 def test_session_keeps_its_conversation_through_eviction(harness: Harness) -> None:
     use_cache(harness, RadixCache)
     s = harness.scheduler
-    assert s.open_session("chat")["success"]
-    assert not s.open_session("chat")["success"]  # already open
+    assert s.sessions.open_session("chat")["success"]
+    assert not s.sessions.open_session("chat")["success"]  # already open
     turn1 = shared_prompts(harness)[2]
     first = one(harness, turn1, max_new_tokens=6, temperature=0, session_id="chat")
     # other traffic fills the pool: everything unprotected is evicted before the session
@@ -147,7 +147,8 @@ def test_session_keeps_its_conversation_through_eviction(harness: Harness) -> No
     turn2 = turn1 + first.output_ids + shared_prompts(harness)[3][-8:]
     second = one(harness, turn2, max_new_tokens=4, temperature=0, session_id="chat")
     assert second.cached_tokens >= len(turn1) + len(first.output_ids) - 1
-    assert s.close_session("chat")["success"] and not s.close_session("chat")["success"]
+    assert s.sessions.close_session("chat", s.cache)["success"]
+    assert not s.sessions.close_session("chat", s.cache)["success"]
     unknown = one(harness, turn1, max_new_tokens=2, session_id="nope")
     assert unknown.error is not None and "not open" in unknown.error
     assert s.load_info()["num_sessions"] == 0

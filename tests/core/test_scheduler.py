@@ -19,7 +19,7 @@ import zmq
 from sgl.config import load_settings
 from sgl.engine.messages import (AbortRequest, GenerateRequest, LogprobOptions, TokenBatch,
                                  TokenOutput)
-from sgl.engine.scheduler import Scheduler
+from sgl.engine.scheduler_process import build_scheduler
 from sgl.plugins import SglPluginManager, create_plugin_manager
 from sgl.sampling import SamplingParams
 
@@ -50,7 +50,8 @@ class Harness:
         # steps of 8 or more sequences where the kernels are faster) would make them differ by
         # design. tests/core/test_quantized_layers.py covers the rounded products.
         # Decode forwards of batch sizes 1-4 are recorded at start-up (the default, up to 48
-        # here, would take seconds per harness; test_cpu_graph tests the default).
+        # here, would take seconds per harness; tests/plugins/kernels/test_cpu_graph.py tests
+        # the default).
         settings = load_settings(env={}, cli={
             "dtype": "float32", "max_total_tokens": POOL_TOKENS, "max_running_requests": 48,
             "chunked_prefill_size": 512, "num_threads": 1, "int8_activations": "off",
@@ -61,7 +62,7 @@ class Harness:
         self.push.bind(endpoints["requests"])
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind(endpoints["outputs"])
-        self.scheduler = Scheduler(settings, pm or create_plugin_manager(), endpoints)
+        self.scheduler = build_scheduler(settings, pm or create_plugin_manager(), endpoints)
         self.tokenizer = self.scheduler.tokenizer
         #: the final output of every request seen to finish (run, receive)
         self.finished: dict[str, TokenOutput] = {}
@@ -413,20 +414,20 @@ def test_a_forward_that_fails_for_one_request_fails_it_alone(
 
 def test_open_sessions_are_bounded(harness: Harness) -> None:
     """Sessions used to have no limit: a client could open them until memory ran out."""
-    from sgl.engine.scheduler import MAX_OPEN_SESSIONS
+    from sgl.engine.sessions import MAX_OPEN_SESSIONS
 
-    s = harness.scheduler
-    opened = [f"bounded-{i}" for i in range(MAX_OPEN_SESSIONS - len(s.sessions))]
+    sessions, cache = harness.scheduler.sessions, harness.scheduler.cache
+    opened = [f"bounded-{i}" for i in range(MAX_OPEN_SESSIONS - len(sessions))]
     try:
-        assert all(s.open_session(sid)["success"] for sid in opened)
-        refused = s.open_session("one-too-many")
+        assert all(sessions.open_session(sid)["success"] for sid in opened)
+        refused = sessions.open_session("one-too-many")
         assert not refused["success"] and f"{MAX_OPEN_SESSIONS} sessions" in refused["message"]
-        assert s.close_session(opened[0])["success"]
-        assert s.open_session("one-too-many")["success"]  # room again after a close
+        assert sessions.close_session(opened[0], cache)["success"]
+        assert sessions.open_session("one-too-many")["success"]  # room again after a close
         opened[0] = "one-too-many"
     finally:
         for sid in opened:
-            s.close_session(sid)
+            sessions.close_session(sid, cache)
 
 
 def test_a_pool_smaller_than_the_output_says_why_it_stopped(tmp_path: Path) -> None:

@@ -60,8 +60,8 @@ class BaseAttentionBackend(ABC):
 
     def graph_inputs(self, batch: ForwardBatch) -> list[torch.Tensor] | None:
         """The per-batch tensors this backend's kernels read during ``batch``'s forward, for
-        replaying a recorded decode forward: sgl's CPU replays (:mod:`sgl.engine.cpu_graph`)
-        and CUDA graphs (:mod:`sgl.engine.cuda_graph`); called after
+        replaying a recorded decode forward: the CPU kernel library's replays
+        (:meth:`~sgl.kernels.library.KernelLibrary.decode_graphs`) and CUDA graphs (:mod:`sgl.engine.cuda_graph`); called after
         :meth:`init_forward_metadata`.
 
         The runner records one decode forward of a batch size and, for a later batch of the same

@@ -4,9 +4,10 @@ A decode step of a small batch on a GPU is bound by kernel launches: hundreds of
 each launched from Python. :class:`CudaGraphRunner` records the launches of one decode forward
 per batch size of :func:`capture_batch_sizes` into a CUDA graph at start-up (largest first, all
 in one memory pool, so the smaller graphs reuse the larger one's activations) and replays the
-whole forward with one launch afterwards. It is what :mod:`sgl.engine.cpu_graph` does for the
-CPU's kernel calls, with two differences: every size is captured before serving, and a batch
-runs in the smallest captured size that holds it, the rows beyond it padding.
+whole forward with one launch afterwards. It is what the CPU kernel library's
+:class:`~sgl.kernels.library.DecodeGraphs` do for the CPU's kernel calls, with two differences:
+every size is captured before serving, and a batch runs in the smallest captured size that holds
+it, the rows beyond it padding.
 
 A captured graph reads fixed device addresses, so the runner owns static tensors of
 ``max_bs`` rows (token ids, positions, request rows, sequence lengths, new slots, and the two
@@ -25,7 +26,7 @@ per-batch tensor its kernels read, with shapes that depend on the batch size alo
 that returns None (the default) cannot be captured: :class:`CudaGraphUnsupported`.
 
 The hidden states :meth:`CudaGraphRunner.forward` returns are rows of the graph's own output:
-valid until the next forward, as with :mod:`sgl.engine.cpu_graph`. The graph object sits behind
+valid until the next forward, as with the CPU kernel library's replays. The graph object sits behind
 :func:`_capture`, so everything else (padding, copying, slicing) runs, and is tested, on CPU.
 """
 
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from sgl.forward_batch import ForwardBatch, ForwardMode
+from sgl.kernels.library import DecodeGraphs
 
 if TYPE_CHECKING:
     from sgl.attention.base import BaseAttentionBackend
@@ -107,7 +109,7 @@ class _Graph:
     replay: Callable[[], tuple[torch.Tensor, list[torch.Tensor] | None]]
 
 
-class CudaGraphRunner:
+class CudaGraphRunner(DecodeGraphs):
     """Captures the decode forwards of ``model`` at :func:`capture_batch_sizes` of ``max_bs``
     (:meth:`capture`) and runs decode batches by replaying them (:meth:`forward`).
 
@@ -208,6 +210,11 @@ class CudaGraphRunner:
                 "CPU tensor) and needs memory beyond the KV pool; lower --cuda-graph-max-bs "
                 "or run with --disable-cuda-graph") from exc
         return _Graph(batch, list(inputs), replay)
+
+    def prepare(self, max_bs: int | None, limit: int, *, show_progress: bool = True
+                ) -> list[int]:
+        """The sizes :meth:`capture` captured (at start-up, with the model runner)."""
+        return sorted(self.graphs)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether :meth:`forward` takes ``batch``: a decode batch (one token per sequence, no

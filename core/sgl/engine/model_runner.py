@@ -11,12 +11,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl.engine.cpu_graph import CpuGraphRunner
 from sgl.engine.cuda_graph import CudaGraphRunner, CudaGraphUnsupported
 from sgl.forward_batch import ForwardMode
 from sgl.devices import describe_device, resolve_device
@@ -27,6 +27,7 @@ from sgl.layers.attention import Attention
 from sgl.layers.embedding import ParallelLMHead
 from sgl.layers.quantized import AUTO_ROUND_X_ROWS, decode_step, deferred_weights
 from sgl.layers.tp import get_tp_group, tp_min
+from sgl.model_loader.gguf_archs import gguf_archs_of
 from sgl.model_loader import (
     ModelLoadError,
     is_gguf,
@@ -34,20 +35,21 @@ from sgl.model_loader import (
     open_weights,
     resolve_model_path,
 )
-from sgl.model_loader.compressed_tensors import QUANT_METHOD, check_compressed_tensors
-from sgl.model_loader.gptq_awq import AWQ, GPTQ, check_gptq_awq
+from sgl.model_loader.formats import CORE_CHOICES, installed_weight_formats, weight_formats_of
 from sgl.parallel.base import GroupFailure
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from sgl.kernels.library import DecodeGraphs
+    from sgl.model_loader.formats import WeightFormat
     from sgl.attention.base import BaseAttentionBackend
     from sgl.forward_batch import ForwardBatch
     from sgl.models.base import BaseCausalLM
     from sgl.parallel.base import RunnerMirror
     from sgl.plugins import Registries
 
-__all__ = ["CUDA_GRAPH_MAX_BS", "QUANTIZATION_CHOICES", "SUPPORTED_DTYPES", "ModelRunner",
+__all__ = ["CUDA_GRAPH_MAX_BS", "SUPPORTED_DTYPES", "ModelRunner",
            "auto_cpu_dtype", "resolve_architecture", "resolve_dtype", "resolve_model_class",
            "resolve_quantization", "weights_bytes"]
 
@@ -77,49 +79,42 @@ def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> 
 def auto_cpu_dtype() -> tuple[torch.dtype, str]:
     """What ``--dtype auto`` runs on this CPU, and why (for the log).
 
-    bfloat16 where the CPU has AVX512-BF16 or AMX and sgl's kernels run at such a level
-    (``amx``, ``avx512_bf16``), where its bfloat16 matmuls read half the bytes and decode
-    faster than float32 (docs/benchmarks.md, "dtype `auto` on CPU"). Elsewhere float32. bfloat16's greedy tokens leave float32's within a few dozen, as
-    transformers' own bfloat16 does; ``--dtype float32`` keeps them."""
+    bfloat16 where sgl's kernels run at a level with bfloat16 instructions, where its bfloat16
+    matmuls read half the bytes and decode faster than float32
+    (:meth:`~sgl.kernels.library.KernelLibrary.bfloat16_faster`; docs/benchmarks.md, "dtype
+    `auto` on CPU"). Elsewhere float32. bfloat16's greedy tokens leave float32's within a few
+    dozen, as transformers' own bfloat16 does; ``--dtype float32`` keeps them."""
     from sgl.kernels import cpu
 
     level = cpu.cpu_isa()
-    if level in ("amx", "avx512_bf16"):
+    if cpu.bfloat16_faster():
         return torch.bfloat16, f"bfloat16: the CPU kernels run at {level}, where it decodes faster"
     return torch.float32, (f"float32: the CPU kernels run at {level}, without bfloat16 "
                            "instructions")
 
 
-#: ``--quantization`` values: ``auto`` (a GGUF file's blocks and the packed integers of a
-#: compressed-tensors, GPTQ or AWQ checkpoint as they are, another Hugging Face checkpoint
-#: dense), ``none`` (dense), ``gguf`` / ``compressed-tensors`` / ``gptq`` / ``awq`` (that kind
-#: of checkpoint only), ``int8``/``int4`` (a dense Hugging Face checkpoint's linear weights
-#: rounded to 8-/4-bit blocks at load)
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", QUANT_METHOD, GPTQ, AWQ, "int8", "int4")
-#: the modes whose checkpoints arrive quantized (the weight readers keep their blocks)
-STORED_QUANTIZED = ("gguf", QUANT_METHOD, GPTQ, AWQ)
-#: a Hugging Face checkpoint's ``quant_method`` that sgl serves (the mode of the same name):
-#: what it is called in messages, and its check (ValueError naming what sgl does not run)
-CHECKPOINT_METHODS = {QUANT_METHOD: ("a compressed-tensors", check_compressed_tensors),
-                      GPTQ: ("a GPTQ", check_gptq_awq), AWQ: ("an AWQ", check_gptq_awq)}
+def resolve_quantization(name: str, path: Path, config: PretrainedConfig,
+                         formats: Mapping[str, type[WeightFormat]] | None = None) -> str:
+    """The quantization mode of ``--quantization name`` for the model at ``path``: ``none``,
+    ``gguf``, ``int8``/``int4`` (:data:`~sgl.model_loader.formats.CORE_CHOICES`), or the name
+    of a checkpoint weight format of ``formats`` (the plugins'; default the installed ones);
+    ValueError naming what fits when it does not apply."""
+    formats = installed_weight_formats() if formats is None else formats
+    choices = (*CORE_CHOICES, *formats)
+    if name not in choices:
+        raise ValueError(f"unknown quantization {name!r}; supported: {', '.join(choices)}")
 
+    def needs(fmt: str) -> str:
+        return f"--quantization {fmt} needs {formats[fmt].description} checkpoint"
 
-def resolve_quantization(name: str, path: Path, config: PretrainedConfig) -> str:
-    """The quantization mode (``none`` or one of
-    :data:`~sgl.layers.quantized.QUANTIZATION_MODES`) of ``--quantization name`` for the model
-    at ``path``; ValueError naming what fits when it does not apply."""
-    if name not in QUANTIZATION_CHOICES:
-        raise ValueError(f"unknown quantization {name!r}; supported: "
-                         f"{', '.join(QUANTIZATION_CHOICES)}")
     gguf = is_gguf(path)
     if gguf:
         if name in ("int8", "int4"):
             raise ValueError(f"--quantization {name} rounds a Hugging Face checkpoint's weights; "
                              f"{path.name} is a GGUF file, served with its own blocks (auto) or "
                              "dequantized (none)")
-        if name in CHECKPOINT_METHODS:
-            raise ValueError(f"--quantization {name} needs {CHECKPOINT_METHODS[name][0]} "
-                             f"checkpoint; {path.name} is a GGUF file (auto or gguf)")
+        if name in formats:
+            raise ValueError(f"{needs(name)}; {path.name} is a GGUF file (auto or gguf)")
         return "none" if name == "none" else "gguf"
     if name == "gguf":
         raise ValueError(f"--quantization gguf needs a .gguf file, not {path}")
@@ -127,26 +122,23 @@ def resolve_quantization(name: str, path: Path, config: PretrainedConfig) -> str
     if not isinstance(quant, dict):
         quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
     method = str(quant.get("quant_method") or "").lower()
-    if method in CHECKPOINT_METHODS:
-        kind, check = CHECKPOINT_METHODS[method]
-        check(quant, path.name)
+    if method in formats:
+        formats[method].check(quant, path.name)
         if name in ("int8", "int4"):
             raise ValueError(f"--quantization {name} rounds a dense checkpoint's weights; "
                              f"{path.name} is already quantized ({method}): serve it as it is "
                              "(auto) or dequantized (none)")
         if name not in ("auto", "none", method):
-            raise ValueError(f"--quantization {name} needs {CHECKPOINT_METHODS[name][0]} "
-                             f"checkpoint; {path.name} is {kind} checkpoint (auto, {method} or "
-                             "none)")
+            raise ValueError(f"{needs(name)}; {path.name} is {formats[method].description} "
+                             f"checkpoint (auto, {method} or none)")
         return "none" if name == "none" else method
-    if name in CHECKPOINT_METHODS:
-        raise ValueError(f"--quantization {name} needs {CHECKPOINT_METHODS[name][0]} "
-                         f"checkpoint; {path.name} is {method or 'dense'}")
+    if name in formats:
+        raise ValueError(f"{needs(name)}; {path.name} is {method or 'dense'}")
     if method and name != "none":
+        served = ", ".join(f.description.split(" ", 1)[1] for f in formats.values())
         raise ValueError(f"{path.name} is a {method} checkpoint; sgl cannot load {method} "
-                         "weights yet (it runs GGUF files, compressed-tensors W4A16/W8A16, "
-                         "GPTQ and AWQ checkpoints, and --quantization int8/int4 on a dense "
-                         "checkpoint)")
+                         f"weights (it runs GGUF files, {served or 'no other'} checkpoints, "
+                         "and --quantization int8/int4 on a dense checkpoint)")
     return "none" if name == "auto" else name
 
 
@@ -176,7 +168,7 @@ def resolve_architecture(config: PretrainedConfig, registries: Registries,
     claims through ``sgl_resolve_model_arch``; :class:`ModelLoadError` naming the supported
     ones otherwise."""
     archs = list(getattr(config, "architectures", None) or [])
-    supported = ", ".join(registries.models.names()) or "none (install sgl-model-llama)"
+    supported = ", ".join(registries.models.names()) or "none (install a model plugin)"
     name = next((a for a in archs if a in registries.models), None)
     if name is None and plugin_manager is not None:
         name = plugin_manager.hook.sgl_resolve_model_arch(hf_config=config)
@@ -231,7 +223,8 @@ class ModelRunner:
     :param model_path: Hugging Face folder or ``.gguf`` file; None for the bundled SmolLM2.
     :param dtype: ``"auto"`` (:func:`auto_cpu_dtype` on CPU), ``"float32"``, ``"bfloat16"`` or
         ``"float16"``.
-    :param quantization: one of :data:`QUANTIZATION_CHOICES` (:func:`resolve_quantization`).
+    :param quantization: ``auto``, ``none``, ``gguf``, ``int8``, ``int4`` or a registered
+        weight format's name (:func:`resolve_quantization`).
     :param int8_activations: when the 4-bit matmuls of decode steps round activations to
         int8: ``auto``, ``on`` or ``off`` (:data:`sgl.layers.quantized.INT8_ACTIVATIONS`).
     :param attention_backend: a name registered by an attention plugin (``"torch"``).
@@ -250,7 +243,8 @@ class ModelRunner:
     :param device: where the model, the KV pool and the batches' tensors live: ``"auto"``,
         ``"cpu"``, ``"cuda"`` or any torch device (:func:`sgl.devices.resolve_device`).
     :param show_progress: draw a progress bar while loading weights.
-    :param cpu_graphs: on CPU, replay recorded decode forwards (:mod:`sgl.engine.cpu_graph`).
+    :param cpu_graphs: on CPU, replay decode forwards the kernel library recorded
+        (:meth:`~sgl.kernels.library.KernelLibrary.decode_graphs`).
     :param cuda_graphs: on CUDA, capture decode forwards as CUDA graphs at start-up
         (:mod:`sgl.engine.cuda_graph`).
     :param cuda_graph_max_bs: the largest batch captured (at most ``max_running_requests``);
@@ -269,7 +263,11 @@ class ModelRunner:
                  cuda_graph_max_bs: int | None = None) -> None:
         self.device = resolve_device(device)
         self.model_path = resolve_model_path(model_path)
-        self.hf_config = load_hf_config(self.model_path)
+        #: the GGUF architectures the plugins registered (a .gguf model is read with them)
+        self.gguf_archs = gguf_archs_of(registries)
+        #: the checkpoint weight formats the plugins registered
+        self.weight_formats = weight_formats_of(registries)
+        self.hf_config = load_hf_config(self.model_path, self.gguf_archs, self.weight_formats)
         self.dtype = resolve_dtype(dtype, self.hf_config, self.device)
         if dtype == "auto" and self.device.type == "cpu":
             logger.info("dtype auto -> %s", auto_cpu_dtype()[1])
@@ -281,7 +279,8 @@ class ModelRunner:
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be at least 1, got {max_running_requests}")
 
-        self.quantization = resolve_quantization(quantization, self.model_path, self.hf_config)
+        self.quantization = resolve_quantization(quantization, self.model_path, self.hf_config,
+                                                 self.weight_formats)
         self.architecture = resolve_architecture(self.hf_config, registries, plugin_manager)
         model_cls = _import_model_class(self.architecture, registries)
         backend_cls = registries.attention.load(attention_backend)  # fail before loading weights
@@ -327,35 +326,33 @@ class ModelRunner:
         #: the LM head whose logits ``logits_at(reuse=True)`` writes into ``_logits_buffer``
         self._lm_head = _lm_head(self.model)
         self._logits_buffer: torch.Tensor | None = None
-        #: replays recorded decode forwards (sgl.engine.cpu_graph); None when off
-        self.cpu_graphs: CpuGraphRunner | None = None
-        #: replays the CUDA graphs of decode forwards (sgl.engine.cuda_graph); None when off
-        self.cuda_graphs: CudaGraphRunner | None = None
+        #: replays of recorded decode forwards (CUDA graphs, or the CPU kernel library's
+        #: recordings); None when off
+        self.decode_graphs: DecodeGraphs | None = None
         tensor_parallel = get_tp_group().size > 1  # a replay cannot run the all-reduces
         graphs_off = "off"
-        if cpu_graphs and self.device.type == "cpu" and cpu.load() is not None \
-                and not tensor_parallel:
-            self.cpu_graphs = CpuGraphRunner(self.model, self.attn_backend)
+        library = cpu.load() if self.device.type == "cpu" else None
+        if cpu_graphs and library is not None and not tensor_parallel:
+            self.decode_graphs = library.decode_graphs(self.model, self.attn_backend)
         elif cuda_graphs and self.device.type == "cuda" and not tensor_parallel:
             # a batch never holds more than max_running_requests sequences
             max_bs = min(cuda_graph_max_bs or CUDA_GRAPH_MAX_BS, max_running_requests)
             try:
-                self.cuda_graphs = CudaGraphRunner(
+                graphs = CudaGraphRunner(
                     self.model, self.attn_backend, kv_pool=self.kv_pool,
                     req_to_token_pool=self.req_to_token_pool, max_bs=max_bs,
                     device=self.device, show_progress=show_progress)
-                self.cuda_graphs.capture()
+                graphs.capture()
+                self.decode_graphs = graphs
             except CudaGraphUnsupported as exc:
-                self.cuda_graphs = None
                 graphs_off = f"off ({exc})"
                 logger.warning("CUDA graphs are off: %s", exc)
         logger.info("model %s (%s, %s) on %s: KV pool of %d tokens (%.1f MiB), backend %s, "
                     "decode graphs %s, CPU kernels %s", self.model_path.name,
                     model_cls.__name__, self.dtype, describe_device(self.device), size,
                     self.kv_pool_bytes / 2**20, attention_backend,
-                    "on (CPU replays)" if self.cpu_graphs is not None else
-                    f"on (CUDA graphs up to batch {self.cuda_graphs.max_bs})"
-                    if self.cuda_graphs is not None else
+                    f"on ({type(self.decode_graphs).__name__})"
+                    if self.decode_graphs is not None else
                     "off (tensor parallel)" if tensor_parallel else graphs_off,
                     cpu.describe_isa() if self.device.type == "cpu" else "not used")
 
@@ -375,7 +372,8 @@ class ModelRunner:
         from tqdm.auto import tqdm
 
         source = open_weights(self.model_path, self.dtype,
-                              quantized=self.quantization in STORED_QUANTIZED)
+                              quantized=self.quantization not in ("none", "int8", "int4"),
+                              gguf_archs=self.gguf_archs, weight_formats=self.weight_formats)
         stream = tqdm(source, total=len(source), desc="Loading weights", unit="tensor",
                       disable=not show_progress)
         self.model.load_weights((name, t.to(self.device)) for name, t in stream)
@@ -453,11 +451,10 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         decoding = self._last_decoding = batch.mode == ForwardMode.DECODE
         with decode_step(decoding):  # where 4-bit matmuls of few rows may round activations
-            if self.cuda_graphs is not None and decoding and self.cuda_graphs.can_run(batch):
-                return self.cuda_graphs.forward(batch)  # plans the padded batch itself
+            graphs = self.decode_graphs
+            if decoding and graphs is not None and graphs.can_run(batch):
+                return graphs.forward(batch)  # (plans what it replays)
             self.attn_backend.init_forward_metadata(batch)
-            if self.cpu_graphs is not None and decoding:
-                return self.cpu_graphs.forward(batch)
             return self.model(batch)
 
     @torch.inference_mode()

@@ -16,61 +16,49 @@ request (:meth:`~Scheduler.forward_failed`), a batched sampling step likewise, a
 own share of the result processing is :meth:`~Scheduler.guarded`.
 
 Then the new tokens go back to the server and finished requests are freed.
+
+Optional participants (the core's speculative decoding, a plugin's prefill/decode
+disaggregation, any :class:`~sgl.engine.extension.SchedulerExtension`) take part through the
+hooks of :attr:`Scheduler.extensions`, which do nothing where no extension is on; they see the
+scheduler through a :class:`~sgl.engine.extension.SchedulerView`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 import time
 import traceback
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
 
 from sgl.engine.batch_builder import make_forward_batch
+from sgl.engine.extension import Extensions
 from sgl.engine.finishing import FinishRules
-from sgl.engine.cpu_graph import CPU_GRAPH_MAX_BS
-from sgl.engine.disaggregation import disaggregation_side
 from sgl.engine.grammar_manager import IDLE_WAIT, make_grammar_manager
-from sgl.engine.logprobs import LogprobRows
-from sgl.engine.setup import build_runner, prepare_process
-from sgl.engine.messages import (
-    AbortRequest,
-    CloseSessionRequest,
-    FlushCacheRequest,
-    GenerateRequest,
-    OpenSessionRequest,
-    SchedulerInfo,
-    ServerInfoRequest,
-    ShutdownRequest,
-    TokenBatch,
-    TokenOutput,
-)
+from sgl.engine.logprobs import LogprobRows, add_input_logprobs, add_output_logprobs
+from sgl.engine.messages import TokenOutput
 from sgl.engine.sampler import SamplingInput, sample_next_tokens
 from sgl.engine.schedule_policy import Admission, ScheduledBatch
-from sgl.engine.speculative import (
-    SpeculativeDecoding,
-    Verified,
-    request_spec_info,
-    settle_draft,
-)
+from sgl.engine.scheduler_io import SchedulerIO
+from sgl.engine.scheduler_view import SchedulerFacade, extension_classes
 from sgl.engine.sequence import Req
-from sgl.kernels import cpu
-from sgl.layers.tp import get_tp_group
-from sgl.kvcache import BaseCachePolicy, NoPrefixCache, PrefixMatch
+from sgl.engine.sessions import Sessions
+from sgl.engine.setup import build_runner, eos_token_ids, make_cache_policy, prepare_process
+from sgl.engine.speculative import settle_draft
+from sgl.kvcache import BaseCachePolicy, PrefixMatch
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
     from sgl.engine.model_runner import ModelRunner
     from sgl.plugins import SglPluginManager
 
-__all__ = ["Scheduler", "build_runner", "configure_threads", "prepare_process"]
+__all__ = ["Scheduler"]
 
 logger = logging.getLogger("sgl.scheduler")
 
@@ -78,11 +66,12 @@ logger = logging.getLogger("sgl.scheduler")
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002
-#: the most sessions open at once (each is an entry here and a protected cache prefix)
-MAX_OPEN_SESSIONS = 1024
 
 
-class Scheduler:
+class Scheduler(SchedulerIO):
+    """The loop of a scheduler process (the leader's, with a parallel strategy): requests in,
+    batches through the model, tokens out; its messages are :class:`SchedulerIO`'s."""
+
     def __init__(self, settings: ServerSettings, pm: SglPluginManager,
                  endpoints: dict[str, str]) -> None:
         from sgl.model_loader import load_tokenizer, resolve_model_path
@@ -102,15 +91,10 @@ class Scheduler:
         self._tokenizer: Future[Any] = ThreadPoolExecutor(1).submit(
             load_tokenizer, resolve_model_path(settings.model_path))
         self.runner: ModelRunner = build_runner(settings, pm)
-        self.eos_token_ids = _eos_ids(self.runner.hf_config)
+        self.eos_token_ids = eos_token_ids(self.runner.hf_config)
         #: when a request's output ends (stop tokens and strings, lengths)
         self.finish = FinishRules(self.eos_token_ids, self.runner.context_length,
                                   self._tokenizer.result)
-        if self.runner.kv_pool.size < self.runner.context_length:
-            logger.warning("the KV pool (%d tokens) is smaller than the context length (%d): a "
-                           "request that fills it alone stops there (finish reason length); "
-                           "raise --max-total-tokens to avoid that", self.runner.kv_pool.size,
-                           self.runner.context_length)
         self.admission = Admission(settings.schedule_policy,
                                    make_cache_policy(settings, pm, self.runner),
                                    self.runner.kv_pool, self.runner.req_to_token_pool,
@@ -118,12 +102,7 @@ class Scheduler:
         self.grammar = make_grammar_manager(
             settings, pm, tokenizer=self._tokenizer.result, vocab_size=self.runner.vocab_size,
             stop_token_ids=self.eos_token_ids)
-        #: drafts and verifies decode tokens (--speculative-algorithm); None when off
-        self.spec: SpeculativeDecoding | None = (
-            SpeculativeDecoding(settings, pm, self.runner)
-            if settings.speculative_algorithm is not None else None)
-        #: open sessions -> the cached conversation each protects (empty until its first request)
-        self.sessions: dict[str, PrefixMatch] = {}
+        self.sessions = Sessions()
         self.chunk_size = (settings.chunked_prefill_size if settings.chunked_prefill_size > 0
                            else self.runner.context_length)
         self.waiting: deque[Req] = deque()
@@ -133,53 +112,18 @@ class Scheduler:
         self.num_received_reqs = 0  # generation requests this scheduler was sent, ever
         self.stopping = False
         self.parent_pid = os.getppid()
-        self._replies: list[TokenOutput] = []  # outputs of requests rejected or aborted
+        self._replies: list[TokenOutput] = []  # outputs of requests ended between steps
         self._step_slots: torch.Tensor | None = None  # KV slots of a forward still running
         #: the parallel strategy this scheduler leads, for /get_server_info; empty without one
         self.parallel: dict[str, Any] = {}
 
-        #: what each message from the server does
-        self.handlers: dict[type, Callable[[Any], None]] = {
-            GenerateRequest: self.add_request,
-            AbortRequest: lambda msg: self.abort(msg.rid),
-            FlushCacheRequest: lambda msg: self.reply_info(msg.rid, self.flush_cache()),
-            ServerInfoRequest: lambda msg: self.reply_info(msg.rid, self.load_info()),
-            OpenSessionRequest: lambda msg: self.reply_info(
-                msg.rid, self.open_session(msg.session_id)),
-            CloseSessionRequest: lambda msg: self.reply_info(
-                msg.rid, self.close_session(msg.session_id)),
-            ShutdownRequest: lambda msg: self.stop(),
-        }
-        self.zmq = zmq.Context()
-        self.recv_sock = self.zmq.socket(zmq.PULL)
-        self.recv_sock.connect(endpoints["requests"])
-        self.send_sock = self.zmq.socket(zmq.PUSH)
-        self.send_sock.connect(endpoints["outputs"])
-        #: the prefill or decode side of a disaggregated server (--disaggregation-mode)
-        self.disagg = disaggregation_side(self)
-        self.poller = zmq.Poller()
-        self.poller.register(self.recv_sock, zmq.POLLIN)
-        if self.disagg is not None:
-            self.poller.register(self.disagg.wake, zmq.POLLIN)  # its events wake an idle loop
-            if self.disagg.mode == "prefill":
-                self.admission.max_output = 1
-        self.record_decode_forwards()
-
-    def record_decode_forwards(self) -> list[int]:
-        """Record the decode forwards of batch sizes 1 to ``--cpu-graph-max-bs`` before
-        serving (:meth:`~sgl.engine.cpu_graph.CpuGraphRunner.record_batch_sizes`), where the
-        runner replays them and plain decode batches will run: not with speculative decoding
-        (its verify batches are what decode) nor on the prefill side of a disaggregated
-        server. The sizes recorded."""
-        graphs = self.runner.cpu_graphs
-        if graphs is None or self.spec is not None or (
-                self.disagg is not None and self.disagg.mode == "prefill"):
-            return []
-        max_bs = self.settings.cpu_graph_max_bs
-        if max_bs is None:
-            max_bs = CPU_GRAPH_MAX_BS
-        return graphs.record_batch_sizes(min(max_bs, self.settings.max_running_requests),
-                                         show_progress=get_tp_group().rank == 0)
+        self.connect(endpoints)
+        #: the optional participants in each step, built last: they see a whole scheduler
+        self.extensions = Extensions([cls(SchedulerFacade(self))
+                                      for cls in extension_classes(settings, pm)])
+        self.admission.max_output = self.extensions.max_output_tokens
+        for sock in self.extensions.wake:  # their events wake an idle loop
+            self.poller.register(sock, zmq.POLLIN)
 
     @property
     def cache(self) -> BaseCachePolicy:
@@ -194,21 +138,6 @@ class Scheduler:
     def tokenizer(self) -> Any:
         return self._tokenizer.result()
 
-    def info(self) -> SchedulerInfo:
-        r = self.runner
-        return SchedulerInfo(
-            ok=True, model_path=str(r.model_path), architecture=r.architecture,
-            dtype=str(r.dtype).removeprefix("torch."), quantization=r.quantization,
-            weights_bytes=r.weights_bytes, num_threads=self.threads.torch_threads,
-            kernel_threads=self.threads.kernel_threads, cpu_isa=cpu.describe_isa(),
-            context_length=r.context_length, vocab_size=r.vocab_size,
-            max_total_tokens=r.kv_pool.size, kv_pool_bytes=r.kv_pool_bytes,
-            attention_backend=self.settings.attention_backend,
-            max_running_requests=self.settings.max_running_requests,
-            chunked_prefill_size=self.chunk_size, eos_token_ids=self.eos_token_ids,
-            cache_policy=self.cache.name, schedule_policy=self.settings.schedule_policy,
-            grammar_backend=self.grammar.name or "none", parallel=self.parallel)
-
     # the loop --------------------------------------------------------------------------------
 
     def event_loop(self) -> None:
@@ -219,19 +148,18 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return not (self.waiting or self.running or self.grammar.queue
-                    or (self.disagg is not None and self.disagg.busy))
+                    or self.extensions.busy)
 
     def step(self) -> None:
         """Schedule, run one forward, process its result, send what changed, free what
         finished."""
         self.admit_compiled()
-        arrived = self.disagg.admit() if self.disagg is not None else []
+        changed = self.extensions.before_step()
         batch = self.schedule()
         if batch:
             self.execute(batch)
-        if self.disagg is not None:
-            self.disagg.after_forward()
-        self.send_outputs([*batch.reqs, *arrived])
+        self.extensions.after_step()
+        self.send_outputs([*batch.reqs, *changed])
         self.release_finished()
 
     # 1. scheduling ---------------------------------------------------------------------------
@@ -247,10 +175,8 @@ class Scheduler:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                        self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         free = self.admission.kv_available() - len(decodes)
-        drafted = 0
-        if self.spec is not None:  # drafts share this step's token budget and KV memory
-            drafted = self.spec.draft(decodes, min(free, self.chunk_size),
-                                      self.runner.context_length)
+        # drafts (speculative decoding) share this step's token budget and KV memory
+        drafted = self.extensions.add_draft_tokens(decodes, min(free, self.chunk_size))
         batch = ScheduledBatch([(r, 1 + len(r.draft or ())) for r in decodes])
         budget = self.chunk_size - drafted
         free -= drafted
@@ -281,12 +207,18 @@ class Scheduler:
             self.enqueue(req)
         for req, message, status in failed:
             self.fail(req, message, status)
-            self._replies.append(self.take_output(req))
+            self._replies.append(req.take_output())
 
     def start(self, req: Req, match: PrefixMatch) -> None:
         """Give a request its row, starting from the (locked) cached prefix ``match``."""
+        self.give_row(req, match)
+        req.kv_len = len(match)
+        self.running.append(req)
+
+    def give_row(self, req: Req, match: PrefixMatch) -> None:
+        """A table row for ``req``, beginning with the (locked) cached prefix ``match``."""
         req.row = self.runner.req_to_token_pool.alloc()
-        req.prefix, req.kv_len = match, len(match)
+        req.prefix = match
         if len(match):
             self.runner.req_to_token_pool.req_to_token[req.row, :len(match)] = match.slots
         if req.cached_tokens is None:  # first admission (not a retracted request resuming)
@@ -294,7 +226,6 @@ class Scheduler:
             self.cache.stats.queried_tokens += len(req.input_ids)
             self.cache.stats.hit_tokens += len(match)
         req.scheduled_time = req.scheduled_time or time.time()
-        self.running.append(req)
 
     def make_room(self, num_tokens: int) -> None:
         """Evict cached prefixes until ``num_tokens`` slots are free."""
@@ -310,8 +241,7 @@ class Scheduler:
             return
         self.running.remove(req)
         self.free_memory(req)
-        if self.spec is not None:
-            self.spec.release(req.rid)
+        self.extensions.released(req)
         self.num_retractions += 1
         self.waiting.appendleft(req)
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
@@ -344,12 +274,12 @@ class Scheduler:
             self.forward_failed(batch, exc)
             return
         try:
+            self.extensions.batch_ran(batch, hidden)
             self.process_batch_result(batch, hidden)
         except Exception as exc:  # a bug in the batched part: these requests cannot go on
             logger.error("processing a batch of %d failed:\n%s", len(batch.items),
                          traceback.format_exc())
-            if self.spec is not None:
-                self.spec.drop_kept()
+            self.extensions.batch_failed()
             for req in batch.reqs:
                 self.settle(req, [])
                 if not req.finished:
@@ -388,8 +318,8 @@ class Scheduler:
         reached its end: sample the next token, its logprobs, the grammar, the finish check."""
         offsets = batch.offsets()
         for (req, n), start in zip(batch.items, offsets):
-            self.guarded(req, "computing prompt logprobs", self.input_logprobs,
-                         req, req.kv_len - n, n, hidden, start)
+            self.guarded(req, "computing prompt logprobs", add_input_logprobs,
+                         req, req.kv_len - n, n, hidden, start, self.runner.logits_at)
         self.cache_prefills([req for req, n in batch.items if n > 1 and req.draft is None])
         to_sample, drafted = [], []
         for i, req in enumerate(batch.reqs):
@@ -397,16 +327,14 @@ class Scheduler:
                 if not req.finished:  # its last token's row, then the draft's
                     drafted.append((req, offsets[i]))
                 continue
-            if self.spec is not None:
-                self.spec.kept(req, range(offsets[i], offsets[i + 1]))
             if req.pending or req.finished:
                 continue
             if req.sampling.max_new_tokens == 0:
                 req.finish_reason = {"type": "length", "length": 0}
             else:
                 to_sample.append((req, offsets[i + 1] - 1))  # the row of its last token
-        if drafted:
-            self.accept_drafts(drafted, hidden)
+        if drafted:  # the extension that drafted them verifies them
+            self.extensions.verify(drafted, hidden)
         if to_sample:
             try:
                 self.sample(to_sample, hidden)
@@ -415,47 +343,7 @@ class Scheduler:
                              len(to_sample), traceback.format_exc())
                 for item in to_sample:
                     self.guarded(item[0], "sampling", self.sample, [item], hidden)
-        if self.spec is not None:  # every next token is known now
-            self.spec.observe(hidden)
-
-    def accept_drafts(self, items: list[tuple[Req, int]], hidden: torch.Tensor) -> None:
-        """Verify the drafts of ``(request, its first row)`` pairs and take the accepted tokens
-        (:mod:`sgl.engine.speculative`); a failure fails only the request it concerns."""
-        assert self.spec is not None
-        try:
-            verified = self.spec.verify(items, hidden, self.grammar, self.finish.banned)
-        except Exception:
-            if len(items) == 1:
-                raise
-            logger.error("verifying %d drafts failed, verifying each alone:\n%s", len(items),
-                         traceback.format_exc())
-            for item in items:
-                self.guarded(item[0], "verifying its draft", self.accept_drafts, [item], hidden)
-            return
-        now = time.time()
-        for v in verified:
-            self.guarded(v.req, "taking its verified tokens", self.take_verified, v, now)
-            self.settle(v.req, [])  # if that failed half-way
-
-    def take_verified(self, v: Verified, now: float) -> None:
-        """Append a request's verified tokens one by one, each through :meth:`take_token`,
-        until one ends the output (or the grammar appends jump-forward tokens); keep the KV of
-        the draft tokens that made it into the output."""
-        req, appended = v.req, 0
-        for j, token in enumerate(v.tokens):
-            length = len(req.output_ids)
-            req.output_ids.append(token)
-            req.first_token_time = req.first_token_time or now
-            appended += 1
-            self.take_token(req, token, v.logprobs,
-                            v.logprob_rows[j] if v.logprob_rows is not None else None)
-            if req.finished or len(req.output_ids) != length + 1:
-                break
-        assert self.spec is not None and req.draft is not None
-        self.spec.count(req, len(req.draft), v.accepted, appended)
-        keep = v.path[:appended]
-        self.settle(req, keep)
-        self.spec.kept(req, v.hidden_rows[:1 + len(keep)])
+        self.extensions.batch_done(batch, hidden)  # every next token is known now
 
     def settle(self, req: Req, keep: list[int]) -> None:
         """End a request's draft: the KV of its draft tokens ``keep`` (indices) stays, the rest
@@ -486,23 +374,16 @@ class Scheduler:
             self.guarded(req, "processing its new token", self.take_token, req, int(token), lp,
                          lp_row.get(i))
 
-    def take_token(self, req: Req, token: int, lp: LogprobRows | None, row: int | None) -> None:
+    def take_token(self, req: Req, token: int, lp: LogprobRows | None = None,
+                   row: int | None = None) -> None:
         """After ``token`` was sampled for ``req``: its logprobs (row ``row`` of ``lp``, if it
         asked for them), the grammar, the finish check."""
         if lp is not None and row is not None:
-            self.output_logprobs(req, lp, row, token)
+            add_output_logprobs(req, lp, row, token)
         room = min(req.remaining_new_tokens(), self.runner.context_length - req.seq_len)
         if (error := self.grammar.advance(req, room)) is not None:
             self.fail(req, error, 500)
         self.finish.check(req)
-
-    def output_logprobs(self, req: Req, lp: LogprobRows, row: int, token: int) -> None:
-        opts = req.logprobs
-        req.output_token_logprobs.append(lp.token(row, token))
-        if opts.top_logprobs_num > 0:
-            req.output_top_logprobs.append(lp.top(row, opts.top_logprobs_num))
-        if opts.token_ids_logprob:
-            req.output_token_ids_logprobs.append(lp.of_ids(row, opts.token_ids_logprob))
 
     def cache_prefills(self, reqs: list[Req]) -> None:
         """Hand the prefixes just computed to the cache, so requests admitted from now on
@@ -515,214 +396,12 @@ class Scheduler:
                 table[req.row, :len(new)] = new.slots
                 req.prefix = new
 
-    def input_logprobs(self, req: Req, start: int, n: int, hidden: torch.Tensor,
-                       offset: int) -> None:
-        """Prompt logprobs for the positions this chunk lets us compute (row ``p - 1`` predicts
-        position ``p``; position 0 has no prediction)."""
-        opts = req.logprobs
-        if not opts.return_logprob or req.next_input_logprob >= len(req.input_ids):
-            return
-        first = req.next_input_logprob
-        if first == 0:
-            req.input_token_logprobs.append((None, req.input_ids[0], None))
-            if opts.top_logprobs_num > 0:
-                req.input_top_logprobs.append(None)
-            if opts.token_ids_logprob:
-                req.input_token_ids_logprobs.append(None)
-            first = 1
-        last = min(start + n, len(req.input_ids) - 1)  # predicted positions up to here
-        positions = list(range(max(first, start + 1), last + 1))
-        req.next_input_logprob = max(first, last + 1)
-        if not positions:
-            return
-        rows = torch.tensor([offset + p - 1 - start for p in positions], dtype=torch.int64)
-        lp = LogprobRows(self.runner.logits_at(hidden, rows))
-        for j, p in enumerate(positions):
-            req.input_token_logprobs.append(lp.token(j, req.input_ids[p]))
-            if opts.top_logprobs_num > 0:
-                req.input_top_logprobs.append(lp.top(j, opts.top_logprobs_num))
-            if opts.token_ids_logprob:
-                req.input_token_ids_logprobs.append(lp.of_ids(j, opts.token_ids_logprob))
-
     # messages --------------------------------------------------------------------------------
-
-    def recv_requests(self, block: bool) -> None:
-        """Handle every message waiting on the socket (``block``: wait up to a second for
-        one; then also notice a server process that is gone)."""
-        timeout = 1000 if block else 0
-        while self.poller.poll(timeout):
-            timeout = 0
-            if not self.recv_sock.poll(0):  # only the disaggregation link's events: step
-                break
-            msg = self.recv_sock.recv_pyobj()
-            handler = self.handlers.get(type(msg))
-            if handler is None:
-                logger.error("ignored a message of unknown type %s", type(msg).__name__)
-                continue
-            handler(msg)
-        if block and os.getppid() != self.parent_pid:
-            logger.error("the server process is gone; exiting")
-            self.stop()
-
-    def stop(self) -> None:
-        self.stopping = True
-
-    def add_request(self, msg: GenerateRequest) -> None:
-        self.num_received_reqs += 1
-        seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(62)
-        req = Req(msg.rid, list(msg.input_ids), msg.sampling, msg.logprobs, seed=seed,
-                  arrival_time=msg.arrival_time or time.time(), session_id=msg.session_id,
-                  bootstrap=msg.bootstrap)
-        limit = self.runner.context_length
-        error = None
-        if not req.input_ids:
-            error = "the prompt is empty"
-        elif len(req.input_ids) >= limit:
-            error = f"the prompt has {len(req.input_ids)} tokens; the context length is {limit}"
-        elif len(req.input_ids) + 1 > self.runner.kv_pool.size:
-            error = (f"the prompt has {len(req.input_ids)} tokens; the KV pool holds "
-                     f"{self.runner.kv_pool.size} (raise --max-total-tokens)")
-        elif req.session_id is not None and req.session_id not in self.sessions:
-            error = f"session {req.session_id!r} is not open (open one with /open_session)"
-        elif max(req.input_ids) >= self.runner.vocab_size or min(req.input_ids) < 0:
-            error = f"input_ids must be token ids below the vocabulary size {self.runner.vocab_size}"
-        elif self.disagg is not None:
-            error = self.disagg.check(req)
-        elif req.bootstrap is not None:
-            error = ("bootstrap_room: this server is not disaggregated; start it with "
-                     "--disaggregation-mode prefill or decode to take requests of SGLang's "
-                     "router in PD mode")
-        if error is None and req.sampling.constraint is not None:
-            error = self.grammar.submit(req)  # it waits in the grammar queue while compiling
-            if error is None:
-                return
-        if error is not None:
-            self.fail(req, error, 400)
-            self._replies.append(self.take_output(req))
-            return
-        self.enqueue(req)
-
-    def enqueue(self, req: Req) -> None:
-        """A new request (its grammar compiled, if it has one) waits for admission; on a
-        decode server, for its KV from the prefill server."""
-        if self.disagg is not None and self.disagg.mode == "decode":
-            if req.sampling.max_new_tokens == 0:  # nothing to generate, nothing to transfer
-                req.finish_reason = {"type": "length", "length": 0}
-                self._replies.append(self.take_output(req))
-            else:
-                self.disagg.add(req)
-            return
-        self.waiting.append(req)
 
     def fail(self, req: Req, message: str, status: int) -> None:
         req.error, req.error_status = message, status
         req.finish_reason = {"type": "abort", "message": message}
-        if self.disagg is not None:
-            self.disagg.ended(req, message)
-
-    def abort(self, rid: str) -> None:
-        self.grammar.abort(rid)
-        if self.disagg is not None:
-            self.disagg.abort(rid)
-        for req in list(self.waiting):
-            if req.rid == rid:
-                self.waiting.remove(req)
-        for req in self.running:
-            if req.rid == rid and not req.finished:
-                req.finish_reason = {"type": "abort", "message": "aborted"}
-                if self.disagg is not None:
-                    self.disagg.ended(req, "the request was aborted")
-        self.release_finished()
-
-    def flush_cache(self) -> dict[str, Any]:
-        if self.running or self.waiting:
-            return {"success": False, "message": f"cannot flush the cache while "
-                    f"{len(self.running)} running and {len(self.waiting)} waiting requests "
-                    "use it; retry when they are done"}
-        dropped = self.cache.cached_tokens
-        if not self.cache.flush():
-            return {"success": False, "message": "cannot flush: cached prefixes are locked"}
-        self.sessions = dict.fromkeys(self.sessions, PrefixMatch())  # they start over
-        message = ("nothing is cached across requests (no prefix cache)"
-                   if isinstance(self.cache, NoPrefixCache)
-                   else f"flushed the {self.cache.name} cache ({dropped} tokens)")
-        return {"success": True, "message": message, "kv_free": self.runner.kv_pool.num_free}
-
-    def open_session(self, session_id: str) -> dict[str, Any]:
-        if session_id in self.sessions:
-            return {"success": False, "message": f"session {session_id!r} is already open"}
-        if len(self.sessions) >= MAX_OPEN_SESSIONS:
-            return {"success": False, "message": f"{MAX_OPEN_SESSIONS} sessions are open, the "
-                    "most this server keeps; close one (/close_session) first"}
-        self.sessions[session_id] = PrefixMatch()
-        return {"success": True, "session_id": session_id}
-
-    def close_session(self, session_id: str) -> dict[str, Any]:
-        match = self.sessions.pop(session_id, None)
-        if match is None:
-            return {"success": False, "message": f"session {session_id!r} is not open"}
-        self.cache.unprotect(match)
-        return {"success": True, "session_id": session_id}
-
-    def keep_for_session(self, req: Req, token_ids: list[int]) -> None:
-        """After a session's request: protect its whole conversation (prompt and answer) in the
-        cache, in place of the previous turn's."""
-        previous = self.sessions.get(req.session_id or "")
-        if previous is None or req.error is not None:
-            return
-        match = self.cache.match_prefix(token_ids)
-        self.cache.protect(match)
-        self.cache.unprotect(previous)
-        self.sessions[req.session_id] = match
-
-    def load_info(self) -> dict[str, Any]:
-        pool = self.runner.kv_pool
-        return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
-                "num_waiting_tokens": sum(len(r.input_ids) for r in self.waiting),
-                "kv_used_tokens": pool.num_used, "kv_total_tokens": pool.size,
-                "kv_free_tokens": pool.num_free, "new_token_ratio": self.new_token_ratio,
-                "num_retractions": self.num_retractions,
-                "num_received_reqs": self.num_received_reqs,
-                "req_rows_free": self.runner.req_to_token_pool.num_free,
-                "schedule_policy": self.settings.schedule_policy,
-                "num_sessions": len(self.sessions), **self.cache.info(), **self.grammar.info(),
-                **(self.spec.info() if self.spec is not None else {}),
-                **(self.disagg.info() if self.disagg is not None else {})}
-
-    def reply_info(self, rid: str, info: dict[str, Any]) -> None:
-        self.send_sock.send_pyobj(TokenBatch(info=info, info_rid=rid))
-
-    def take_output(self, r: Req) -> TokenOutput:
-        """What is new of ``r`` since its last output (tokens not sent, logprob entries), as a
-        :class:`TokenOutput`; the logprob lists go with it, emptied here."""
-        out = TokenOutput(
-            rid=r.rid, new_token_ids=r.unsent(), prompt_tokens=len(r.input_ids),
-            cached_tokens=r.cached_tokens or 0,
-            completion_tokens=len(r.output_ids), finish_reason=r.finish_reason, error=r.error,
-            error_status=r.error_status, input_token_logprobs=r.input_token_logprobs,
-            output_token_logprobs=r.output_token_logprobs,
-            input_top_logprobs=r.input_top_logprobs, output_top_logprobs=r.output_top_logprobs,
-            input_token_ids_logprobs=r.input_token_ids_logprobs,
-            output_token_ids_logprobs=r.output_token_ids_logprobs,
-            first_token_time=r.first_token_time, spec=request_spec_info(r),
-            queue_time=(r.scheduled_time - r.arrival_time) if r.scheduled_time else None)
-        r.input_token_logprobs, r.output_token_logprobs = [], []
-        r.input_top_logprobs, r.output_top_logprobs = [], []
-        r.input_token_ids_logprobs, r.output_token_ids_logprobs = [], []
-        return out
-
-    def send_outputs(self, reqs: list[Req]) -> None:
-        seen: set[str] = set()
-        outputs = self._replies
-        self._replies = []
-        for r in [*reqs, *(r for r in self.running if r.finished)]:
-            if r.rid in seen:
-                continue
-            seen.add(r.rid)
-            if r.sent < len(r.output_ids) or r.finished or r.input_token_logprobs:
-                outputs.append(self.take_output(r))
-        if outputs:
-            self.send_sock.send_pyobj(TokenBatch(outputs))
+        self.extensions.ended(req, message)
 
     def free_memory(self, req: Req) -> None:
         """Hand a request's KV slots to the cache (which keeps or frees them) and free its row."""
@@ -745,8 +424,8 @@ class Scheduler:
         self.cache.cache_finished(token_ids[:keep], slots[:keep], req.prefix)
         self.runner.req_to_token_pool.free(req.row)
         req.row, req.kv_len, req.prefix = None, 0, PrefixMatch()
-        if req.finished and req.session_id is not None:
-            self.keep_for_session(req, token_ids)
+        if req.finished and req.session_id is not None and req.error is None:
+            self.sessions.keep(req.session_id, token_ids, self.cache)
 
     def release_finished(self) -> None:
         """Free the KV slots and table rows of finished requests."""
@@ -754,8 +433,7 @@ class Scheduler:
         for req in self.running:
             if req.finished:
                 self.free_memory(req)
-                if self.spec is not None:
-                    self.spec.release(req.rid)
+                self.extensions.released(req)
             else:
                 still_running.append(req)
         self.running = still_running
@@ -764,30 +442,7 @@ class Scheduler:
         if self.runner.mirror is not None:  # the other ranks stop with the leader
             self.runner.mirror.close()
         self.grammar.close()
-        if self.disagg is not None:
-            self.disagg.close()
+        self.extensions.close()
         self.recv_sock.close(linger=0)
         self.send_sock.close(linger=0)
         self.zmq.term()
-
-
-def make_cache_policy(settings: ServerSettings, pm: SglPluginManager,
-                      runner: ModelRunner) -> BaseCachePolicy:
-    """The cache policy the settings ask for: ``--cache-policy``, else ``radix`` when a plugin
-    registers it, else none; ``--disable-radix-cache`` always means none."""
-    name = settings.cache_policy
-    if name is None and "radix" in pm.registries.cache:
-        name = "radix"
-    if settings.disable_radix_cache or name is None:
-        cls: type[BaseCachePolicy] = NoPrefixCache
-    else:
-        cls = pm.registries.cache.load(name)
-    logger.info("prefix cache: %s; schedule policy: %s", cls.name, settings.schedule_policy)
-    return cls(kv_pool=runner.kv_pool, page_size=settings.page_size)
-
-
-def _eos_ids(hf_config: Any) -> list[int]:
-    eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]

@@ -19,7 +19,7 @@ import torch
 
 from sgl.engine.messages import SchedulerInfo
 from sgl.engine.scheduler import Scheduler
-from sgl.engine.setup import build_runner, prepare_process
+from sgl.engine.setup import build_runner, prepare_process, record_decode_forwards
 from sgl.model_loader import ModelLoadError
 from sgl.parallel.base import GroupFailure, RankInfo
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from sgl.parallel import BaseParallelStrategy
     from sgl.plugins import SglPluginManager
 
-__all__ = ["run_scheduler_process"]
+__all__ = ["build_scheduler", "run_scheduler_process"]
 
 logger = logging.getLogger("sgl.scheduler")
 
@@ -66,12 +66,28 @@ def run_scheduler_process(settings_data: dict[str, Any], records: tuple[Any, ...
     serve(ready_conn)
 
 
+def build_scheduler(settings: ServerSettings, pm: SglPluginManager,
+                    endpoints: dict[str, str]) -> Scheduler:
+    """The scheduler, ready to serve: where its decode steps stay plain one-token steps (no
+    extension says otherwise, such as speculation or a prefill server's hand-over), the
+    decode forwards are recorded for replay first."""
+    scheduler = Scheduler(settings, pm, endpoints)
+    pool, context = scheduler.runner.kv_pool.size, scheduler.runner.context_length
+    if pool < context:
+        logger.warning("the KV pool (%d tokens) is smaller than the context length (%d): a "
+                       "request that fills it alone stops there (finish reason length); raise "
+                       "--max-total-tokens to avoid that", pool, context)
+    if scheduler.extensions.plain_decode:
+        record_decode_forwards(scheduler.runner, settings)
+    return scheduler
+
+
 def _leader(settings: ServerSettings, pm: SglPluginManager, endpoints: dict[str, str],
             rank: RankInfo | None, strategy: BaseParallelStrategy | None
             ) -> Callable[[Any], None]:
     """Build the scheduler (the leader of its ranks); returns what reports ready and runs its
     loop until it is told to stop."""
-    scheduler = Scheduler(settings, pm, endpoints)
+    scheduler = build_scheduler(settings, pm, endpoints)
     if strategy is not None and rank is not None:
         strategy.lead(scheduler.runner)
         scheduler.parallel = {"strategy": rank.strategy, **strategy.describe()}

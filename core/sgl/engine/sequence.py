@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sgl.engine.messages import Bootstrap, LogprobEntry, LogprobOptions
+from sgl.engine.messages import Bootstrap, LogprobEntry, LogprobOptions, TokenOutput
 from sgl.kvcache import PrefixMatch
 from sgl.sampling import SamplingParams
 
@@ -89,3 +89,36 @@ class Req:
         new = self.output_ids[self.sent:]
         self.sent = len(self.output_ids)
         return new
+
+    def take_output(self) -> TokenOutput:
+        """What is new since the last output (tokens not sent, logprob entries), as a
+        :class:`~sgl.engine.messages.TokenOutput`; the logprob lists go with it, emptied here."""
+        out = TokenOutput(
+            rid=self.rid, new_token_ids=self.unsent(), prompt_tokens=len(self.input_ids),
+            cached_tokens=self.cached_tokens or 0, completion_tokens=len(self.output_ids),
+            finish_reason=self.finish_reason, error=self.error, error_status=self.error_status,
+            input_token_logprobs=self.input_token_logprobs,
+            output_token_logprobs=self.output_token_logprobs,
+            input_top_logprobs=self.input_top_logprobs,
+            output_top_logprobs=self.output_top_logprobs,
+            input_token_ids_logprobs=self.input_token_ids_logprobs,
+            output_token_ids_logprobs=self.output_token_ids_logprobs,
+            first_token_time=self.first_token_time, spec=self.spec_info(),
+            queue_time=(self.scheduled_time - self.arrival_time) if self.scheduled_time
+            else None)
+        self.input_token_logprobs, self.output_token_logprobs = [], []
+        self.input_top_logprobs, self.output_top_logprobs = [], []
+        self.input_token_ids_logprobs, self.output_token_ids_logprobs = [], []
+        return out
+
+    def spec_info(self) -> dict[str, Any] | None:
+        """SGLang's per-request ``meta_info`` keys of speculative decoding (None: it ran
+        without)."""
+        if not self.spec_verify_ct:
+            return None
+        return {"spec_verify_ct": self.spec_verify_ct,
+                "spec_accept_length": self.spec_tokens / self.spec_verify_ct,
+                "spec_accept_rate": self.spec_accepted / self.spec_proposed
+                if self.spec_proposed else 0.0,
+                "spec_num_proposed_drafts": self.spec_proposed,
+                "spec_num_correct_drafts": self.spec_accepted}

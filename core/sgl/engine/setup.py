@@ -1,17 +1,19 @@
 """What a scheduler process sets before it builds its model, and the model runner it builds:
 the CPU kernels' library and instruction-set level, torch's and the kernels' threads (see
 :mod:`sgl.threads`), and the :class:`~sgl.engine.model_runner.ModelRunner` the settings
-describe. Leaders and followers of a parallel group alike (:mod:`sgl.engine.scheduler_process`).
+describe. Leaders and followers of a parallel group alike (:mod:`sgl.engine.scheduler_process`);
+then, for the leader's scheduler, its cache policy and the decode forwards recorded for replay.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sgl.kernels import cpu
+from sgl.kvcache import BaseCachePolicy, NoPrefixCache
 from sgl.layers.tp import get_tp_group
 from sgl.threads import ThreadPlan, plan_threads
 
@@ -20,7 +22,8 @@ if TYPE_CHECKING:
     from sgl.engine.model_runner import ModelRunner
     from sgl.plugins import SglPluginManager
 
-__all__ = ["build_runner", "configure_threads", "prepare_process"]
+__all__ = ["build_runner", "configure_threads", "eos_token_ids", "make_cache_policy",
+           "prepare_process", "record_decode_forwards"]
 
 logger = logging.getLogger("sgl.scheduler")
 
@@ -65,3 +68,38 @@ def build_runner(settings: ServerSettings, pm: SglPluginManager) -> ModelRunner:
         device=settings.device, cpu_graphs=not settings.disable_cpu_graph,
         cuda_graphs=not settings.disable_cuda_graph, cuda_graph_max_bs=settings.cuda_graph_max_bs,
         show_progress=get_tp_group().rank == 0)  # one bar, not one per rank
+
+
+def record_decode_forwards(runner: ModelRunner, settings: ServerSettings) -> list[int]:
+    """Make the runner's decode graphs ready before serving for batch sizes up to
+    ``--cpu-graph-max-bs`` (:meth:`~sgl.kernels.library.DecodeGraphs.prepare`); the sizes
+    ready. The scheduler calls it only where its decode steps stay plain one-token steps (not
+    with speculative decoding, not on a prefill server)."""
+    graphs = runner.decode_graphs
+    if graphs is None:
+        return []
+    return graphs.prepare(settings.cpu_graph_max_bs, settings.max_running_requests,
+                          show_progress=get_tp_group().rank == 0)
+
+
+def make_cache_policy(settings: ServerSettings, pm: SglPluginManager,
+                      runner: ModelRunner) -> BaseCachePolicy:
+    """The cache policy the settings ask for: ``--cache-policy``, else ``radix`` when a plugin
+    registers it, else none; ``--disable-radix-cache`` always means none."""
+    name = settings.cache_policy
+    if name is None and "radix" in pm.registries.cache:
+        name = "radix"
+    if settings.disable_radix_cache or name is None:
+        cls: type[BaseCachePolicy] = NoPrefixCache
+    else:
+        cls = pm.registries.cache.load(name)
+    logger.info("prefix cache: %s; schedule policy: %s", cls.name, settings.schedule_policy)
+    return cls(kv_pool=runner.kv_pool, page_size=settings.page_size)
+
+
+def eos_token_ids(hf_config: Any) -> list[int]:
+    """The model's end-of-sequence token ids (its config's ``eos_token_id``, one or a list)."""
+    eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]

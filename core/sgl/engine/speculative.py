@@ -29,6 +29,7 @@ tokens it did not keep goes back to the pool at once (:func:`settle_draft`).
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,18 +37,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sgl.engine.extension import SchedulerExtension, SchedulerView
 from sgl.engine.logprobs import LogprobRows
 from sgl.engine.sampler import SamplingInput, sample_next_tokens
 from sgl.speculative import BaseSpeculativeAlgorithm, DraftRequest, DraftTree, TargetStates
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
-    from sgl.engine.grammar_manager import GrammarManager
-    from sgl.engine.model_runner import ModelRunner
+    from sgl.engine.schedule_policy import ScheduledBatch
     from sgl.engine.sequence import Req
-    from sgl.plugins import SglPluginManager
 
-__all__ = ["SpecStats", "SpeculativeDecoding", "Verified", "request_spec_info", "settle_draft"]
+__all__ = ["SpecStats", "SpeculativeDecoding", "Verified", "settle_draft"]
 
 logger = logging.getLogger("sgl.speculative")
 
@@ -128,18 +128,26 @@ def _first_chain(parents: Sequence[int]) -> list[int]:
     return chain
 
 
-class SpeculativeDecoding:
+class SpeculativeDecoding(SchedulerExtension):
     """The scheduler's side of ``--speculative-algorithm``: the algorithm plugin, the draft
-    budget of each step and the acceptance of drafts."""
+    budget of each step and the acceptance of drafts (a scheduler extension of the core)."""
 
-    def __init__(self, settings: ServerSettings, pm: SglPluginManager,
-                 runner: ModelRunner) -> None:
+    name = "speculative"
+    plain_decode = False  # its verify batches are what decode
+
+    @classmethod
+    def enabled(cls, settings: ServerSettings) -> bool:
+        return settings.speculative_algorithm is not None
+
+    def __init__(self, scheduler: SchedulerView) -> None:
+        super().__init__(scheduler)
+        settings, pm, runner = scheduler.settings, scheduler.plugins, scheduler.runner
         name = settings.speculative_algorithm
         cls: type[BaseSpeculativeAlgorithm] = pm.registries.speculative.load(name)
         if not (isinstance(cls, type) and issubclass(cls, BaseSpeculativeAlgorithm)):
             raise TypeError(f"speculative algorithm {name!r} is {cls!r}, not a subclass of "
                             "sgl.speculative.BaseSpeculativeAlgorithm")
-        self.name = name
+        self.algorithm_name = name
         self.runner = runner
         self.num_draft_tokens = settings.speculative_num_draft_tokens \
             or cls.draft_tokens(settings)
@@ -164,9 +172,10 @@ class SpeculativeDecoding:
                     "%d decoding requests", name, self.num_draft_tokens - 1,
                     self.disable_by_batch_size)
 
-    def draft(self, decodes: Sequence[Req], free_slots: int, context_length: int) -> int:
+    def add_draft_tokens(self, decodes: Sequence[Req], free_slots: int) -> int:
         """Set ``req.draft`` for the decoding requests (within ``free_slots`` KV slots);
         returns the number of draft tokens."""
+        context_length = self.runner.context_length
         if not decodes or len(decodes) > self.disable_by_batch_size or free_slots <= 0:
             return 0
         asks = []
@@ -178,7 +187,7 @@ class SpeculativeDecoding:
             drafts = self.algorithm.propose(asks)
         except Exception:  # a broken draft costs speed, never a request: none this step
             logger.error("speculative algorithm %s failed to draft for %d requests; they "
-                         "decode without drafts this step:\n%s", self.name, len(asks),
+                         "decode without drafts this step:\n%s", self.algorithm_name, len(asks),
                          traceback.format_exc())
             for ask in asks:
                 self.algorithm.release(ask.rid)
@@ -204,7 +213,7 @@ class SpeculativeDecoding:
             if len(parents) != len(tokens) or any(not -1 <= p < i
                                                   for i, p in enumerate(parents)):
                 logger.error("speculative algorithm %s drafted a tree whose parents do not come "
-                             "before their children (%s); dropped", self.name, parents)
+                             "before their children (%s); dropped", self.algorithm_name, parents)
                 return [], None
             if req.grammar is not None:  # the matcher walks chains: the first one
                 tokens = [tokens[i] for i in _first_chain(parents)]
@@ -215,12 +224,52 @@ class SpeculativeDecoding:
             tokens = [int(t) for t in list(draft)[:room]]
         if any(not 0 <= t < self.runner.vocab_size for t in tokens):
             logger.error("speculative algorithm %s drafted a token id outside the vocabulary "
-                         "(%s); dropped", self.name, tokens)
+                         "(%s); dropped", self.algorithm_name, tokens)
             return [], None
         return tokens, parents if tokens else None
 
-    def verify(self, items: Sequence[tuple[Req, int]], hidden: torch.Tensor,
-               grammar: GrammarManager, banned: Callable[[Req, int], list[int]]
+    def verify(self, items: Sequence[tuple[Req, int]], hidden: torch.Tensor) -> None:
+        """Verify the drafts of ``(request, its first row)`` pairs and take the accepted tokens;
+        a failure fails only the request it concerns."""
+        s = self.scheduler
+        try:
+            verified = self.accept(items, hidden)
+        except Exception:
+            if len(items) == 1:
+                raise
+            logger.error("verifying %d drafts failed, verifying each alone:\n%s", len(items),
+                         traceback.format_exc())
+            for item in items:
+                s.guarded(item[0], "verifying its draft", self.verify, [item], hidden)
+            return
+        now = time.time()
+        for v in verified:
+            s.guarded(v.req, "taking its verified tokens", self.take_verified, v, now)
+            settle_draft(v.req, [], s.runner.kv_pool.free,
+                         s.runner.req_to_token_pool.req_to_token)  # if that failed half-way
+
+    def take_verified(self, v: Verified, now: float) -> None:
+        """Append a request's verified tokens one by one, each through the scheduler's
+        ``take_token``, until one ends the output (or the grammar appends jump-forward tokens);
+        keep the KV of the draft tokens that made it into the output."""
+        req, appended = v.req, 0
+        for j, token in enumerate(v.tokens):
+            length = len(req.output_ids)
+            req.output_ids.append(token)
+            req.first_token_time = req.first_token_time or now
+            appended += 1
+            self.scheduler.take_token(req, token, v.logprobs,
+                                      v.logprob_rows[j] if v.logprob_rows is not None else None)
+            if req.finished or len(req.output_ids) != length + 1:
+                break
+        assert req.draft is not None
+        self.count(req, len(req.draft), v.accepted, appended)
+        keep = v.path[:appended]
+        settle_draft(req, keep, self.runner.kv_pool.free,
+                     self.runner.req_to_token_pool.req_to_token)
+        self.kept(req, v.hidden_rows[:1 + len(keep)])
+
+    def accept(self, items: Sequence[tuple[Req, int]], hidden: torch.Tensor
                ) -> list[Verified]:
         """Accept the drafts of ``(request, its first row in hidden)`` pairs (see the module
         docstring); nothing about a request changes here."""
@@ -233,8 +282,9 @@ class SpeculativeDecoding:
                  for j in range(first, first + 1 + len(req.draft))]
         lp = LogprobRows(logits[wants]) if wants else None  # the model's, before the grammar
         lp_row = {j: i for i, j in enumerate(wants)}
-        grammar.constrain_drafts([(req, first) for (req, _), first in zip(items, firsts)
-                                  if req.grammar is not None], logits)
+        self.scheduler.grammar.constrain_drafts(
+            [(req, first) for (req, _), first in zip(items, firsts) if req.grammar is not None],
+            logits)
         params, seeds, steps, outputs, prompts, bans = [], [], [], [], [], []
         for req, _ in items:
             for node in range(-1, len(req.draft)):  # the root's row, then each draft token's
@@ -244,7 +294,7 @@ class SpeculativeDecoding:
                 steps.append(len(req.output_ids) + len(before))
                 outputs.append(req.output_ids + before if before else req.output_ids)
                 prompts.append(req.input_ids)
-                bans.append(banned(req, len(req.output_ids) + len(before)))
+                bans.append(self.scheduler.banned(req, len(req.output_ids) + len(before)))
         targets = sample_next_tokens(logits, SamplingInput(
             params=params, seeds=seeds, steps=steps, output_ids=outputs, prompt_ids=prompts,
             banned=bans)).tolist()
@@ -285,11 +335,18 @@ class SpeculativeDecoding:
         if self.target_hidden is not None and rows:
             self._kept.append((req, rows))
 
-    def drop_kept(self) -> None:
+    def batch_ran(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """The requests without a draft keep the KV of all the tokens they ran."""
+        offsets = batch.offsets()
+        for i, req in enumerate(batch.reqs):
+            if req.draft is None:
+                self.kept(req, range(offsets[i], offsets[i + 1]))
+
+    def batch_failed(self) -> None:
         """Forget this step's kept positions (its result was not processed)."""
         self._kept = []
 
-    def observe(self, hidden: torch.Tensor) -> None:
+    def batch_done(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
         """End of a step: the algorithm gets the target's states of the positions kept (see
         :meth:`kept`); if it fails, the requests concerned lose their drafting state (their
         drafts then start afresh), never their output."""
@@ -310,28 +367,16 @@ class SpeculativeDecoding:
                 for req, rows in kept])
         except Exception:
             logger.error("speculative algorithm %s failed to take the target's states of %d "
-                         "requests; their drafting starts afresh:\n%s", self.name, len(kept),
-                         traceback.format_exc())
+                         "requests; their drafting starts afresh:\n%s", self.algorithm_name,
+                         len(kept), traceback.format_exc())
             for req, _ in kept:
                 self.algorithm.release(req.rid)
 
-    def release(self, rid: str) -> None:
-        self.algorithm.release(rid)
+    def released(self, req: Req) -> None:
+        self.algorithm.release(req.rid)
 
     def info(self) -> dict[str, Any]:
-        return {"speculative_algorithm": self.name,
+        return {"speculative_algorithm": self.algorithm_name,
                 "speculative_num_draft_tokens": self.num_draft_tokens,
                 "speculative_disable_by_batch_size": self.disable_by_batch_size,
                 **self.stats.info()}
-
-
-def request_spec_info(req: Req) -> dict[str, Any] | None:
-    """SGLang's per-request ``meta_info`` keys, for a request that ran with speculation."""
-    if not req.spec_verify_ct:
-        return None
-    return {"spec_verify_ct": req.spec_verify_ct,
-            "spec_accept_length": req.spec_tokens / req.spec_verify_ct,
-            "spec_accept_rate": req.spec_accepted / req.spec_proposed if req.spec_proposed
-            else 0.0,
-            "spec_num_proposed_drafts": req.spec_proposed,
-            "spec_num_correct_drafts": req.spec_accepted}

@@ -2,10 +2,11 @@
 
 The kernels are a plugin (``plugins/kernels/sgl-kernels-cpu``, compiled when it is installed): a
 :class:`~sgl.kernels.library.KernelLibrary` that implements the ``torch.ops.sgl`` operators of
-:mod:`sgl.kernels.ops` for CPU tensors and knows the CPU (which level of :data:`ISA_LEVELS` it
-runs, best first: ``amx``, ``avx512_bf16``, ``avx512``, ``avx2``, ``none``; see
-``docs/kernels.md``). The layers call the operators once :func:`load` hands them a library, and
-run their torch code where it hands them None.
+:mod:`sgl.kernels.ops` for CPU tensors and knows the CPU: its instruction-set levels
+(:attr:`~sgl.kernels.library.KernelLibrary.levels`, best first; :func:`isa_levels` adds
+``none``, torch's operators only) and which of them this CPU runs (``docs/kernels.md``). The
+layers call the operators once :func:`load` hands them a library, and run their torch code
+where it hands them None.
 
 The level is the best the library finds on this CPU, capped by ``SGL_CPU_ISA`` (one of the
 levels; ``sgl serve --cpu-isa`` sets it for the server) and by ``SGL_CPU_KERNELS=0``
@@ -13,8 +14,9 @@ levels; ``sgl serve --cpu-isa`` sets it for the server) and by ``SGL_CPU_KERNELS
 has this way). With ``SGL_CPU_EMULATE=1`` (or :func:`set_isa`'s ``emulate``) a cap above the
 CPU's level runs that level's kernels with their instructions done in software, where the library
 can (:meth:`~sgl.kernels.library.KernelLibrary.emulated_levels`): correct and several times
-slower, so that the tests check every level's kernels on any CPU. Without the plugin (not installed, built without its compiled part,
-``--disable-plugin kernels-cpu``), or at ``none``, :func:`load` returns None.
+slower, so that the tests check every level's kernels on any CPU. Without the plugin (not
+installed, built without its compiled part, ``--disable-plugin kernels-cpu``), or at ``none``,
+:func:`load` returns None.
 
 The kernels split their work over :func:`set_threads` threads of their own, and the matmuls run
 only when torch is on one thread (with more, torch's OpenMP threads and the kernels' would fight
@@ -28,6 +30,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,32 +42,48 @@ from sgl.kernels.ops import pack_bf16_weight, pack_f32_weight
 if TYPE_CHECKING:
     from sgl.plugins import SglPluginManager
 
-__all__ = ["DTYPES", "ISA_LEVELS", "KERNEL_LEVELS", "argmax_rows", "cpu_isa", "describe_isa",
-           "detected_isa", "effective_isa", "emulated_isa_levels", "emulation_requested", "fits",
-           "isa_at_least", "isa_emulated", "kernel_threads", "load", "pack_bf16_weight",
-           "pack_f32_weight", "recording", "requested_isa", "set_isa", "set_threads",
-           "use_plugins"]
+__all__ = ["DTYPES", "argmax_rows", "bfloat16_faster", "check_level", "cpu_isa",
+           "describe_isa", "detected_isa", "effective_isa", "emulated_isa_levels",
+           "emulation_requested", "fits", "isa_at_least", "isa_emulated", "isa_levels",
+           "kernel_levels", "kernel_threads", "load", "pack_bf16_weight", "pack_f32_weight",
+           "recording", "requested_isa", "set_isa", "set_threads", "use_plugins"]
 
 logger = logging.getLogger(__name__)
 
-#: the instruction-set levels of the kernels, best first; a CPU runs its own and all below it
-ISA_LEVELS = ("amx", "avx512_bf16", "avx512", "avx2", "none")
-#: the levels at which sgl's kernels run (below them, torch's operators do everything)
-KERNEL_LEVELS = ("amx", "avx512_bf16", "avx512", "avx2")
 #: tensor dtypes the kernels take
 DTYPES = (torch.float32, torch.bfloat16)
 
+
+@dataclass
+class _State:
+    """This process's kernel library and the level and threads it runs with."""
+
+    loaded: KernelLibrary | None = None  # the library at the level in use; None: torch only
+    level: str = "none"  # the level ``loaded`` runs at
+    tried: bool = False  # ``loaded`` and ``level`` are decided
+    threads: int = 1
+    isa_cap: str | None = None  # set_isa's level; None: SGL_CPU_ISA / SGL_CPU_KERNELS decide
+    emulate: bool | None = None  # set_isa's emulate; None: SGL_CPU_EMULATE decides
+    plugins: SglPluginManager | None = None  # use_plugins'; None: the installed plugins
+    library: KernelLibrary | None = None  # the plugin's library, whatever the level
+    library_tried: bool = False
+    library_missing: str = ""  # why there is no library, for describe_isa
+
+
 _lock = threading.RLock()
-_loaded: KernelLibrary | None = None
-_level = "none"  # the level _loaded runs at
-_tried = False
-_threads = 1
-_isa_cap: str | None = None  # set_isa's level; None: SGL_CPU_ISA / SGL_CPU_KERNELS decide
-_emulate: bool | None = None  # set_isa's emulate; None: SGL_CPU_EMULATE decides
-_plugins: SglPluginManager | None = None  # use_plugins'; None: the installed plugins
-_library: KernelLibrary | None = None  # the plugin's library, whatever the level
-_library_tried = False
-_library_missing = ""  # why there is no library, for describe_isa
+_state = _State()
+
+
+def kernel_levels() -> tuple[str, ...]:
+    """The levels the kernel library has kernels for, best first (a CPU runs its own and all
+    below it); none without a library."""
+    library = _find_library()
+    return tuple(library.levels) if library is not None else ()
+
+
+def isa_levels() -> tuple[str, ...]:
+    """:func:`kernel_levels` and ``none`` (torch's operators only), best first."""
+    return (*kernel_levels(), "none")
 
 
 def fits(*tensors: torch.Tensor | None) -> bool:
@@ -102,34 +121,36 @@ def recording(arena: torch.Tensor | None = None) -> Iterator[KernelTape]:
 
 
 def detected_isa() -> str:
-    """The best level of :data:`ISA_LEVELS` this CPU runs, as the kernel library finds it
+    """The best level of :func:`isa_levels` this CPU runs, as the kernel library finds it
     (``none`` without one)."""
     library = _find_library()
     return library.detect_isa() if library is not None else "none"
 
 
-def _check_level(level: str, where: str) -> str:
+def check_level(level: str, where: str) -> str:
+    """``level`` normalized; ValueError naming ``where`` unless it is ``auto`` or a level of
+    :func:`isa_levels` (without a kernel library any name is taken: it runs as ``none``)."""
     level = level.strip().lower()
-    if level != "auto" and level not in ISA_LEVELS:
-        raise ValueError(f"{where}={level!r}: expected auto or one of {', '.join(ISA_LEVELS)}")
+    if level != "auto" and level not in isa_levels() and _find_library() is not None:
+        raise ValueError(f"{where}={level!r}: expected auto or one of {', '.join(isa_levels())}")
     return level
 
 
 def requested_isa() -> str:
     """The cap on the level: :func:`set_isa`'s, else ``SGL_CPU_ISA`` (``none`` with
     ``SGL_CPU_KERNELS=0``); ``auto`` for no cap. ValueError for a name not in the ladder."""
-    if _isa_cap is not None:
-        return _isa_cap
+    if _state.isa_cap is not None:
+        return _state.isa_cap
     if os.environ.get("SGL_CPU_KERNELS", "1") == "0":
         return "none"
-    return _check_level(os.environ.get("SGL_CPU_ISA", "") or "auto", "SGL_CPU_ISA")
+    return check_level(os.environ.get("SGL_CPU_ISA", "") or "auto", "SGL_CPU_ISA")
 
 
 def emulation_requested() -> bool:
     """Whether a cap above the CPU's level may be emulated: :func:`set_isa`'s ``emulate``, else
     ``SGL_CPU_EMULATE=1``."""
-    if _emulate is not None:
-        return _emulate
+    if _state.emulate is not None:
+        return _state.emulate
     return os.environ.get("SGL_CPU_EMULATE", "0") == "1"
 
 
@@ -141,8 +162,11 @@ def emulated_isa_levels() -> tuple[str, ...]:
 
 
 def isa_at_least(level: str, floor: str) -> bool:
-    """Whether ``level`` includes ``floor`` (both names of :data:`ISA_LEVELS`)."""
-    return ISA_LEVELS.index(level) <= ISA_LEVELS.index(floor)
+    """Whether ``level`` includes ``floor`` (both names of :func:`isa_levels`; a name the
+    library does not know counts as ``none``)."""
+    ladder = isa_levels()
+    rank = {name: i for i, name in enumerate(ladder)}
+    return rank.get(level, len(ladder) - 1) <= rank.get(floor, len(ladder) - 1)
 
 
 def effective_isa(requested: str) -> str:
@@ -161,42 +185,41 @@ def effective_isa(requested: str) -> str:
 def isa_emulated() -> bool:
     """Whether the level in use (:func:`cpu_isa`) runs emulated, above what the CPU has."""
     level = cpu_isa()
-    return level in KERNEL_LEVELS and not isa_at_least(detected_isa(), level)
+    return level in kernel_levels() and not isa_at_least(detected_isa(), level)
 
 
 def cpu_isa() -> str:
     """The level the CPU kernels run at now: the CPU's best, capped (see
     :func:`requested_isa`); ``none`` without a kernel library (see :func:`describe_isa`)."""
     load()
-    return _level
+    return _state.level
 
 
 def describe_isa() -> str:
     """One line for logs and ``sgl plugins``: the level in use and why."""
     level, library = cpu_isa(), _find_library()
     if library is None:
-        return f"none ({_library_missing})"
+        return f"none ({_state.library_missing})"
     detected, capped = library.detect_isa(), effective_isa(requested_isa())
     parts = [f"CPU has {detected}"]
     if isa_emulated():
         parts.append("emulated in software: correct, several times slower, for tests")
     elif capped != detected:
         parts.append(f"capped at {capped}")
-    parts.append(library.describe() if level in KERNEL_LEVELS else "torch operators only")
+    parts.append(library.describe() if level in library.levels else "torch operators only")
     return f"{level} ({', '.join(parts)})"
 
 
 def set_isa(level: str, emulate: bool | None = None) -> str:
-    """Run the kernels at ``level`` (a name of :data:`ISA_LEVELS`, or ``auto``: the CPU's best
+    """Run the kernels at ``level`` (a name of :func:`isa_levels`, or ``auto``: the CPU's best
     or ``SGL_CPU_ISA``'s) from now on, never above what the CPU has unless ``emulate`` (None:
     ``SGL_CPU_EMULATE`` decides) and the library can emulate it; returns the level in use
     (:func:`cpu_isa`). Weights packed before keep the layout of their level."""
-    global _isa_cap, _emulate, _tried
-    level = _check_level(level, "cpu isa")
+    level = check_level(level, "cpu isa")
     with _lock:
-        _isa_cap = None if level == "auto" else level
-        _emulate = emulate
-        _tried = False
+        _state.isa_cap = None if level == "auto" else level
+        _state.emulate = emulate
+        _state.tried = False
     return cpu_isa()
 
 
@@ -204,88 +227,95 @@ def use_plugins(plugin_manager: SglPluginManager | None) -> None:
     """Take the CPU kernel library from ``plugin_manager``'s registries (the plugins this
     process loaded: ``--disable-plugin kernels-cpu`` leaves the kernels out); None: from the
     installed plugins, found on first use."""
-    global _plugins, _library, _library_tried, _library_missing, _tried
     with _lock:
-        _plugins = plugin_manager
-        _library, _library_tried, _library_missing = None, False, ""
-        _tried = False
+        _state.plugins = plugin_manager
+        _state.library, _state.library_tried, _state.library_missing = None, False, ""
+        _state.tried = False
 
 
 def _find_library() -> KernelLibrary | None:
     """The registered ``cpu`` kernel library, built on the first call; None (with the reason in
-    ``_library_missing``) where there is none or it cannot run here."""
-    global _library, _library_tried, _library_missing
+    ``library_missing``) where there is none or it cannot run here. The plugins are those of
+    :func:`use_plugins`, else the installed ones
+    (:func:`sgl.plugins.installed_plugin_manager`)."""
+    st = _state
     with _lock:
-        if _library_tried:
-            return _library
-        _library_tried = True
-        pm = _plugins
+        if st.library_tried:
+            return st.library
+        st.library_tried = True
+        pm = st.plugins
         if pm is None:
-            from sgl.plugins import create_plugin_manager
+            from sgl.plugins import installed_plugin_manager
 
-            pm = create_plugin_manager()
+            pm = installed_plugin_manager()
         try:
             registry = pm.registries.kernels
         except RuntimeError as exc:  # plugins that clash (reported where the registries are used)
-            _library_missing = f"no kernel library: {exc}"
+            st.library_missing = f"no kernel library: {exc}"
             return None
         if "cpu" not in registry.names():
-            _library_missing = ("no CPU kernel library: install sgl-kernels-cpu "
-                                "(plugins/kernels/sgl-kernels-cpu)")
+            st.library_missing = ("no CPU kernel library: install sgl-kernels-cpu "
+                                  "(plugins/kernels/sgl-kernels-cpu)")
             if "kernels-cpu" in pm.records and not pm.records["kernels-cpu"].available:
-                _library_missing += f"; it is unavailable: {pm.records['kernels-cpu'].reason}"
+                st.library_missing += f"; it is unavailable: {pm.records['kernels-cpu'].reason}"
             return None
         entry = registry.entry("cpu")
         try:
-            _library = entry.load()()
+            st.library = entry.load()()
         except KernelLibraryUnavailable as exc:
-            _library_missing = str(exc)
+            st.library_missing = str(exc)
             logger.warning("sgl's CPU kernels are off, torch runs everything (slower): %s", exc)
         except Exception as exc:  # a broken plugin must not stop the server: torch runs instead
-            _library_missing = f"plugin {entry.owner!r} failed: {type(exc).__name__}: {exc}"
-            logger.warning("sgl's CPU kernels are off: %s", _library_missing)
-        return _library
+            st.library_missing = f"plugin {entry.owner!r} failed: {type(exc).__name__}: {exc}"
+            logger.warning("sgl's CPU kernels are off: %s", st.library_missing)
+        return st.library
 
 
 def load() -> KernelLibrary | None:
     """The kernel library, set to this process's level (see :func:`cpu_isa`); None where the
     kernels cannot be used (the level ``none``, no kernel library, another architecture)."""
-    global _loaded, _level, _tried
-    if _tried:
-        return _loaded
+    st = _state
+    if st.tried:
+        return st.loaded
     with _lock:
-        if _tried:
-            return _loaded
+        if st.tried:
+            return st.loaded
         level = effective_isa(requested_isa())
-        library = _find_library() if level in KERNEL_LEVELS else None
-        _loaded, _level = None, "none"
+        library = _find_library() if level != "none" else None
+        st.loaded, st.level = None, "none"
         if library is not None and level in library.levels:
             emulated = not isa_at_least(library.detect_isa(), level)
             library.set_level(level, emulated=emulated)
-            _loaded, _level = library, level
+            st.loaded, st.level = library, level
             if emulated:
                 logger.warning("sgl's CPU kernels run at %s emulated in software (this CPU has "
                                "%s): correct, several times slower; meant for tests", level,
                                library.detect_isa())
-        _tried = True
-        return _loaded
+        st.tried = True
+        return st.loaded
 
 
 def set_threads(threads: int) -> int:
     """Use ``threads`` threads (the caller included) in the kernels from now on; returns the
     number in use (1 without the kernels)."""
-    global _threads
     library = load()
     if library is None:
         return 1
     with _lock:
-        _threads = int(library.set_threads(max(1, int(threads))))
-    return _threads
+        _state.threads = int(library.set_threads(max(1, int(threads))))
+    return _state.threads
 
 
 def kernel_threads() -> int:
     """Threads of the kernels (see :func:`set_threads`)."""
-    return _threads
+    return _state.threads
+
+
+def bfloat16_faster() -> bool:
+    """Whether the kernels, at the level in use, decode bfloat16 weights faster than float32
+    (:meth:`~sgl.kernels.library.KernelLibrary.bfloat16_faster`); False without them."""
+    library = load()
+    return library is not None and library.bfloat16_faster(cpu_isa())
 
 
 def round_x_faster(rows: int) -> bool:

@@ -5,18 +5,58 @@ A kernel plugin registers a subclass of :class:`KernelLibrary` under a device ty
 it the first time a kernel could run, tells it the instruction-set level once
 (:meth:`~KernelLibrary.set_level`), and from then on calls the ``torch.ops.sgl`` operators,
 which the library implements for its device. The controls here are the rest: the library's own
-threads, and recording a forward's kernel calls for replay (:mod:`sgl.engine.cpu_graph`).
+threads, and recording a forward's kernel calls for replay (:meth:`KernelLibrary.decode_graphs`,
+the library's :class:`DecodeGraphs`).
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-__all__ = ["KernelLibrary", "KernelLibraryUnavailable", "KernelTape", "PackedWeight"]
+if TYPE_CHECKING:
+    from sgl.attention.base import BaseAttentionBackend
+    from sgl.forward_batch import ForwardBatch
+
+__all__ = ["DecodeGraphs", "KernelLibrary", "KernelLibraryUnavailable", "KernelTape",
+           "PackedWeight"]
+
+
+class DecodeGraphs(abc.ABC):
+    """Decode forwards recorded once and replayed without the Python around their kernels:
+    CUDA graphs on a GPU (:class:`sgl.engine.cuda_graph.CudaGraphRunner`), a kernel library's
+    recordings of its calls on CPU (:meth:`KernelLibrary.decode_graphs`). The model runner's one
+    decode path: a decode batch they :meth:`can_run` goes to :meth:`forward`, every other batch
+    runs the model.
+
+    As with CUDA graphs, the hidden states a replay returns are the recording's own tensor:
+    valid until the next forward.
+    """
+
+    #: forwards replayed so far (for tests and logs)
+    replays: int = 0
+
+    @abc.abstractmethod
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """Whether :meth:`forward` takes this decode batch."""
+
+    @abc.abstractmethod
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The hidden states of a decode batch whose attention metadata is not planned yet
+        (the graphs plan what they replay)."""
+
+    def prepare(self, max_bs: int | None, limit: int, *, show_progress: bool = True
+                ) -> list[int]:
+        """Before serving: make the batch sizes up to ``max_bs`` (None: the graphs' own
+        default; never above ``limit``, the most sequences a batch holds) ready, so that no
+        served batch waits for a recording. The sizes ready."""
+        return []
+
+    def clear(self) -> None:
+        """Drop what was recorded (after replacing a tensor the recordings read)."""
 
 
 class PackedWeight(abc.ABC):
@@ -94,13 +134,14 @@ class KernelTape:
 class KernelLibrary(abc.ABC):
     """The controls of one device's kernel library (see the module docstring)."""
 
-    #: the instruction-set levels (:data:`sgl.kernels.cpu.KERNEL_LEVELS`) it has kernels for
+    #: the instruction-set levels it has kernels for, best first (a machine runs its own and
+    #: every one below it; :func:`sgl.kernels.cpu.kernel_levels`)
     levels: ClassVar[tuple[str, ...]] = ()
 
     @abc.abstractmethod
     def detect_isa(self) -> str:
-        """The best level of :data:`sgl.kernels.cpu.ISA_LEVELS` this machine runs (``none``
-        where it runs none of the library's)."""
+        """The best of :attr:`levels` this machine runs (``none`` where it runs none of
+        them)."""
 
     @abc.abstractmethod
     def set_level(self, level: str, emulated: bool = False) -> None:
@@ -133,8 +174,8 @@ class KernelLibrary(abc.ABC):
 
     def replay_parts(self, tapes: list[KernelTape]) -> None:
         """Run several tapes that write no tensor in common, one kernel thread on each where the
-        library can (the parts of a split decode batch, :mod:`sgl.engine.cpu_graph`); by
-        default one after the other. RuntimeError naming the first call that fails."""
+        library can (the parts of a split decode batch, :meth:`decode_graphs`); by default one
+        after the other. RuntimeError naming the first call that fails."""
         for tape in tapes:
             tape.replay()
 
@@ -164,6 +205,18 @@ class KernelLibrary(abc.ABC):
         rounded to int8 per block, integer products) than exact, at the level in use: where it
         is, ``--int8-activations`` rounds decode steps of that many sequences."""
         return False
+
+    def bfloat16_faster(self, level: str) -> bool:
+        """Whether at ``level`` bfloat16 weights decode faster than float32 (the level has
+        bfloat16 instructions, and its matmuls read half the bytes): ``--dtype auto`` picks
+        bfloat16 there."""
+        return False
+
+    def decode_graphs(self, model: torch.nn.Module, backend: BaseAttentionBackend
+                      ) -> DecodeGraphs | None:
+        """The library's replays of decode forwards of ``model`` with attention ``backend``
+        (None: it has none; decode steps then run the model each time)."""
+        return None
 
     def describe(self) -> str:
         """A few words for logs: what the library is and where it was built."""

@@ -86,7 +86,7 @@ class VocabParallelEmbedding(nn.Module):
 
 def _cpu_embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``weight[ids]`` for flat int64 ids through sgl's CPU kernel (row copies, no torch op, so
-    :mod:`sgl.engine.cpu_graph` can replay it), else None."""
+    the CPU kernel library's decode graphs can replay it), else None."""
     if (ids.device.type != "cpu" or ids.dim() != 1 or ids.dtype != torch.int64
             or not ids.is_contiguous() or not cpu.fits(weight)):
         return None

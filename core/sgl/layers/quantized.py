@@ -29,16 +29,14 @@ from torch import nn
 
 from sgl.kernels import cpu, ops, quant
 
-__all__ = ["AUTO_ROUND_X_ROWS", "INT8_ACTIVATIONS", "QUANTIZATION_MODES", "QUANTIZE_MODES",
+__all__ = ["AUTO_ROUND_X_ROWS", "INT8_ACTIVATIONS", "QUANTIZE_MODES",
            "QuantizedTensor",
            "decode_step", "deferred_weights",
            "deferred_mode", "dense_rows", "quantized_linear", "store_weight_rows"]
 
-#: ``gguf``, ``compressed-tensors``, ``gptq``, ``awq``: weights kept as they arrive (quantized
-#: blocks stay quantized); ``int8``/``int4``: dense linear weights are rounded to 8-/4-bit
-#: blocks at load
-QUANTIZATION_MODES = ("gguf", "compressed-tensors", "gptq", "awq", "int8", "int4")
-#: the modes that quantize dense weights, and the layout of linear layers under each
+#: the modes that quantize dense weights at load (to 8-/4-bit blocks), and the layout of linear
+#: layers under each; under any other mode (``gguf``, a checkpoint weight format's name) the
+#: weights are kept as they arrive, quantized blocks staying quantized
 QUANTIZE_MODES = {"int8": "q8", "int4": "q4"}
 #: the layout of a quantized token embedding (and a tied LM head) under any quantizing mode
 EMBEDDING_LAYOUT = "q8"
@@ -140,13 +138,13 @@ _ROUND_X_ROWS = {"on": 1, "auto": AUTO_ROUND_X_ROWS, "off": 0}
 @contextlib.contextmanager
 def deferred_weights(mode: str, *, int8_activations: str = "off") -> Iterator[None]:
     """Build models inside this to let their weights be held as they arrive (see the module
-    docstring); ``mode`` is one of :data:`QUANTIZATION_MODES`. ``int8_activations``: when the
+    docstring); ``mode``: ``int8``/``int4`` (:data:`QUANTIZE_MODES`), or the name of the
+    format the weights arrive in (``gguf``, a weight format's name). ``int8_activations``: when the
     layers' 4-bit matmuls round x to int8 in decode steps (:data:`INT8_ACTIVATIONS`); ``off``
     keeps every product exact."""
     global _deferred
-    if mode not in QUANTIZATION_MODES:
-        raise ValueError(f"unknown quantization mode {mode!r} "
-                         f"(expected one of {', '.join(QUANTIZATION_MODES)})")
+    if not mode or mode == "none":
+        raise ValueError(f"quantization mode {mode!r}: a dense model needs no deferred weights")
     if int8_activations not in INT8_ACTIVATIONS:
         raise ValueError(f"unknown int8_activations {int8_activations!r} "
                          f"(expected one of {', '.join(INT8_ACTIVATIONS)})")

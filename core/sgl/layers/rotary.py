@@ -158,7 +158,7 @@ class RotaryEmbedding(nn.Module):
         both = _adjacent(q, k)
         if q.device.type == "cpu" and cpu.load() is not None and cpu.fits(q, k):  # sgl's CPU kernel, bit-identical
             # the kernel reads each token's row of the whole table itself, so a forward pass
-            # needs no torch op here (sgl.engine.cpu_graph replays it)
+            # needs no torch op here (the CPU kernel library's decode graphs replay it)
             pos: torch.Tensor | None = positions
             if (positions.dim() == 1 and positions.dtype == torch.int64
                     and positions.is_contiguous() and positions.shape[0] == q.shape[0]):

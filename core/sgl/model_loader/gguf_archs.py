@@ -1,36 +1,31 @@
-"""The GGUF architectures sgl loads, and how each one's tensors turn back into those of the
-Hugging Face checkpoint: llama.cpp's tensor names and what its converter
-(``convert_hf_to_gguf.py``) did to them. The config side is :mod:`sgl.model_loader.gguf_config`.
+"""How a GGUF architecture's tensors turn back into those of the Hugging Face checkpoint:
+llama.cpp's tensor names and what its converter (``convert_hf_to_gguf.py``) did to them, one
+:class:`GGUFArch` per ``general.architecture``. The core holds the contract and the names every
+decoder shares; model plugins register their architectures with ``sgl_register_gguf_archs``
+(docs/hooks.md), each with its quirks: interleaved q/k rows, a shift of the norms, fused or
+stacked tensors, and what its config needs beyond transformers' reading
+(:attr:`GGUFArch.complete_config`). The config side is :mod:`sgl.model_loader.gguf_config`.
 
-============  =====================================  ==========================================
-GGUF          Hugging Face architecture              what the converter did
-============  =====================================  ==========================================
-``llama``     ``LlamaForCausalLM``, ``Mistral...``   q/k rows interleaved per head
-                                                     (``LlamaModel.permute``)
-``qwen2``     ``Qwen2ForCausalLM``                   nothing
-``qwen2moe``  ``Qwen2MoeForCausalLM``                experts stacked ``[E, ff, hidden]``, the
-                                                     shared-expert gate stored as a vector
-``qwen3``     ``Qwen3ForCausalLM``                   nothing
-``gemma2``    ``Gemma2ForCausalLM``                  1 added to every ``*norm.weight``
-``gemma3``    ``Gemma3ForCausalLM``                  1 added to every ``*norm.weight``
-``phi3``      ``Phi3ForCausalLM``                    q/k/v fused (``attn_qkv``), gate/up fused
-                                                     (``ffn_up``)
-============  =====================================  ==========================================
-
-Only ``llama`` (Llama, and Mistral converted as Llama) has permuted q/k rows: the converter's
-Qwen, Gemma and Phi-3 classes write them as they are. Tensors the converter derives from the
-config (``rope_freqs``, ``rope_factors_long``/``short``) go back into the config.
+Tensors the converter derives from the config (``rope_freqs``, ``rope_factors_long``/``short``)
+go back into the config.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import TYPE_CHECKING, Any
 
 from sgl.model_loader.errors import ModelLoadError
 
-__all__ = ["GGUF_ARCHS", "GGUFArch", "Piece", "gguf_arch"]
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from sgl.model_loader.gguf_config import GGUFMetadata
+
+__all__ = ["CONFIG_TENSORS", "DECODER_LAYER_NAMES", "GLOBAL_NAMES", "GGUFArch", "Piece",
+           "gguf_arch", "gguf_archs_of", "installed_gguf_archs"]
 
 #: (Hugging Face name, first row, number of rows) of a GGUF tensor viewed as ``[-1, last dim]``
 Piece = tuple[str, int, int]
@@ -40,7 +35,9 @@ GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
 #: tensors llama.cpp derives from the config; they go back into the config, not the model
 CONFIG_TENSORS = frozenset({"rope_freqs", "rope_factors_long", "rope_factors_short"})
 
-_LLAMA_LAYER = {
+#: the per-layer tensors of a decoder as llama.cpp and Hugging Face name them, for the
+#: architectures whose converter renames nothing else
+DECODER_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -53,16 +50,6 @@ _LLAMA_LAYER = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-# Gemma 2/3 have four norms a layer; ffn_norm is the one before the MLP
-_GEMMA_LAYER = {**_LLAMA_LAYER, "ffn_norm": "pre_feedforward_layernorm",
-                "post_attention_norm": "post_attention_layernorm",
-                "post_ffw_norm": "post_feedforward_layernorm"}
-_QWEN2MOE_LAYER = {**_LLAMA_LAYER, "ffn_gate_inp": "mlp.gate",
-                   "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-                   "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-                   "ffn_up_shexp": "mlp.shared_expert.up_proj",
-                   "ffn_down_shexp": "mlp.shared_expert.down_proj"}
-_PHI3_LAYER = {k: v for k, v in _LLAMA_LAYER.items() if k != "ffn_up"}
 
 
 @dataclass(frozen=True)
@@ -82,8 +69,25 @@ class GGUFArch:
     row_vectors: frozenset[str] = frozenset()
     #: llama.cpp's converter interleaved the rows of q and k within each head
     permuted_qk: bool = False
-    #: the converter added this to every ``*norm.weight`` (Gemma's RMSNorm scales by 1 + w)
+    #: the converter added this to every ``*norm.weight`` (for an RMSNorm that scales by 1 + w)
     norm_shift: float = 0.0
+    #: the architecture's attention biases are not optional: transformers' config says
+    #: whether there are any (else: there are where the file has ``attn_q.bias`` tensors)
+    fixed_attention_bias: bool = False
+    #: what this architecture's config needs beyond transformers' reading and the fields every
+    #: architecture gets (:meth:`complete`):
+    #: ``complete_config(meta, config)`` sets them on ``config``
+    complete_config: Callable[[GGUFMetadata, PretrainedConfig], None] | None = None
+
+    def complete(self, meta: GGUFMetadata, config: PretrainedConfig) -> None:
+        """Add to ``config`` (transformers' reading of the file) what the metadata says and
+        transformers left out: the fields of every architecture
+        (:func:`~sgl.model_loader.gguf_config.complete_common`), then this one's own."""
+        from sgl.model_loader.gguf_config import complete_common
+
+        complete_common(meta, config, self.fixed_attention_bias)
+        if self.complete_config is not None:
+            self.complete_config(meta, config)
 
     def kinds(self) -> list[str]:
         """Every tensor name this architecture knows, for error messages."""
@@ -135,29 +139,36 @@ class GGUFArch:
         return None
 
 
-GGUF_ARCHS: dict[str, GGUFArch] = {arch.name: arch for arch in (
-    GGUFArch("llama", _LLAMA_LAYER, permuted_qk=True),
-    GGUFArch("qwen2", _LLAMA_LAYER),
-    GGUFArch("qwen2moe", _QWEN2MOE_LAYER,
-             experts={"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
-                      "ffn_down_exps": "down_proj"},
-             row_vectors=frozenset({"mlp.shared_expert_gate"})),
-    GGUFArch("qwen3", _LLAMA_LAYER),
-    GGUFArch("gemma2", _GEMMA_LAYER, norm_shift=1.0),
-    GGUFArch("gemma3", _GEMMA_LAYER, norm_shift=1.0),
-    GGUFArch("phi3", _PHI3_LAYER,
-             fused={"attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                    "ffn_up": ("mlp.gate_proj", "mlp.up_proj")}),
-)}
+def gguf_archs_of(registries: Any) -> dict[str, GGUFArch]:
+    """The GGUF architectures the plugins of ``registries`` (:class:`sgl.plugins.Registries`)
+    registered, by name; ValueError for an entry that is not a :class:`GGUFArch`."""
+    archs = {}
+    for entry in registries.gguf_archs:
+        arch = entry.load()
+        if not isinstance(arch, GGUFArch) or arch.name != entry.name:
+            raise ValueError(f"plugin {entry.owner!r} registered GGUF architecture "
+                             f"{entry.name!r} as {arch!r}, not a GGUFArch of that name")
+        archs[entry.name] = arch
+    return archs
 
 
-def gguf_arch(name: str, path: object = None) -> GGUFArch:
-    """The rules of GGUF architecture ``name``.
+def installed_gguf_archs() -> dict[str, GGUFArch]:
+    """The GGUF architectures of the installed plugins
+    (:func:`sgl.plugins.installed_plugin_manager`), for a caller that has no registries of its
+    own."""
+    from sgl.plugins import installed_plugin_manager
+
+    return gguf_archs_of(installed_plugin_manager().registries)
+
+
+def gguf_arch(name: str, archs: Mapping[str, GGUFArch], path: object = None) -> GGUFArch:
+    """The rules of GGUF architecture ``name`` among ``archs`` (:func:`gguf_archs_of`).
 
     :raises ModelLoadError: naming the architecture and the supported ones."""
-    arch = GGUF_ARCHS.get(name)
+    arch = archs.get(name)
     if arch is None:
         where = f"GGUF file {str(path)!r} has" if path is not None else "GGUF"
+        supported = ", ".join(sorted(archs)) or "none (no model plugin registers one)"
         raise ModelLoadError(f"{where} architecture {name!r}, which sgl does not load; supported "
-                             f"GGUF architectures: {', '.join(GGUF_ARCHS)}")
+                             f"GGUF architectures: {supported}")
     return arch

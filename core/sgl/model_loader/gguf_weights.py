@@ -3,19 +3,19 @@ with ``quantized=True``, the blocks of the types in :data:`GGUF_QUANTIZED` repac
 :class:`~sgl.layers.quantized.QuantizedTensor` (the others dequantized, and logged).
 
 llama.cpp stores tensor shapes innermost-first (reversed against torch). What its converter did
-to the Hugging Face tensors depends on the architecture (:mod:`sgl.model_loader.gguf_archs`) and
-is undone here: ``llama``'s q/k rows, permuted so that rotary pairs are interleaved, are put back
-for the usual rotate-half rotary embedding; Gemma's norm weights lose the 1 the converter added;
-fused tensors (Phi-3's ``attn_qkv``, its ``ffn_up`` holding gate and up) are split by rows and
-stacked experts (Qwen2-MoE's ``ffn_*_exps``) into one tensor per expert. All of these move or
-cut whole rows, so quantized blocks go through them unchanged.
+to the Hugging Face tensors depends on the architecture (a
+:class:`~sgl.model_loader.gguf_archs.GGUFArch` a model plugin registered) and is undone here:
+q/k rows permuted so that rotary pairs are interleaved are put back for the usual rotate-half
+rotary embedding; norm weights lose what the converter added; fused tensors are split by rows
+and stacked experts into one tensor per expert. All of these move or cut whole rows, so
+quantized blocks go through them unchanged.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import torch
 
 from sgl.layers.quantized import QuantizedTensor
 from sgl.model_loader.errors import ModelLoadError
-from sgl.model_loader.gguf_archs import GGUF_ARCHS, GGUFArch, Piece, gguf_arch
+from sgl.model_loader.gguf_archs import GGUFArch, Piece, gguf_arch, installed_gguf_archs
 from sgl.model_loader.gguf_config import GGUFMetadata, read_gguf
 from sgl.model_loader.gguf_kquants import KQUANT_LAYOUTS, repack_kquant_blocks
 from sgl.model_loader.source import WeightSource
@@ -35,11 +35,13 @@ __all__ = ["GGUF_QUANTIZED", "GGUFWeights", "gguf_to_hf_name", "repack_gguf_bloc
 logger = logging.getLogger(__name__)
 
 
-def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+def gguf_to_hf_name(name: str, arch: str,
+                    gguf_archs: Mapping[str, GGUFArch] | None = None) -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` for GGUF
-    architecture ``arch``; None if unknown, or if the tensor holds several Hugging Face tensors
-    (a fused or stacked one) or none (``rope_freqs``)."""
-    rules = GGUF_ARCHS.get(arch)
+    architecture ``arch`` (of ``gguf_archs``, default the installed plugins'); None if unknown,
+    or if the tensor holds several Hugging Face tensors (a fused or stacked one) or none
+    (``rope_freqs``)."""
+    rules = (installed_gguf_archs() if gguf_archs is None else gguf_archs).get(arch)
     return None if rules is None else rules.hf_name(name)
 
 
@@ -93,18 +95,21 @@ def repack_gguf_blocks(type_name: str, data: np.ndarray, rows: int,
 class GGUFWeights(WeightSource):
     """Streams the tensors of a ``.gguf`` file via a memory-mapped ``gguf.GGUFReader``;
     ``quantized``: 2-D tensors (and stacked experts) of the types in :data:`GGUF_QUANTIZED`
-    come as :class:`~sgl.layers.quantized.QuantizedTensor`.
+    come as :class:`~sgl.layers.quantized.QuantizedTensor`. ``gguf_archs``: the architectures
+    the plugins registered (None: the installed plugins').
 
     :raises ModelLoadError: for a file that is not GGUF, an architecture sgl does not load
         (the message lists those it does) or a tensor it cannot name."""
 
-    def __init__(self, path: Path, dtype: torch.dtype, *, quantized: bool = False) -> None:
+    def __init__(self, path: Path, dtype: torch.dtype, *, quantized: bool = False,
+                 gguf_archs: Mapping[str, GGUFArch] | None = None) -> None:
         super().__init__(path, dtype)
         self.quantized = quantized
         self.reader = read_gguf(path)
         meta = GGUFMetadata(self.reader)
         self.arch = meta.arch
-        self.rules: GGUFArch = gguf_arch(self.arch, path)
+        archs = installed_gguf_archs() if gguf_archs is None else gguf_archs
+        self.rules: GGUFArch = gguf_arch(self.arch, archs, path)
         self.num_heads = int(meta.arch_get("attention.head_count") or 0)
         self.num_kv_heads = int(meta.arch_get("attention.head_count_kv") or self.num_heads)
         #: each tensor of the file with the Hugging Face tensors it holds (none: config only)

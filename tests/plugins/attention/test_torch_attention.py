@@ -118,7 +118,7 @@ def test_decode_head_dim_64(dtype: torch.dtype, heads: tuple[int, int], window: 
     has them), through torch below them."""
     from sgl.kernels import cpu
 
-    assert (cpu.load() is not None) == (cpu_isa in cpu.KERNEL_LEVELS)
+    assert (cpu.load() is not None) == (cpu_isa in cpu.kernel_levels())
     torch.manual_seed(2)
     spec = AttentionLayerSpec(layer_id=0, num_heads=heads[0], num_kv_heads=heads[1], head_dim=64,
                               scaling=0.125, sliding_window=window, logit_softcap=softcap)

@@ -414,7 +414,7 @@ def test_each_level_runs_its_own_kernels_or_torch(cpu_isa: str) -> None:
     with cpu.recording() as tape:
         got = linear(x, weight, None, packed)
         picked = cpu.argmax_rows(torch.randn(4, 100))
-    if cpu_isa in cpu.KERNEL_LEVELS:
+    if cpu_isa in cpu.kernel_levels():
         assert cpu.load() is not None and packed is not None and packed.kind == "bf16"
         assert tape.names == [bf16_kernel_name(cpu_isa), kernel_name("sgl_argmax_f32", cpu_isa)]
         assert pack_weight(torch.randn(64, 32)).kind == "f32"
@@ -431,7 +431,7 @@ def test_isa_cap_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu, "_isa_cap", None)
     monkeypatch.delenv("SGL_CPU_KERNELS", raising=False)  # a run under SGL_CPU_KERNELS=0 too
     detected = cpu.detected_isa()
-    for level in cpu.ISA_LEVELS:
+    for level in cpu.isa_levels():
         monkeypatch.setenv("SGL_CPU_ISA", level)
         expected = level if cpu.isa_at_least(detected, level) else detected
         assert cpu.effective_isa(cpu.requested_isa()) == expected

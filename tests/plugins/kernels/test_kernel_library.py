@@ -67,7 +67,7 @@ def test_cli_reports_the_disabled_plugin() -> None:
     assert out.returncode == 0, out.stderr
     line = out.stdout.strip().splitlines()[-1]
     assert line.startswith("CPU kernels: ")
-    if cpu.detected_isa() in cpu.KERNEL_LEVELS and cpu.requested_isa() == "auto":
+    if cpu.detected_isa() in cpu.kernel_levels() and cpu.requested_isa() == "auto":
         assert line.startswith("CPU kernels: none (") and "install sgl-kernels-cpu" in line
 
 

@@ -27,14 +27,18 @@ __all__ = ["assert_plugin_installed", "check_ragged_extend_prefix_decode", "gree
            "make_runner", "randomize_norms", "reference_logits"]
 
 
-def assert_plugin_installed(plugin_id: str, archs: dict[str, str]) -> None:
+def assert_plugin_installed(plugin_id: str, archs: dict[str, str],
+                            gguf_archs: tuple[str, ...] = ()) -> None:
     """``plugin_id`` is listed by ``sgl plugins --json`` and registered ``archs``
-    (architecture -> ``module:Class``)."""
+    (architecture -> ``module:Class``) and the GGUF architectures ``gguf_archs``."""
     result = run_cli(["plugins", "--json"])
     assert result.returncode == 0, result.stderr
     listed = {p["name"]: p for p in json.loads(result.stdout)}
     assert listed[plugin_id]["available"], listed[plugin_id]
-    assert listed[plugin_id]["hooks"] == ["sgl_register_model_archs"]
+    hooks = ["sgl_register_gguf_archs"] if gguf_archs else []
+    assert listed[plugin_id]["hooks"] == [*hooks, "sgl_register_model_archs"]
+    gguf = create_plugin_manager().registries.gguf_archs
+    assert sorted(e.name for e in gguf if e.owner == plugin_id) == sorted(gguf_archs)
     assert listed[plugin_id]["distribution"] == f"sgl-{plugin_id}"
     registry = create_plugin_manager().registries.models
     for arch, target in archs.items():

@@ -1,5 +1,5 @@
 """The family tests run torch on one thread, as the scheduler does on a 2-core machine, so that
-they go through sgl's CPU kernels and replay recorded decode forwards (sgl.engine.cpu_graph)
+they go through sgl's CPU kernels and replay recorded decode forwards (sgl_kernels_cpu.graphs)
 where the model allows it."""
 
 from __future__ import annotations

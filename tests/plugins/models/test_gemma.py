@@ -56,7 +56,7 @@ def test_plugin_is_installed() -> None:
     assert_plugin_installed("model-gemma", {
         "Gemma2ForCausalLM": "sgl_model_gemma.model:Gemma2ForCausalLM",
         "Gemma3ForCausalLM": "sgl_model_gemma.model:Gemma3ForCausalLM",
-    })
+    }, gguf_archs=("gemma2", "gemma3"))
 
 
 def build_reference(family: str, overrides: dict[str, Any]) -> Any:

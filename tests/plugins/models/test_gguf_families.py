@@ -19,6 +19,7 @@ checks the logits then differ by more than 100 times the tolerance.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,8 @@ from sgl.engine.model_runner import ModelRunner
 from sgl.layers.moe import FusedMoE
 from sgl.forward_batch import ForwardMode
 from sgl.model_loader import ModelLoadError, load_hf_config, open_weights
-from sgl.model_loader import gguf_archs, gguf_config
+from sgl.model_loader import gguf_config
+from sgl.plugins import create_plugin_manager
 
 ATOL = 1e-4
 TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -202,13 +204,13 @@ def test_llama3_rope_parameters_round_trip() -> None:
     import _gguf_writer
 
     factors = _gguf_writer._llama3_factors(Config, 128).numpy()
-    fitted = gguf_config.llama3_rope_from_factors(factors, 500000.0, 128)
+    fitted = gguf_config.rope_from_freq_factors(factors, 500000.0, 128)
     assert fitted is not None and fitted["low_freq_factor"] == 1.0
     torch.testing.assert_close(rope_inv_freq(128, {**fitted, "rope_theta": 500000.0}),
                                rope_inv_freq(128, params), rtol=1e-6, atol=0)
-    assert gguf_config.llama3_rope_from_factors(np.ones(64), 500000.0, 128) is None
-    with pytest.raises(ModelLoadError, match="not Llama 3 rope scaling"):
-        gguf_config.llama3_rope_from_factors(np.linspace(1, 8, 64) ** 2, 500000.0, 128)
+    assert gguf_config.rope_from_freq_factors(np.ones(64), 500000.0, 128) is None
+    with pytest.raises(ModelLoadError, match="not llama3-type rope scaling"):
+        gguf_config.rope_from_freq_factors(np.linspace(1, 8, 64) ** 2, 500000.0, 128)
 
 
 @pytest.mark.parametrize(("variant", "change"), [
@@ -221,8 +223,12 @@ def test_a_missing_transform_is_caught(files: dict, variant: str, change: dict[s
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Without one of the converter's transforms undone, the logits are far off."""
     path, _, expected = files[variant, "Q8_0"]
-    arch = gguf_archs.GGUF_ARCHS[{"mistral": "llama"}.get(variant, variant)]
-    monkeypatch.setitem(gguf_archs.GGUF_ARCHS, arch.name, dataclasses.replace(arch, **change))
+    # the architecture as its plugin registered it, changed where the registry imports it from
+    name = {"mistral": "llama"}.get(variant, variant)
+    entry = create_plugin_manager().registries.gguf_archs.entry(name)
+    module, attr = entry.target.split(":")
+    arch = entry.load()
+    monkeypatch.setattr(importlib.import_module(module), attr, dataclasses.replace(arch, **change))
     got = sgl_logits(make_runner(str(path), quantization="auto"))
     worst = max(float((g - w).abs().max()) for g, w in zip(got, expected))
     assert worst > 100 * ATOL, worst
@@ -258,7 +264,7 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    supported = "supported GGUF architectures: llama, qwen2, qwen2moe, qwen3, gemma2, gemma3, phi3"
+    supported = "supported GGUF architectures: gemma2, gemma3, llama, phi3, qwen2, qwen2moe, qwen3"
     for load in (load_hf_config, open_weights):
         with pytest.raises(ModelLoadError, match=f"architecture 'falcon'.*{supported}"):
             load(path)

@@ -38,7 +38,9 @@ TINY_VARIANTS = {
 def test_plugin_is_installed() -> None:
     pm = create_plugin_manager()
     assert pm.records["model-llama"].available
-    assert pm.records["model-llama"].hooks == ["sgl_register_model_archs"]
+    assert pm.records["model-llama"].hooks == ["sgl_register_gguf_archs",
+                                               "sgl_register_model_archs"]
+    assert pm.registries.gguf_archs.entry("llama").target == "sgl_model_llama.gguf:LLAMA"
     entry = pm.registries.models.entry("LlamaForCausalLM")
     assert entry.owner == "model-llama"
     assert entry.target == "sgl_model_llama.model:LlamaForCausalLM"

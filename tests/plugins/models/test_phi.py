@@ -41,7 +41,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def test_plugin_is_installed() -> None:
     assert_plugin_installed("model-phi",
-                            {"Phi3ForCausalLM": "sgl_model_phi.model:Phi3ForCausalLM"})
+                            {"Phi3ForCausalLM": "sgl_model_phi.model:Phi3ForCausalLM"},
+                            gguf_archs=("phi3",))
 
 
 def build_reference(overrides: dict[str, Any]) -> Any:

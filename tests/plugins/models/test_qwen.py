@@ -55,7 +55,8 @@ def test_plugin_is_installed() -> None:
     plugins = {p["name"]: p for p in json.loads(result.stdout)}
     assert plugins["model-qwen"]["available"]
     assert plugins["model-qwen"]["distribution"] == "sgl-model-qwen"
-    assert plugins["model-qwen"]["hooks"] == ["sgl_register_model_archs"]
+    assert plugins["model-qwen"]["hooks"] == ["sgl_register_gguf_archs",
+                                              "sgl_register_model_archs"]
 
 
 @pytest.fixture(scope="module")

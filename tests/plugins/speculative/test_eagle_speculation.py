@@ -282,7 +282,7 @@ def test_drafts_equal_the_dense_reference(algorithm: str, hot: bool, topk: int, 
             rid = start_one(h, prompt)  # three prompt chunks, then the first token
             req = next(r for r in h.scheduler.running if r.rid == rid)
             ids = req.input_ids + req.output_ids
-            drafter = h.scheduler.spec.algorithm
+            drafter = h.scheduler.extensions.named("speculative").algorithm
             assert drafter.states[rid].length == len(ids) - 1
             kept = drafter.states[rid].last.clone()
             got = drafter.propose([DraftRequest(rid, ids, tokens - 1)])[0]
@@ -313,8 +313,8 @@ def run(h: Harness, prompts: list[list[int]], **params: object) -> list[Result]:
     rids = [h.submit(p, **params) for p in prompts]
     results = h.run(rids)
     h.assert_memory_empty()
-    if h.scheduler.spec is not None:
-        assert h.scheduler.spec.algorithm.states == {}
+    if h.scheduler.extensions.named("speculative") is not None:
+        assert h.scheduler.extensions.named("speculative").algorithm.states == {}
     return [results[r] for r in rids]
 
 
@@ -350,7 +350,7 @@ def test_outputs_equal_those_without_speculation(algorithm: str, topk: int, hot:
     try:
         with torch.inference_mode():
             prompts = vocab16_prompts(12)
-            stats = spec.scheduler.spec.stats
+            stats = spec.scheduler.extensions.named("speculative").stats
             for params in (dict(temperature=0), dict(temperature=0.8, seed=3),
                            dict(temperature=1.0, top_k=5, frequency_penalty=0.3, seed=9)):
                 want = run(plain16, prompts, max_new_tokens=40, ignore_eos=True, **params)
@@ -412,7 +412,7 @@ def test_a_failing_head_costs_drafts_never_requests(target: Path, heads: dict[st
             want = run(plain16, prompts, max_new_tokens=30, temperature=0, ignore_eos=True)
             got = run(spec, prompts, max_new_tokens=30, temperature=0, ignore_eos=True)
             assert [g.output_ids for g in got] == [w.output_ids for w in want]
-            assert spec.scheduler.spec.stats.accepted_drafts > 0
+            assert spec.scheduler.extensions.named("speculative").stats.accepted_drafts > 0
             assert "injected fault" in caplog.text
             assert "their drafting starts afresh" in caplog.text
     finally:
@@ -460,11 +460,11 @@ def test_eagle3_reads_replayed_decode_steps(tmp_path: Path) -> None:
                 extra = start(prompts[0][:9], 4)
                 for _ in range(12):
                     s.step()
-                drafter = s.spec.algorithm
+                drafter = s.extensions.named("speculative").algorithm
                 kept[graphs] = [(drafter.states[r].length, drafter.states[r].last.clone())
                                 for r in rids]
                 if graphs and cpu.load() is not None:
-                    assert s.runner.cpu_graphs.replays > 0
+                    assert s.runner.decode_graphs.replays > 0
                 h.run([*rids, extra])
         finally:
             h.close()
@@ -502,7 +502,7 @@ def test_smollm2_keeps_its_outputs(algorithm: str, smollm2: Harness, tmp_path: P
             results = spec.run(rids)  # no flush: the radix cache keeps them (and the head's KV)
             got += [results[r] for r in rids]
             assert [g.output_ids for g in got] == [w.output_ids for w in want]
-            assert spec.scheduler.spec.stats.proposed_drafts > 100
+            assert spec.scheduler.extensions.named("speculative").stats.proposed_drafts > 100
             # the same prompts again: their prefixes come from the radix cache, with the head's KV
             hits = spec.scheduler.cache.stats.hit_tokens
             again = run(spec, prompts, max_new_tokens=24, temperature=0)

@@ -74,13 +74,14 @@ def test_ngram_draft_takes_the_longest_then_latest_match() -> None:
 def test_greedy_outputs_equal_without_speculation(pair: tuple[Harness, Harness]) -> None:
     plain, spec = pair
     prompts = [plain.chat_ids(t) for t in COPY_TASKS]
-    before = spec.scheduler.spec.stats.accepted_drafts
+    stats = spec.scheduler.extensions.named("speculative").stats
+    before = stats.accepted_drafts
     for batch in (prompts[:1], prompts, prompts + mixed_prompts(plain, 8)):
         a, b = run_both(pair, batch, max_new_tokens=48, temperature=0)
         for x, y in zip(a, b):
             assert y.output_ids == x.output_ids
             assert y.finish_reason == x.finish_reason
-    assert spec.scheduler.spec.stats.accepted_drafts > before + 20  # the drafts were used
+    assert stats.accepted_drafts > before + 20  # the drafts were used
 
 
 def test_seeded_sampling_equals_without_speculation(pair: tuple[Harness, Harness]) -> None:
@@ -165,13 +166,13 @@ def test_json_schema_with_speculation(pair: tuple[Harness, Harness]) -> None:
     for jump_forward in (True, False):
         for h in pair:
             h.scheduler.grammar.jump_forward = jump_forward
-        before = spec.scheduler.spec.stats.accepted_drafts
+        before = spec.scheduler.extensions.named("speculative").stats.accepted_drafts
         a, b = run_both(pair, [prompt, prompt], max_new_tokens=160, temperature=0,
                         json_schema=json.dumps(PERSON))
         for x, y in zip(a, b):
             assert y.output_ids == x.output_ids
             check_json(plain.tokenizer.decode(y.output_ids, skip_special_tokens=True), PERSON)
-        assert spec.scheduler.spec.stats.accepted_drafts > before
+        assert spec.scheduler.extensions.named("speculative").stats.accepted_drafts > before
     for h in pair:
         h.scheduler.grammar.jump_forward = True
 
@@ -224,7 +225,7 @@ def test_draft_trees_give_the_same_outputs(pair: tuple[Harness, Harness]) -> Non
     forward under a tree mask; the target's branch is kept and its KV moved to the request's
     next positions."""
     plain, spec = pair
-    drafter = spec.scheduler.spec.algorithm
+    drafter = spec.scheduler.extensions.named("speculative").algorithm
     trees = []
     propose = drafter.propose
 
@@ -233,8 +234,8 @@ def test_draft_trees_give_the_same_outputs(pair: tuple[Harness, Harness]) -> Non
         trees.extend(d for d in out if isinstance(d, DraftTree))
         return out
 
-    engine, paths = spec.scheduler.spec, []
-    verify = engine.verify
+    engine, paths = spec.scheduler.extensions.named("speculative"), []
+    verify = engine.accept
 
     def recording_verify(*args):
         out = verify(*args)
@@ -242,16 +243,16 @@ def test_draft_trees_give_the_same_outputs(pair: tuple[Harness, Harness]) -> Non
         return out
 
     prompts = [plain.chat_ids(t) for t in COPY_TASKS] + mixed_prompts(plain, 6)
-    drafter.breadth, drafter.propose, engine.verify = 3, recording, recording_verify
+    drafter.breadth, drafter.propose, engine.accept = 3, recording, recording_verify
     try:
-        before = spec.scheduler.spec.stats.accepted_drafts
+        before = spec.scheduler.extensions.named("speculative").stats.accepted_drafts
         for params in (dict(temperature=0), dict(temperature=0.8, seed=4),
                        dict(temperature=0.7, frequency_penalty=0.5, seed=9)):
             a, b = run_both(pair, prompts, max_new_tokens=40, **params)
             for x, y in zip(a, b):
                 assert y.output_ids == x.output_ids, params
         assert len(trees) > 10
-        assert spec.scheduler.spec.stats.accepted_drafts > before
+        assert spec.scheduler.extensions.named("speculative").stats.accepted_drafts > before
         # some accepted branch was not the tree's first nodes: its KV was moved
         assert any(p != list(range(len(p))) for p in paths), paths
         # with a grammar a tree is cut to its first chain (the matcher walks one path)
@@ -259,14 +260,14 @@ def test_draft_trees_give_the_same_outputs(pair: tuple[Harness, Harness]) -> Non
                         temperature=0, json_schema=json.dumps(PERSON))
         assert b[0].output_ids == a[0].output_ids
     finally:
-        drafter.breadth, drafter.propose, engine.verify = 1, propose, verify
+        drafter.breadth, drafter.propose, engine.accept = 1, propose, verify
 
 
 def test_malformed_drafts_are_dropped(pair: tuple[Harness, Harness]) -> None:
     """A drafter that proposes token ids outside the vocabulary, or a tree whose parents come
     after their children, costs its drafts (logged), never a request."""
     plain, spec = pair
-    drafter = spec.scheduler.spec.algorithm
+    drafter = spec.scheduler.extensions.named("speculative").algorithm
     propose = drafter.propose
     bad = [[10**9], DraftTree([5, 6], [1, -1]), DraftTree([5], [])]
 

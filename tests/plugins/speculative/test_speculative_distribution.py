@@ -87,13 +87,13 @@ def sample_pairs(h: Harness) -> Counter[tuple[int, int]]:
 
 
 def accept_every_draft(original):  # the broken rule: keep the draft whatever the target says
-    def verify(self, items, hidden, grammar, banned):
-        out = original(self, items, hidden, grammar, banned)
+    def accept(self, items, hidden):
+        out = original(self, items, hidden)
         for v in out:
             if v.req.draft:
                 v.tokens, v.path = v.req.draft + [v.tokens[-1]], list(range(len(v.req.draft)))
         return out
-    return verify
+    return accept
 
 
 def test_sampled_tokens_follow_the_target_distribution(tiny_model: Path, tmp_path: Path,
@@ -105,7 +105,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_model: Path, tmp_pat
     try:
         with torch.inference_mode():
             counts = sample_pairs(h)
-            spec = h.scheduler.spec
+            spec = h.scheduler.extensions.named("speculative")
             assert spec is not None and spec.stats.proposed_drafts >= SAMPLES // 2  # drafts ran
             assert 20 < spec.stats.accepted_drafts < spec.stats.proposed_drafts // 2
             stat, df = chi_square(counts, p, SAMPLES)
@@ -114,8 +114,8 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_model: Path, tmp_pat
             print(f"chi-square {stat:.0f} (df {df}, limit {limit:.0f}), drafts {spec.stats}")
             assert stat < limit, (stat, df)
 
-            monkeypatch.setattr(speculative.SpeculativeDecoding, "verify",
-                                accept_every_draft(speculative.SpeculativeDecoding.verify))
+            monkeypatch.setattr(speculative.SpeculativeDecoding, "accept",
+                                accept_every_draft(speculative.SpeculativeDecoding.accept))
             broken, _ = chi_square(sample_pairs(h), p, SAMPLES)
             print(f"broken rule: chi-square {broken:.0f}")
             assert broken > 3 * limit, (broken, limit)

@@ -31,7 +31,8 @@ def run(h: Harness, prompts: list[list[int]], **params: object) -> list[Result]:
     rids = [h.submit(p, **params) for p in prompts]
     results = h.run(rids)
     h.assert_memory_empty()
-    drafter = h.scheduler.spec.algorithm if h.scheduler.spec else None
+    engine = h.scheduler.extensions.named("speculative")
+    drafter = engine.algorithm if engine is not None else None
     if drafter is not None:  # the draft model's memory is empty too
         assert drafter.seqs == {}
         assert drafter.draft.kv_pool.num_free == drafter.draft.kv_pool.size
@@ -46,7 +47,7 @@ def test_the_target_as_its_own_draft_accepts_every_draft_token(smollm2: Harness,
     try:
         with torch.inference_mode():
             prompts = [smollm2.chat_ids(t) for t in TASKS] + mixed_prompts(smollm2, 6)
-            stats = spec.scheduler.spec.stats
+            stats = spec.scheduler.extensions.named("speculative").stats
             for params in (dict(temperature=0), dict(temperature=0.8, seed=3),
                            dict(temperature=0.9, top_p=0.9, frequency_penalty=0.4, seed=8)):
                 before = (stats.accepted_drafts, stats.proposed_drafts)
@@ -89,8 +90,9 @@ def test_a_random_draft_changes_nothing(smollm2: Harness, tmp_path: Path) -> Non
             for rid, a in zip(rids, want):
                 assert got[rid].output_ids == a.output_ids
             run(spec, [], max_new_tokens=1)  # memory checks only
-            assert s.spec.stats.proposed_drafts > 100
-            assert s.spec.stats.accepted_drafts < s.spec.stats.proposed_drafts // 2
+            stats = s.extensions.named("speculative").stats
+            assert stats.proposed_drafts > 100
+            assert stats.accepted_drafts < stats.proposed_drafts // 2
             # an abort in the middle frees the draft's memory too
             keep = spec.submit(prompts[0], max_new_tokens=12, temperature=0)
             gone = spec.submit(prompts[1], max_new_tokens=300, temperature=0, ignore_eos=True)

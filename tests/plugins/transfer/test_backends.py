@@ -299,7 +299,7 @@ def test_link_codec_authenticates_with_the_secret() -> None:
     """The disaggregation link's messages: with a secret, an HMAC envelope that verifies only
     with the same secret and the same body; without one, plain JSON (an envelope is read but
     never counts as authenticated)."""
-    from sgl.engine.disaggregation.link import LinkCodec
+    from sgl_disaggregation.link import LinkCodec
 
     msg = {"type": "done", "room": 7, "token": 42, "seconds": 0.1}
     codec, other, none = LinkCodec("s" * 16), LinkCodec("t" * 16), LinkCodec(None)

@@ -520,7 +520,7 @@ def test_kv_that_is_not_finite_is_refused(failing: PD) -> None:
     import zmq
     from sgl_transfer_tcp.backend import TcpKVTransfer
 
-    from sgl.engine.disaggregation.bootstrap import BootstrapServer
+    from sgl_disaggregation.bootstrap import BootstrapServer
     from sgl.transfer import KVBuffers
 
     ctx = zmq.Context()

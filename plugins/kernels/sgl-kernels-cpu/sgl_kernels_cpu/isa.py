@@ -1,4 +1,4 @@
-"""What this CPU runs: the best level of :data:`sgl.kernels.cpu.ISA_LEVELS`, and its vendor."""
+"""What this CPU runs: the best of :attr:`CpuKernelLibrary.levels <sgl_kernels_cpu.library.CpuKernelLibrary.levels>`, and its vendor."""
 
 from __future__ import annotations
 

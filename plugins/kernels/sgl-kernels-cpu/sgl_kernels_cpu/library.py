@@ -12,14 +12,18 @@ from __future__ import annotations
 import importlib.util
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from sgl.kernels import cpu
 from sgl.kernels import ops as _ops  # noqa: F401  (declares the sgl operators _C implements)
-from sgl.kernels.library import KernelLibrary, KernelLibraryUnavailable, KernelTape
+from sgl.kernels.library import DecodeGraphs, KernelLibrary, KernelLibraryUnavailable, KernelTape
 from sgl.kernels.library import PackedWeight
 from sgl_kernels_cpu import isa, linear
+
+if TYPE_CHECKING:
+    from sgl.attention.base import BaseAttentionBackend
 
 __all__ = ["KERNEL_NAMES", "CpuKernelLibrary", "compiled_path"]
 
@@ -106,6 +110,10 @@ class CpuKernelLibrary(KernelLibrary):
             return ()
         return self.levels[:self.levels.index(detected)]
 
+    def bfloat16_faster(self, level: str) -> bool:
+        """At ``amx`` and ``avx512_bf16``: bfloat16 instructions, half the bytes read."""
+        return level in ("amx", "avx512_bf16")
+
     @staticmethod
     def bf16_dot_matmul(level: str) -> bool:
         """Whether the bfloat16 matmul without AMX uses ``vdpbf16ps`` rather than widening to
@@ -178,6 +186,14 @@ class CpuKernelLibrary(KernelLibrary):
                               v_dim: int) -> bool:
         return (num_kv_heads >= 1 and num_heads % num_kv_heads == 0 and num_heads <= 256
                 and all(d % 16 == 0 and 16 <= d <= 256 for d in (head_dim, v_dim)))
+
+    def decode_graphs(self, model: torch.nn.Module, backend: BaseAttentionBackend
+                      ) -> DecodeGraphs:
+        """Recordings of this library's calls in decode forwards, replayed
+        (:class:`sgl_kernels_cpu.graphs.CpuGraphRunner`)."""
+        from sgl_kernels_cpu.graphs import CpuGraphRunner
+
+        return CpuGraphRunner(model, backend)
 
     def describe(self) -> str:
         return f"sgl-kernels-cpu, {self.path.name}"

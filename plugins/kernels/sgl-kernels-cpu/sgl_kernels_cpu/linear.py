@@ -5,7 +5,7 @@ In decode every linear layer multiplies a few rows by the whole weight, so the t
 streaming the weight from memory. ``F.linear`` on bfloat16 goes through oneDNN, which reorders
 the weight into its blocked layout on every call. The copies:
 
-* ``"bf16"``: bfloat16 weights at every kernel level (:data:`sgl.kernels.cpu.KERNEL_LEVELS`),
+* ``"bf16"``: bfloat16 weights at every kernel level (:func:`sgl.kernels.cpu.kernel_levels`),
   the layout of :func:`sgl.kernels.ops.pack_bf16_weight`, multiplied by ``sgl::linear_bf16``: on AMX
   tiles, or on AVX-512 vectors without AMX (``vdpbf16ps`` on AMD, widened FMAs elsewhere; see
   ``CpuKernelLibrary.bf16_dot_matmul``), or widened on AVX2 vectors. Both read the

@@ -9,7 +9,7 @@ from sgl.hookspecs import hookimpl
 if TYPE_CHECKING:
     from sgl.registry import RegisterFn
 
-__all__ = ["ARCHITECTURES", "sgl_register_model_archs"]
+__all__ = ["ARCHITECTURES", "sgl_register_gguf_archs", "sgl_register_model_archs"]
 
 #: architecture name (``config.architectures``) -> "module:Class"
 ARCHITECTURES = {
@@ -23,3 +23,10 @@ ARCHITECTURES = {
 def sgl_register_model_archs(register: RegisterFn) -> None:
     for name, target in ARCHITECTURES.items():
         register(name, target)
+
+
+@hookimpl
+def sgl_register_gguf_archs(register: RegisterFn) -> None:
+    register("qwen2", "sgl_model_qwen.gguf:QWEN2")
+    register("qwen2moe", "sgl_model_qwen.gguf:QWEN2MOE")
+    register("qwen3", "sgl_model_qwen.gguf:QWEN3")

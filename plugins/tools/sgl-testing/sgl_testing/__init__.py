@@ -11,7 +11,7 @@ Fixtures:
 * ``restore_kernel_threads`` -- the test may call ``sgl.kernels.cpu.set_threads``; the count in
   use before it is restored afterwards.
 * ``cpu_isa`` -- the test runs once at each instruction-set level of
-  :data:`sgl.kernels.cpu.ISA_LEVELS` this CPU has (capped by ``SGL_CPU_ISA``), kernels included
+  :func:`sgl.kernels.cpu.isa_levels` this CPU has (capped by ``SGL_CPU_ISA``), kernels included
   or not; the fixture's value is the level. ``kernel_isa`` -- likewise, only at the levels where
   sgl's kernels run; ``avx512_isa`` -- only at those with the AVX-512 kernels (not ``avx2``).
   ``model_isa`` -- ``cpu_isa`` at module scope, for a model loaded once per
@@ -207,7 +207,7 @@ def emulated_levels_to_test() -> list[str]:
 
 def isa_levels_to_test(kernels_only: bool = False, avx512_only: bool = False,
                        emulated: bool = False) -> list[str]:
-    """The levels of :data:`sgl.kernels.cpu.ISA_LEVELS` this process can run (the CPU's best,
+    """The levels of :func:`sgl.kernels.cpu.isa_levels` this process can run (the CPU's best,
     capped by ``SGL_CPU_ISA``, and all below it; with ``emulated`` also those of
     :func:`emulated_levels_to_test`); with ``kernels_only`` only those where sgl's kernels run,
     and none of those where the library cannot be built; with ``avx512_only`` only those of
@@ -216,14 +216,14 @@ def isa_levels_to_test(kernels_only: bool = False, avx512_only: bool = False,
 
     detected, cap = cpu.detected_isa(), cpu.requested_isa()
     top = detected if cap == "auto" or cpu.isa_at_least(cap, detected) else cap
-    levels = list(cpu.ISA_LEVELS[cpu.ISA_LEVELS.index(top):])
+    levels = list(cpu.isa_levels()[cpu.isa_levels().index(top):])
     if emulated:
         levels = [lv for lv in emulated_levels_to_test() if lv not in levels] + levels
-    if top in cpu.KERNEL_LEVELS and cpu.cpu_isa() == "none":  # the library cannot be built
-        levels = [lv for lv in levels if lv not in cpu.KERNEL_LEVELS]
+    if top in cpu.kernel_levels() and cpu.cpu_isa() == "none":  # the library cannot be built
+        levels = [lv for lv in levels if lv not in cpu.kernel_levels()]
     if avx512_only:
         return [lv for lv in levels if lv in AVX512_LEVELS]
-    return [lv for lv in levels if lv in cpu.KERNEL_LEVELS] if kernels_only else levels
+    return [lv for lv in levels if lv in cpu.kernel_levels()] if kernels_only else levels
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -287,7 +287,7 @@ def pytest_report_header(config: pytest.Config) -> str:
     from sgl.kernels import cpu
 
     tested, emulated = isa_levels_to_test(), emulated_levels_to_test()
-    lacking = [lv for lv in cpu.ISA_LEVELS if lv not in tested and lv not in emulated]
+    lacking = [lv for lv in cpu.isa_levels() if lv not in tested and lv not in emulated]
     return (f"sgl CPU ISA levels tested: {', '.join(tested)}; emulated in software (kernel "
             f"and replay tests): {', '.join(emulated) or '-'}; not on this CPU or capped: "
             f"{', '.join(lacking) or '-'} (CPU: {cpu.describe_isa()})")
@@ -314,7 +314,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if counts:
         from sgl.kernels import cpu
 
-        names = [f"{lv} emulated" for lv in cpu.ISA_LEVELS] + list(cpu.ISA_LEVELS)
+        names = [f"{lv} emulated" for lv in cpu.isa_levels()] + list(cpu.isa_levels())
         line = ", ".join(f"{lv} {counts[lv]}" for lv in names if lv in counts)
         terminalreporter.write_line(f"sgl CPU ISA levels, tests passed at each: {line}")
 

@@ -15,13 +15,18 @@ import logging
 import threading
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from sgl.transfer import BaseKVTransfer
+from sgl.transfer import BaseKVTransfer, KVBuffers
+from sgl_disaggregation.bootstrap import advertised_host
 
-__all__ = ["MAX_MESSAGE_BYTES", "Link", "LinkCodec", "peer_socket", "room_of"]
+if TYPE_CHECKING:
+    from sgl.engine.extension import SchedulerView
+
+__all__ = ["MAX_MESSAGE_BYTES", "Link", "LinkCodec", "peer_socket", "room_of",
+           "transfer_backend"]
 
 logger = logging.getLogger("sgl.disaggregation")
 
@@ -30,6 +35,16 @@ TICK_S = 0.25
 #: the largest message a peer may send on a link socket (ZMQ drops the peer past it); a want
 #: of a prompt at a 1M-token context is about 8 MB
 MAX_MESSAGE_BYTES = 32 * 2**20
+
+
+def transfer_backend(scheduler: SchedulerView) -> BaseKVTransfer:
+    """The ``--disaggregation-transfer-backend`` plugin's backend over the scheduler's KV pool,
+    in this server's role."""
+    settings = scheduler.settings
+    cls = scheduler.plugins.registries.transfer.load(settings.disaggregation_transfer_backend)
+    pool = scheduler.runner.kv_pool
+    return cls(KVBuffers([*pool.k_buffer, *pool.v_buffer]), role=settings.disaggregation_mode,
+               host=advertised_host(settings.host))
 
 
 def peer_socket(ctx: zmq.Context[Any], kind: int) -> zmq.Socket[Any]:

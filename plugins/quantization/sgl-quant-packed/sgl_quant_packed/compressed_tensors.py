@@ -13,7 +13,7 @@ is ``W = (q - zero_point) * scale`` for the signed ``q``.
 :mod:`sgl.kernels.quant` (``q4``: ``d = scale``, ``m = -(8 + zero_point) * scale``; ``q8``:
 ``d = scale``, ``m = -zero_point * scale``) where the groups are whole blocks of 32 and the
 numbers fit float16, else (or when asked for dense tensors) dequantized
-(:func:`sgl.model_loader.packed.grouped_weight`, which the GPTQ and AWQ reader shares).
+(:func:`sgl_quant_packed.packed.grouped_weight`, which the GPTQ and AWQ reader shares).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from sgl.layers.quantized import QuantizedTensor
 from sgl.model_loader.errors import ModelLoadError
-from sgl.model_loader.packed import PackedWeights, grouped_weight, unpack_rows
+from sgl_quant_packed.packed import PackedWeights, grouped_weight, unpack_rows
 
 __all__ = ["QUANT_METHOD", "CompressedTensorsWeights", "check_compressed_tensors"]
 

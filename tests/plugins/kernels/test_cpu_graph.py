@@ -1,4 +1,4 @@
-"""Replaying recorded decode forwards (``sgl.engine.cpu_graph``) against the model's own code,
+"""Replaying recorded decode forwards (``sgl_kernels_cpu.graphs``) against the model's own code,
 on a tiny random-weight Llama saved by transformers, at each kernel level of the CPU."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from sgl.engine.batch_builder import BatchSeq, make_forward_batch
-from sgl.engine.cpu_graph import split_parts
+from sgl_kernels_cpu.graphs import split_parts
+from sgl.engine.setup import record_decode_forwards
 from sgl.forward_batch import ForwardMode
 from sgl.engine.model_runner import ModelRunner
 from sgl.kernels import cpu
@@ -63,11 +64,11 @@ class Sequences:
 def eager_then_graph(runner: ModelRunner, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The same decode batch run by the model's code and then through the graph runner (the
     second pass writes the same K/V into the same slots)."""
-    graphs, runner.cpu_graphs = runner.cpu_graphs, None
+    graphs, runner.decode_graphs = runner.decode_graphs, None
     try:
         eager = runner.forward(batch).clone()
     finally:
-        runner.cpu_graphs = graphs
+        runner.decode_graphs = graphs
     return eager, runner.forward(batch)
 
 
@@ -76,7 +77,7 @@ def test_replay_equals_the_model_code(model_dir: Path, dtype: str,
                                       caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="sgl")
     runner = make_runner(model_dir, dtype)
-    graphs = runner.cpu_graphs
+    graphs = runner.decode_graphs
     assert graphs is not None
     seqs = Sequences(runner, PROMPTS)
     first = None
@@ -113,7 +114,7 @@ def test_a_large_batch_replays_in_two_parts(model_dir: Path, dtype: str) -> None
     kernel thread the same batch is one part."""
     assert cpu.set_threads(2) == 2
     runner = make_runner(model_dir, dtype, max_running_requests=20)
-    graphs = runner.cpu_graphs
+    graphs = runner.decode_graphs
     assert graphs is not None
     prompts = [[(7 * i + j) % 50 + 1 for j in range(1 + i % 5)] for i in range(17)]
     seqs = Sequences(runner, prompts)
@@ -138,7 +139,7 @@ def test_a_large_batch_replays_in_two_parts(model_dir: Path, dtype: str) -> None
 
 def test_batch_sizes_are_recorded_separately_and_evicted(model_dir: Path) -> None:
     runner = make_runner(model_dir, "bfloat16")
-    graphs = runner.cpu_graphs
+    graphs = runner.decode_graphs
     assert graphs is not None
     runs = {size: Sequences(runner, PROMPTS[:size]) for size in (1, 2, 3)}
 
@@ -175,7 +176,7 @@ def test_forward_with_torch_compute_is_not_recorded(model_dir: Path) -> None:
     cpu.set_threads(1)
     try:
         runner = make_runner(model_dir, "float32")
-        graphs = runner.cpu_graphs
+        graphs = runner.decode_graphs
         assert graphs is not None
         small = Sequences(runner, PROMPTS[:F32_MIN_ROWS - 1])
         for _ in range(3):
@@ -188,7 +189,7 @@ def test_forward_with_torch_compute_is_not_recorded(model_dir: Path) -> None:
 
 
 def test_cpu_graphs_can_be_turned_off(model_dir: Path) -> None:
-    assert make_runner(model_dir, "bfloat16", cpu_graphs=False).cpu_graphs is None
+    assert make_runner(model_dir, "bfloat16", cpu_graphs=False).decode_graphs is None
 
 
 def test_scheduler_passes_the_setting(tmp_path: Path) -> None:
@@ -202,7 +203,7 @@ def test_scheduler_passes_the_setting(tmp_path: Path) -> None:
         harness = Harness(folder, disable_cpu_graph=disable, cpu_graph_max_bs=max_bs)
         try:
             scheduler = harness.scheduler
-            graphs = scheduler.runner.cpu_graphs
+            graphs = scheduler.runner.decode_graphs
             assert (graphs is None) is disable
             if graphs is None:
                 continue
@@ -212,13 +213,13 @@ def test_scheduler_passes_the_setting(tmp_path: Path) -> None:
                 continue
             scheduler.settings = dataclasses.replace(scheduler.settings, cpu_graph_max_bs=None,
                                                      max_running_requests=3)
-            assert scheduler.record_decode_forwards() == [3, 2, 1]
+            assert record_decode_forwards(scheduler.runner, scheduler.settings) == [3, 2, 1]
             asked: list[int] = []  # the largest size asked for (recording 64 takes seconds)
             graphs.record_batch_sizes = lambda max_bs, **_: asked.append(max_bs) or []
             for max_bs, running in ((None, 80), (100, 80), (100, 120)):
                 scheduler.settings = dataclasses.replace(
                     scheduler.settings, cpu_graph_max_bs=max_bs, max_running_requests=running)
-                scheduler.record_decode_forwards()
+                record_decode_forwards(scheduler.runner, scheduler.settings)
             assert asked == [64, 80, 100]
         finally:
             harness.close()
@@ -235,7 +236,7 @@ def test_sizes_recorded_at_start_up_share_one_arena(model_dir: Path, threads: in
     caplog.set_level(logging.INFO, logger="sgl")
     assert cpu.set_threads(threads) == threads
     runner = make_runner(model_dir, "bfloat16", max_running_requests=64)
-    graphs = runner.cpu_graphs
+    graphs = runner.decode_graphs
     assert graphs is not None
     assert graphs.record_batch_sizes(20, show_progress=False) == list(range(20, 0, -1))
     assert "recorded the decode forwards of 20 batch sizes (1 to 20)" in caplog.text
@@ -273,12 +274,12 @@ def test_the_arena_is_held_to_the_graphs_memory(model_dir: Path) -> None:
     larger batch is still recorded when it recurs, its activations beyond the arena on their
     own, in the other half."""
     runner = make_runner(model_dir, "bfloat16", max_running_requests=64)
-    graphs = runner.cpu_graphs
+    graphs = runner.decode_graphs
     assert graphs is not None
     graphs.record_batch_sizes(16, show_progress=False)
     needed = graphs.arena.numel()
     small = make_runner(model_dir, "bfloat16", max_running_requests=64)
-    graphs = small.cpu_graphs
+    graphs = small.decode_graphs
     graphs.max_bytes = needed
     recorded = graphs.record_batch_sizes(16, show_progress=False)
     assert recorded == list(range(recorded[0], 0, -1)) and 6 <= recorded[0] <= 8

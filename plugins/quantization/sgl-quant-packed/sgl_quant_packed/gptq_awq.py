@@ -36,7 +36,7 @@ outside ``modules_in_block_to_quantize``, the embedding, usually the LM head) co
 ``x.weight`` and are read as they are.
 
 :class:`GPTQAWQWeights` yields ``x.weight`` instead of the parts, through
-:func:`sgl.model_loader.packed.grouped_weight`: ``q4`` blocks (``q`` as it is, ``d = scale``,
+:func:`sgl_quant_packed.packed.grouped_weight`: ``q4`` blocks (``q`` as it is, ``d = scale``,
 ``m = -z * scale``) or ``q8`` blocks (``q - 128``, ``m = -(z - 128) * scale``) where the groups
 are whole blocks of 32, else (or when asked for dense tensors) dequantized.
 """
@@ -50,7 +50,7 @@ import torch
 
 from sgl.layers.quantized import QuantizedTensor
 from sgl.model_loader.errors import ModelLoadError
-from sgl.model_loader.packed import PackedWeights, grouped_weight, unpack_rows
+from sgl_quant_packed.packed import PackedWeights, grouped_weight, unpack_rows
 
 __all__ = ["AWQ", "GPTQ", "GPTQAWQWeights", "check_gptq_awq"]
 

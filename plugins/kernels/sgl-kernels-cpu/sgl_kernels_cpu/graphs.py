@@ -1,4 +1,5 @@
-"""Replaying recorded decode forwards on CPU, what CUDA graphs do for a GPU.
+"""Replaying recorded decode forwards on CPU, what CUDA graphs do for a GPU: this library's
+:class:`~sgl.kernels.library.DecodeGraphs` (:meth:`CpuKernelLibrary.decode_graphs`).
 
 On CPU a decode step of a small model spends much of its time in Python around the kernels:
 module calls, shape and dtype checks, tensor allocations, argument conversion (how much:
@@ -53,7 +54,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sgl.kernels import cpu, ops
-from sgl.kernels.library import KernelTape
+from sgl.kernels.library import DecodeGraphs, KernelTape
 
 if TYPE_CHECKING:
     from sgl.attention.base import BaseAttentionBackend
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
 __all__ = ["CPU_GRAPH_MAX_BS", "DEFAULT_MAX_BYTES", "MIN_PART_SIZE", "CpuGraphRunner",
            "split_parts"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("sgl.decode_graphs")
 
 #: memory the recorded activations of all kept graphs may hold (least recently used dropped
 #: first)
@@ -165,7 +166,7 @@ class _Graph:
         return [t[part.start:part.end] for t in inputs]
 
 
-class CpuGraphRunner:
+class CpuGraphRunner(DecodeGraphs):
     """Records and replays the decode forwards of one model (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, backend: BaseAttentionBackend,
@@ -183,9 +184,13 @@ class CpuGraphRunner:
         self.replays = 0  # for tests and logs
         self.captures = 0
 
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return True  # a batch it cannot record runs eagerly in forward
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """The hidden states of a decode batch whose attention metadata is planned: replayed
-        when its batch size was recorded, else computed (and recorded when it can be)."""
+        """The hidden states of a decode batch: replayed when its batch size was recorded,
+        else computed (and recorded when it can be)."""
+        self.backend.init_forward_metadata(batch)
         inputs = self._inputs(batch)
         if inputs is None:
             return self.model(batch)
@@ -280,6 +285,13 @@ class CpuGraphRunner:
         while self.nbytes > self.max_bytes and self.graphs:
             self.graphs.popitem(last=False)
         return output
+
+    def prepare(self, max_bs: int | None, limit: int, *, show_progress: bool = True
+                ) -> list[int]:
+        """Record the decode forwards of batch sizes 1 to ``max_bs`` (None:
+        :data:`CPU_GRAPH_MAX_BS`), never above ``limit`` (:meth:`record_batch_sizes`)."""
+        return self.record_batch_sizes(min(CPU_GRAPH_MAX_BS if max_bs is None else max_bs,
+                                           limit), show_progress=show_progress)
 
     @torch.inference_mode()
     def record_batch_sizes(self, max_bs: int, *, show_progress: bool = True) -> list[int]:

@@ -28,12 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from sgl.engine.disaggregation.bootstrap import BootstrapServer, advertised_host
-from sgl.engine.disaggregation.link import Link, LinkCodec, peer_socket, room_of
-from sgl.transfer import BaseKVTransfer, KVBuffers, KVTransferError
+from sgl.engine.extension import SchedulerExtension
+from sgl.transfer import BaseKVTransfer, KVTransferError
+from sgl_disaggregation.bootstrap import BootstrapServer, advertised_host
+from sgl_disaggregation.link import Link, LinkCodec, peer_socket, room_of, transfer_backend
 
 if TYPE_CHECKING:
-    from sgl.engine.scheduler import Scheduler
+    from sgl.config import ServerSettings
+    from sgl.engine.extension import SchedulerView
     from sgl.engine.sequence import Req
 
 __all__ = ["MAX_PENDING_ROOMS", "PrefillLink", "PrefillSide"]
@@ -213,15 +215,25 @@ class PrefillLink(Link):
         self.router.close(linger=0)
 
 
-class PrefillSide:
-    """The prefill scheduler's part: requests with a room, handed to the link once their
-    first token is sampled, and ended when the link reports."""
+class PrefillSide(SchedulerExtension):
+    """The prefill scheduler's part (``--disaggregation-mode prefill``): requests with a
+    room, handed to the link once their first token is sampled, and ended when the link
+    reports."""
 
+    name = "disaggregation-prefill"
     mode = "prefill"
+    serves_fields = frozenset({"bootstrap"})
+    max_output_tokens = 1  # the first token; the decode server generates the rest
+    plain_decode = False  # nothing decodes here
 
-    def __init__(self, scheduler: Scheduler, backend: BaseKVTransfer) -> None:
+    @classmethod
+    def enabled(cls, settings: ServerSettings) -> bool:
+        return settings.disaggregation_mode == "prefill"
+
+    def __init__(self, scheduler: SchedulerView) -> None:
+        super().__init__(scheduler)
         settings = scheduler.settings
-        self.scheduler = scheduler
+        backend = transfer_backend(scheduler)
         self.link = PrefillLink(scheduler.zmq, backend, settings.disaggregation_timeout,
                                 settings.host, LinkCodec(settings.disaggregation_secret))
         self.bootstrap = BootstrapServer(
@@ -229,13 +241,10 @@ class PrefillSide:
             {"endpoint": self.link.endpoint, "backend": backend.name, "engine_rank": 0,
              "rank_ip": advertised_host(settings.host)})
         self.link.start()
+        self.wake = self.link.wake
         #: requests whose KV is with the link, by room
         self.handed: dict[int, Req] = {}
         self.stats = PrefillStats()
-
-    @property
-    def wake(self) -> zmq.Socket[Any]:
-        return self.link.wake
 
     def check(self, req: Req) -> str | None:
         """Why this server cannot take ``req`` (None: it can)."""
@@ -253,18 +262,17 @@ class PrefillSide:
     def _rooms_in_use(self) -> set[int]:
         """The rooms of the requests this server holds: compiling their grammar, waiting,
         running, or handed to the link."""
-        s = self.scheduler
-        held = [*s.waiting, *s.running, *(req for req, _ in s.grammar.queue)]
+        held = self.scheduler.held()
         return {r.bootstrap.room for r in held if r.bootstrap is not None} | set(self.handed)
 
-    def after_forward(self) -> None:
+    def after_step(self) -> None:
         """Hand over the requests whose first token was just sampled."""
         s = self.scheduler
         table = s.runner.req_to_token_pool.req_to_token
-        for req in list(s.running):
+        for req in s.running:
             if not req.output_ids or req.bootstrap is None or req.error is not None:
                 continue
-            s.running.remove(req)
+            s.stop_running(req)
             room = req.bootstrap.room
             slots = table[req.row, :len(req.input_ids)].tolist()
             payload = {"token": req.output_ids[0], "logprobs": first_logprobs(req)}
@@ -280,7 +288,7 @@ class PrefillSide:
         if req.bootstrap is not None and req.bootstrap.room not in self.handed:
             self.link.command("fail", req.bootstrap.room, f"the prefill server: {message}")
 
-    def admit(self) -> list[Req]:
+    def before_step(self) -> list[Req]:
         """Finish the handed-over requests the link reports on (none joins the batch)."""
         s = self.scheduler
         for event in self.link.events():
@@ -308,12 +316,8 @@ class PrefillSide:
         s = self.scheduler
         if req.finish_reason is None:
             req.finish_reason = {"type": "length", "length": len(req.output_ids)}
-        s.free_memory(req)
-        s._replies.append(s.take_output(req))
-
-    @property
-    def busy(self) -> bool:
-        return False  # the link's events wake the scheduler
+        s.free(req)
+        s.reply(req)
 
     def abort(self, rid: str) -> None:
         """Nothing to stop: a request aborted here before its first token is failed (and its

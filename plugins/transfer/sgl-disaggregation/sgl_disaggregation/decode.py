@@ -25,13 +25,14 @@ import torch
 import zmq
 
 from sgl.config import prefill_host_allowed
-from sgl.engine.disaggregation.bootstrap import is_alive, lookup_route
-from sgl.engine.disaggregation.link import Link, LinkCodec, peer_socket, room_of
-from sgl.kvcache import PrefixMatch
+from sgl.engine.extension import SchedulerExtension
 from sgl.transfer import BaseKVTransfer, KVTransferError
+from sgl_disaggregation.bootstrap import is_alive, lookup_route
+from sgl_disaggregation.link import Link, LinkCodec, peer_socket, room_of, transfer_backend
 
 if TYPE_CHECKING:
-    from sgl.engine.scheduler import Scheduler
+    from sgl.config import ServerSettings
+    from sgl.engine.extension import SchedulerView
     from sgl.engine.sequence import Req
 
 __all__ = ["DecodeLink", "DecodeSide"]
@@ -179,14 +180,21 @@ class _Incoming:
     cancelled: bool = False
 
 
-class DecodeSide:
-    """The decode scheduler's part: the bootstrap queue, the requests in transfer, and their
-    arrival in the running batch."""
+class DecodeSide(SchedulerExtension):
+    """The decode scheduler's part (``--disaggregation-mode decode``): the bootstrap queue,
+    the requests in transfer, and their arrival in the running batch."""
 
+    name = "disaggregation-decode"
     mode = "decode"
+    serves_fields = frozenset({"bootstrap"})
 
-    def __init__(self, scheduler: Scheduler, backend: BaseKVTransfer) -> None:
-        self.scheduler = scheduler
+    @classmethod
+    def enabled(cls, settings: ServerSettings) -> bool:
+        return settings.disaggregation_mode == "decode"
+
+    def __init__(self, scheduler: SchedulerView) -> None:
+        super().__init__(scheduler)
+        backend = transfer_backend(scheduler)
         self.default_port = scheduler.settings.disaggregation_bootstrap_port
         #: the prefill servers requests may name (--disaggregation-prefill-host)
         self.allowed_hosts = scheduler.settings.disaggregation_prefill_hosts
@@ -200,15 +208,12 @@ class DecodeSide:
                            "prefix cache: give both servers --disaggregation-secret (or "
                            "SGL_DISAGGREGATION_SECRET) to authenticate them and share it")
         self.link.start()
+        self.wake = self.link.wake
         self.queue: deque[Req] = deque()
         self.transferring: dict[int, _Incoming] = {}
         self.transfers = self.failures = self.bytes = 0
         self.seconds = 0.0
         self._failing = False  # failing a request whose transfer failed: nothing to tell
-
-    @property
-    def wake(self) -> zmq.Socket[Any]:
-        return self.link.wake
 
     def check(self, req: Req) -> str | None:
         if req.bootstrap is None:
@@ -228,16 +233,23 @@ class DecodeSide:
             return f"bootstrap_room {room} is already in use on this decode server"
         return None
 
-    def add(self, req: Req) -> None:
+    def take(self, req: Req) -> bool:
+        """Every request waits here for its KV from the prefill server (one with nothing to
+        generate ends at once: nothing to transfer)."""
+        if req.sampling.max_new_tokens == 0:
+            req.finish_reason = {"type": "length", "length": 0}
+            self.scheduler.reply(req)
+            return True
         req.next_input_logprob = len(req.input_ids)  # the prefill server reports those
         self.queue.append(req)
+        return True
 
     @property
     def busy(self) -> bool:
         """Requests wait for memory that no transfer in flight will free: keep scheduling."""
         return bool(self.queue) and not self.transferring
 
-    def admit(self) -> list[Req]:
+    def before_step(self) -> list[Req]:
         """Handle the link's events (returning the requests whose KV arrived: they run from
         now), then start transfers for the queued requests that fit."""
         arrived = [req for event in self.link.events() if (req := self._on_event(event))]
@@ -252,7 +264,7 @@ class DecodeSide:
                 self._free(incoming)
                 if not incoming.cancelled:
                     s.fail(incoming.req, "the KV transfer link stopped (see the server log)", 500)
-                    s._replies.append(s.take_output(incoming.req))
+                    s.reply(incoming.req)
             return None
         incoming = self.transferring.pop(event[1], None)
         if incoming is None:
@@ -267,14 +279,14 @@ class DecodeSide:
             except KVTransferError as exc:  # what the prefill server sent is not usable
                 self._free(incoming)
                 s.fail(req, str(exc), 502)
-                s._replies.append(s.take_output(req))
+                s.reply(req)
                 return None
             except Exception as exc:  # noqa: BLE001 (one request fails, the server goes on)
                 logger.exception("taking over request %s failed", req.rid)
                 self._free(incoming)
                 s.fail(req, f"internal error while taking over the prefilled request: {exc}",
                        500)
-                s._replies.append(s.take_output(req))
+                s.reply(req)
                 return None
             return req
         self._free(incoming)
@@ -285,7 +297,7 @@ class DecodeSide:
                 s.fail(req, event[2], event[3])
             finally:
                 self._failing = False
-            s._replies.append(s.take_output(req))
+            s.reply(req)
         return None
 
     def _arrive(self, req: Req, msg: dict[str, Any]) -> None:
@@ -310,11 +322,11 @@ class DecodeSide:
                 None if ids is None else [_entry(e) for e in ids]
                 for ids in logprobs.get("output_token_ids_logprobs", []))
         if self.shares_peer_kv:
-            s.cache_prefills([req])  # later requests with this prompt's prefix find it here
+            s.cache_prompt(req)  # later requests with this prompt's prefix find it here
         else:
             req.private_kv = True
-        s.running.append(req)
-        s.take_token(req, token, None, None)  # the grammar, the finish check
+        s.run(req)
+        s.take_token(req, token)  # the grammar, the finish check
 
     def _check_finite(self, req: Req) -> None:
         """The transferred rows hold no NaN or infinity: attention spreads one to every token
@@ -329,53 +341,24 @@ class DecodeSide:
                                       "infinity); the request was not run")
 
     def _start_transfers(self) -> None:
-        s = self.scheduler
-        rows, pool = s.runner.req_to_token_pool, s.runner.kv_pool
+        """Ask the prefill servers for the KV of the queued requests, in order, while KV
+        memory and request rows allow."""
         while self.queue:
             req = self.queue[0]
-            if rows.num_free == 0 or (len(s.running) + len(self.transferring)
-                                      >= s.settings.max_running_requests):
-                return
-            match = s.cache.match_prefix(req.input_ids[:-1])
-            s.cache.lock(match)
-            need = len(req.input_ids) - len(match)
-            others = [*s.running, *(i.req for i in self.transferring.values())]
-            reserved = sum(s.admission.expected_output(r, s.new_token_ratio) for r in others)
-            available = s.admission.kv_available()
-            expected = s.admission.expected_output(req, s.new_token_ratio)
-            if need > available or (others and need + expected > available - reserved):
-                s.cache.unlock(match)
+            slots = self.scheduler.reserve(req, [i.req for i in self.transferring.values()])
+            if slots is None:
                 return
             self.queue.popleft()
-            s.make_room(need)
-            slots = pool.alloc(need)
-            req.row = rows.alloc()
-            table = rows.req_to_token
-            table[req.row, :len(match)] = match.slots
-            table[req.row, len(match):len(req.input_ids)] = slots
-            req.prefix, req.kv_len = match, 0
-            req.cached_tokens = len(match)
-            s.cache.stats.queried_tokens += len(req.input_ids)
-            s.cache.stats.hit_tokens += len(match)
-            req.scheduled_time = time.time()
             boot = req.bootstrap
             assert boot is not None
             self.transferring[boot.room] = _Incoming(req, slots)
             self.link.command("want", boot.room, boot.host, boot.port or self.default_port,
-                              slots.tolist(), len(match))
+                              slots.tolist(), len(req.prefix))
 
     def _free(self, incoming: _Incoming) -> None:
         """Give back what a request that will not run holds: its transfer slots, its locked
         prefix, its row."""
-        s, req = self.scheduler, incoming.req
-        s.runner.kv_pool.free(incoming.slots)
-        s.cache.unlock(req.prefix)
-        if req.row is not None:
-            s.runner.req_to_token_pool.free(req.row)
-        req.row, req.kv_len, req.prefix = None, 0, PrefixMatch()
-
-    def after_forward(self) -> None:
-        """Nothing: requests leave a decode server when they finish."""
+        self.scheduler.discard(incoming.req, incoming.slots)
 
     def ended(self, req: Req, message: str) -> None:
         """``req`` failed here before it asked for its KV (refused, or its grammar failed):
