@@ -202,10 +202,10 @@ def build_cli(pm: SglPluginManager) -> click.Group:
 
         cpu.use_plugins(pm)
         try:
-            click.echo(f"CPU kernels: {cpu.describe_isa()}")
             if cpu.kernel_levels():
                 click.echo(f"CPU kernel levels (--cpu-isa), best first: "
                            f"{', '.join(cpu.isa_levels())}")
+            click.echo(f"CPU kernels: {cpu.describe_isa()}")
         except ValueError as exc:  # a bad SGL_CPU_ISA
             raise click.ClickException(str(exc)) from None
 

@@ -36,7 +36,8 @@ def test_default_plugins_are_discovered_with_their_hooks() -> None:
     plugins = plugins_json()
     assert DEFAULT_PLUGINS <= set(plugins)
     assert plugins["attn-torch"]["hooks"] == ["sgl_register_attention_backends"]
-    assert plugins["model-llama"]["hooks"] == ["sgl_register_model_archs"]
+    assert plugins["model-llama"]["hooks"] == ["sgl_register_gguf_archs",
+                                               "sgl_register_model_archs"]
     assert plugins["frontend-openai"]["distribution"] == "sgl-frontend-openai"
     assert all(plugins[name]["available"] for name in DEFAULT_PLUGINS)
 
@@ -63,6 +64,8 @@ def test_text_listing_says_the_cpu_kernels_level() -> None:
     last = result.stdout.splitlines()[-1]
     assert last.startswith(f"CPU kernels: none (CPU has {cpu.detected_isa()}")
     assert last.endswith("torch operators only)")
+    levels = result.stdout.splitlines()[-2]  # the library's levels, for --cpu-isa
+    assert levels == f"CPU kernel levels (--cpu-isa), best first: {', '.join(cpu.isa_levels())}"
     result = run_cli(["plugins"], env={"SGL_CPU_ISA": "avx9"})
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "SGL_CPU_ISA='avx9': expected auto or one of amx, avx512_bf16" in result.stderr
