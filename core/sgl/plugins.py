@@ -219,11 +219,12 @@ class SglPluginManager(pluggy.PluginManager):
                     continue
                 hint = "".join(f"\n  plugin {r.name!r} is unavailable: {r.reason}"
                                for r in self.records.values() if not r.available)
+                choices = [*f.metadata.get("keywords", ()), *registry.names()]
                 raise ConfigError(
                     f"invalid value {name!r} for {f.name!r} (from "
                     f"{settings.sources.get(f.name, 'default')}): no installed plugin provides "
                     f"that {registry.kind}; available: "
-                    f"{', '.join(registry.names()) or 'none installed'}{hint}")
+                    f"{', '.join(choices) or 'none installed'}{hint}")
         if settings.cpu_isa not in ("auto", "none") and "cpu" in self.registries.kernels:
             levels = getattr(self.registries.kernels.load("cpu"), "levels", ())
             if settings.cpu_isa not in levels:

@@ -348,5 +348,6 @@ def test_grammar_settings_round_trip(tmp_path: Path) -> None:
     assert from_file.sources["grammar_backend"].startswith("file")
     for settings in (flag, env, from_file):
         pm.check_backends(settings)
-    with pytest.raises(ConfigError, match="'foo'.*available: llguidance, outlines, xgrammar"):
+    with pytest.raises(ConfigError,
+                       match="'foo'.*available: auto, none, llguidance, outlines, xgrammar"):
         pm.check_backends(load_settings(env={}, cli={"grammar_backend": "foo"}))
