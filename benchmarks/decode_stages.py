@@ -66,7 +66,7 @@ def stages(runner: ModelRunner) -> dict[str, Any]:
 
     def stage(use_kernels: bool, packs: dict[int, Any] | None) -> Any:
         def switch() -> None:
-            cpu._loaded = kernels if use_kernels else None  # what cpu.load() hands out
+            cpu._state.loaded = kernels if use_kernels else None  # what cpu.load() hands out
             for m in layers:
                 m.packed = packs[id(m)] if packs else None
         return switch

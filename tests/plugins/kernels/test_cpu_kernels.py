@@ -428,7 +428,7 @@ def test_each_level_runs_its_own_kernels_or_torch(cpu_isa: str) -> None:
 def test_isa_cap_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """SGL_CPU_ISA caps the level, never above what the CPU has; a name outside the ladder is
     an error that lists the names; SGL_CPU_KERNELS=0 means none."""
-    monkeypatch.setattr(cpu, "_isa_cap", None)
+    monkeypatch.setattr(cpu._state, "isa_cap", None)
     monkeypatch.delenv("SGL_CPU_KERNELS", raising=False)  # a run under SGL_CPU_KERNELS=0 too
     detected = cpu.detected_isa()
     for level in cpu.isa_levels():
