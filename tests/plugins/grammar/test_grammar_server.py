@@ -78,8 +78,11 @@ def test_anthropic_output_config_format(server: ServerProcess) -> None:
     import anthropic
 
     client = anthropic.Anthropic(base_url=server.base_url, api_key="none")
+    # temperature 0: the client's default (1) samples, and a sampled JSON string can run past
+    # max_tokens (it did once in CI), which would say nothing about the constraint
     reply = client.messages.create(
-        model="default", max_tokens=120, messages=[{"role": "user", "content": PERSON_PROMPT}],
+        model="default", max_tokens=120, extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": PERSON_PROMPT}],
         output_config={"format": {"type": "json_schema", "schema": PERSON}, "effort": "low"})
     assert reply.stop_reason == "end_turn"
     check_json(reply.content[0].text, PERSON)
