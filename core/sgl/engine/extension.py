@@ -217,8 +217,8 @@ class Extensions:
         if len(drafting) > 1:
             raise ValueError("two scheduler extensions draft tokens: "
                              f"{', '.join(e.name for e in drafting)}; enable one")
-        self._drafter = drafting[0] if drafting else SchedulerExtension.__new__(
-            SchedulerExtension)
+        # without a drafter, the base class's hooks: no drafts (it never touches its view)
+        self._drafter = drafting[0] if drafting else SchedulerExtension(SchedulerView())
         self.serves_fields = frozenset().union(*(e.serves_fields for e in self.all))
         limits = [e.max_output_tokens for e in self.all if e.max_output_tokens is not None]
         self.max_output_tokens = min(limits) if limits else None

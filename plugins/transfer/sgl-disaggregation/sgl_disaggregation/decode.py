@@ -28,7 +28,8 @@ from sgl.config import prefill_host_allowed
 from sgl.engine.extension import SchedulerExtension
 from sgl.transfer import BaseKVTransfer, KVTransferError
 from sgl_disaggregation.bootstrap import is_alive, lookup_route
-from sgl_disaggregation.link import Link, LinkCodec, peer_socket, room_of, transfer_backend
+from sgl_disaggregation.link import (Link, LinkCodec, peer_socket, request_error, room_of,
+                                     transfer_backend)
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
@@ -216,12 +217,8 @@ class DecodeSide(SchedulerExtension):
         self._failing = False  # failing a request whose transfer failed: nothing to tell
 
     def check(self, req: Req) -> str | None:
-        if req.bootstrap is None:
-            return ("this is a decode server (--disaggregation-mode decode): a request needs "
-                    "bootstrap_host, bootstrap_port and bootstrap_room; send it through SGLang's "
-                    "router in PD mode (sgl router --pd-disaggregation)")
-        if req.session_id is not None:
-            return "sessions are not supported with --disaggregation-mode"
+        if (error := request_error(req, self.mode)) is not None:
+            return error
         host = req.bootstrap.host
         if not prefill_host_allowed(host, self.allowed_hosts):
             allowed = ", ".join(self.allowed_hosts) or "loopback addresses only"

@@ -25,8 +25,8 @@ from sgl_disaggregation.bootstrap import advertised_host
 if TYPE_CHECKING:
     from sgl.engine.extension import SchedulerView
 
-__all__ = ["MAX_MESSAGE_BYTES", "Link", "LinkCodec", "peer_socket", "room_of",
-           "transfer_backend"]
+__all__ = ["MAX_MESSAGE_BYTES", "Link", "LinkCodec", "peer_socket", "request_error",
+           "room_of", "transfer_backend"]
 
 logger = logging.getLogger("sgl.disaggregation")
 
@@ -45,6 +45,18 @@ def transfer_backend(scheduler: SchedulerView) -> BaseKVTransfer:
     pool = scheduler.runner.kv_pool
     return cls(KVBuffers([*pool.k_buffer, *pool.v_buffer]), role=settings.disaggregation_mode,
                host=advertised_host(settings.host))
+
+
+def request_error(req: Any, mode: str) -> str | None:
+    """Why a ``mode`` (prefill or decode) server cannot take ``req`` whatever its room: no
+    bootstrap fields, or a session."""
+    if req.bootstrap is None:
+        return (f"this is a {mode} server (--disaggregation-mode {mode}): a request needs "
+                "bootstrap_host, bootstrap_port and bootstrap_room; send it through SGLang's "
+                "router in PD mode (sgl router --pd-disaggregation)")
+    if req.session_id is not None:
+        return "sessions are not supported with --disaggregation-mode"
+    return None
 
 
 def peer_socket(ctx: zmq.Context[Any], kind: int) -> zmq.Socket[Any]:

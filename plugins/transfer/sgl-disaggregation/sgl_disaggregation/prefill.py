@@ -31,7 +31,8 @@ import zmq
 from sgl.engine.extension import SchedulerExtension
 from sgl.transfer import BaseKVTransfer, KVTransferError
 from sgl_disaggregation.bootstrap import BootstrapServer, advertised_host
-from sgl_disaggregation.link import Link, LinkCodec, peer_socket, room_of, transfer_backend
+from sgl_disaggregation.link import (Link, LinkCodec, peer_socket, request_error, room_of,
+                                     transfer_backend)
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
@@ -248,12 +249,8 @@ class PrefillSide(SchedulerExtension):
 
     def check(self, req: Req) -> str | None:
         """Why this server cannot take ``req`` (None: it can)."""
-        if req.bootstrap is None:
-            return ("this is a prefill server (--disaggregation-mode prefill): a request needs "
-                    "bootstrap_host, bootstrap_port and bootstrap_room; send it through SGLang's "
-                    "router in PD mode (sgl router --pd-disaggregation)")
-        if req.session_id is not None:
-            return "sessions are not supported with --disaggregation-mode"
+        if (error := request_error(req, self.mode)) is not None:
+            return error
         room = req.bootstrap.room
         if room in self._rooms_in_use():  # a second one would take the first's place for good
             return f"bootstrap_room {room} is already in use on this prefill server"
