@@ -28,6 +28,8 @@ from sgl.config import (
     format_settings,
     load_settings,
     option_fields,
+    option_flags,
+    plugin_options,
     read_config_file,
 )
 from sgl.plugins import PluginError, PluginSelection, SglPluginManager, create_plugin_manager
@@ -41,6 +43,14 @@ _SELECTION_FLAGS = {"--plugin": "load", "--disable-plugin": "disable", "--config
 
 class GroupedCommand(click.Command):
     """A command whose ``--help`` lists options under headings (server, then each plugin)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            exc.message += (" A plugin's options exist only while it loads: `sgl plugins` "
+                            "lists the loaded ones and says why one is unavailable.")
+            raise
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         groups: dict[str, list[tuple[str, str]]] = {}
@@ -99,18 +109,18 @@ def settings_options(pm: SglPluginManager) -> list[click.Option]:
         choices = _registry_names(pm, registry) if registry else None
         if choices is not None:
             choices = [*f.metadata.get("keywords", ()), *choices]
-        flags = f.metadata.get("flags") or (f"--{f.name.replace('_', '-')}",)
-        options.append(option_for_field(f, hints[f.name], dest=f.name, flags=flags,
-                                   group="Server options", env=env_var_name(f.name),
-                                   choices=choices))
-    for pid, cls in pm.config_classes().items():
-        phints = _type_hints(cls)
-        for f in option_fields(cls):
-            flag = f"--{pid}-{f.name}".replace("_", "-").replace(".", "-")
-            dest = f"plugin__{_ident(pid)}__{f.name}"
-            options.append(option_for_field(f, phints[f.name], dest=dest, flags=(flag,),
-                                            group=f"Options of plugin {pid}",
-                                            env=env_var_name(f.name, pid)))
+        options.append(option_for_field(f, hints[f.name], dest=f.name,
+                                        flags=option_flags(f, f.name), group="Server options",
+                                        env=env_var_name(f.name), choices=choices))
+    classes = pm.config_classes()
+    for name, (pid, f) in plugin_options(classes).items():
+        registry = f.metadata.get("registry")
+        choices = _registry_names(pm, registry) if registry else None
+        options.append(option_for_field(f, _type_hints(classes[pid])[f.name],
+                                        dest=f"plugin__{_ident(pid)}__{f.name}",
+                                        flags=option_flags(f, name),
+                                        group=f"Options of plugin {pid}",
+                                        env=env_var_name(name), choices=choices))
     return options
 
 

@@ -2,10 +2,13 @@
 
 One frozen :class:`ServerSettings` holds every option of the server. Values come from four
 sources, highest precedence first: command-line flags, ``SGL_*`` environment variables, a config
-file (YAML or TOML, ``--config``) and the field defaults. Plugins add their own frozen dataclass
-through ``sgl_add_config``; its fields become ``--<id>-<field>`` flags, ``SGL_<ID>_<FIELD>``
-variables and keys of the file's ``plugins.<id>`` table. Every resolved value remembers its
-source, which ``sgl config show`` prints.
+file (YAML or TOML, ``--config``) and the field defaults. The core's class holds the core's
+options; each plugin adds its own frozen dataclass through ``sgl_add_config``, whose fields are
+named ``<id>_<field>`` at the top level (or the name a field declares, for SGLang's flag names):
+``--<id>-<field>`` flags, ``SGL_<ID>_<FIELD>`` variables, keys of a config file (top level or
+its ``plugins.<id>`` table) and of ``/get_server_info``. A plugin checks its options against the
+rest in ``sgl_check_settings``. Every resolved value remembers its source, which ``sgl config
+show`` prints.
 """
 
 from __future__ import annotations
@@ -13,10 +16,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import ipaddress
 import json
 import os
-import re
 import tomllib
 import types
 import typing
@@ -213,44 +214,9 @@ class ServerSettings:
         "its own KV cache and prefix cache) behind one server, each on its share of the cores; "
         "--load-balance-method picks one per request. Needs the sgl-parallel-dp plugin.",
         minimum=1)
-    load_balance_method: Literal["round_robin", "shortest_queue", "cache_aware"] | None = _opt(
-        None, "How --dp-size replicas share the requests: round_robin (default), shortest_queue "
-        "(fewest requests in flight) or cache_aware (the replica whose cache likely holds the "
-        "longest prefix of the prompt, else the least loaded). A session's requests stay on "
-        "one replica.")
     dist_timeout: float = _opt(
         600.0, "Seconds the ranks wait for each other: at start-up for every node to join "
         "(--dist-init-addr), and in each collective of a forward.", minimum=1)
-    disaggregation_mode: Literal["null", "prefill", "decode"] = _opt(
-        "null", "Prefill/decode disaggregation (SGLang's flag): prefill runs prompts only and "
-        "hands their KV to a decode server, decode takes it over and generates; null: both "
-        "here. Put SGLang's router in PD mode in front (sgl router --pd-disaggregation). "
-        "docs/disaggregation.md.")
-    disaggregation_transfer_backend: str = _opt(
-        "tcp", "What moves the KV pages from the prefill to the decode server, by registered "
-        "name: tcp (sockets, no extra dependency), mooncake (Mooncake's transfer engine) or "
-        "fake (moves nothing: warm-up and tests only). Both servers must use the same one.",
-        registry="transfer")
-    disaggregation_bootstrap_port: int = _opt(
-        8998, "Port of the prefill server's bootstrap server, where decode servers learn how "
-        "to reach it (the PORT after --prefill URL in the router's PD mode).")
-    disaggregation_timeout: float = _opt(
-        300.0, "Seconds a disaggregated request waits for its peer: on the prefill side for "
-        "the decode server to ask for the KV, on the decode side for the KV to arrive, and "
-        "for one transfer; then it ends with an error and its KV memory is freed.",
-        minimum=0.1)
-    disaggregation_prefill_hosts: tuple[str, ...] = _opt(
-        (), "A prefill server a decode server may take KV from, by the bootstrap_host requests "
-        "name (repeatable): a host name, an IP address, a network such as 10.0.0.0/24, or * "
-        "for any. A request naming another host is refused with status 400, before anything "
-        "is fetched from it. Default: this machine's loopback addresses only.",
-        flags=("--disaggregation-prefill-host",))
-    disaggregation_secret: str | None = _opt(
-        None, "A secret shared by the prefill and decode servers: their link messages carry an "
-        "HMAC-SHA256 of it, messages without a valid one are refused, and a decode server "
-        "shares KV from prefill servers in its prefix cache only with it (without, that KV "
-        "serves its own request only). Give it through SGL_DISAGGREGATION_SECRET rather than "
-        "the command line.", secret=True)
     frontends: tuple[str, ...] = _opt(
         (), "HTTP frontends to mount (repeatable); default: every installed one.",
         registry="frontends", flags=("--frontend",))
@@ -287,15 +253,79 @@ class ServerSettings:
         out["plugins"] = {pid: dataclasses.asdict(obj) for pid, obj in self.plugin_settings.items()}
         return out
 
+    def options(self) -> dict[str, tuple[Any, dataclasses.Field[Any]]]:
+        """Every option by its top-level name (a core field's name, a plugin option's
+        ``<id>_<field>`` or declared name): the object holding it and its field."""
+        found: dict[str, tuple[Any, dataclasses.Field[Any]]] = {
+            f.name: (self, f) for f in option_fields(type(self))}
+        for pid, obj in self.plugin_settings.items():
+            found.update({plugin_option_name(pid, f): (obj, f) for f in option_fields(type(obj))})
+        return found
+
+    def source(self, key: str) -> str:
+        """Where option ``key`` (a top-level name, see :meth:`options`) got its value:
+        ``default``, ``flag --port``, ``env SGL_PORT``, ``file sgl.toml``, ..."""
+        return self.sources.get(self._source_key(key), "default")
+
+    def is_set(self, key: str) -> bool:
+        """Whether option ``key`` was given anywhere (not left at its default)."""
+        return self.source(key) != "default"
+
+    def invalid(self, key: str, message: str) -> ConfigError:
+        """The error for option ``key`` (a top-level name): its value, where it came from,
+        and ``message``; what plugins raise from ``sgl_check_settings``."""
+        owner, f = self.options()[key]
+        return ConfigError(f"{self.source(key)}: invalid value {getattr(owner, f.name)!r} for "
+                           f"{key!r}: {message}")
+
+    def _source_key(self, key: str) -> str:
+        for pid, obj in self.plugin_settings.items():
+            for f in option_fields(type(obj)):
+                if plugin_option_name(pid, f) == key:
+                    return f"plugins.{pid}.{f.name}"
+        return key
+
 
 def option_fields(cls: type) -> list[dataclasses.Field[Any]]:
     """The user-settable fields of a settings dataclass."""
     return [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
 
 
-def env_var_name(field_name: str, plugin_id: str | None = None) -> str:
-    parts = ["SGL"] + ([plugin_id] if plugin_id else []) + [field_name]
-    return "_".join(parts).upper().replace("-", "_").replace(".", "_")
+def env_var_name(name: str) -> str:
+    """The environment variable of the option of top-level name ``name``: ``SGL_PORT``."""
+    return f"SGL_{name}".upper().replace("-", "_").replace(".", "_")
+
+
+def plugin_option_name(plugin_id: str, f: dataclasses.Field[Any]) -> str:
+    """A plugin option's top-level name: the field's ``name`` metadata (SGLang's names, such as
+    ``disaggregation_mode``), else ``<plugin id>_<field>``. Its flag, environment variable,
+    top-level config key and ``/get_server_info`` key derive from it."""
+    return f.metadata.get("name") or f"{plugin_id}_{f.name}".replace("-", "_").replace(".", "_")
+
+
+def option_flags(f: dataclasses.Field[Any], name: str) -> tuple[str, ...]:
+    """The command-line flags of the option of top-level name ``name``: the field's ``flags``
+    metadata, else ``--`` and the name with ``-`` for ``_``."""
+    return tuple(f.metadata.get("flags") or (f"--{name.replace('_', '-')}",))
+
+
+def plugin_options(plugin_classes: Mapping[str, type]
+                   ) -> dict[str, tuple[str, dataclasses.Field[Any]]]:
+    """Every plugin option by its top-level name: ``(plugin id, field)``.
+
+    :raises ConfigError: when two plugins, or a plugin and the core, use one name.
+    """
+    core = {f.name for f in option_fields(ServerSettings)}
+    found: dict[str, tuple[str, dataclasses.Field[Any]]] = {}
+    for pid, cls in plugin_classes.items():
+        for f in option_fields(cls):
+            name = plugin_option_name(pid, f)
+            if name in core or name in found:
+                other = "the core" if name in core else f"plugin {found[name][0]!r}"
+                raise ConfigError(f"plugin {pid!r}: its option {f.name!r} is named {name!r}, "
+                                  f"which {other} already uses")
+            found[name] = (pid, f)
+    return found
 
 
 def _type_hints(cls: type) -> dict[str, Any]:
@@ -397,7 +427,8 @@ def _resolve(cls: type, *, cli: Mapping[str, Any], cli_flags: Mapping[str, str],
         layers: list[tuple[Any, str]] = []
         if f.name in file_data:
             layers.append((file_data[f.name], f"file {file_label}"))
-        var = env_var_name(f.name, plugin_id)
+        key = f.name if plugin_id is None else plugin_option_name(plugin_id, f)
+        var = env_var_name(key)
         if var in env:
             layers.append((env[var], f"env {var}"))
         if f.name in cli:
@@ -405,7 +436,7 @@ def _resolve(cls: type, *, cli: Mapping[str, Any], cli_flags: Mapping[str, str],
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         values[f.name], sources[f.name] = default, "default"
         for raw, source in layers:
-            value = coerce_value(raw, tp, key=f.name, source=source)
+            value = coerce_value(raw, tp, key=key, source=source)
             if f.name in ADDITIVE_FIELDS and sources[f.name] != "default":
                 value = tuple(dict.fromkeys(values[f.name] + value))
                 source = f"{sources[f.name]} + {source}"
@@ -443,12 +474,20 @@ def load_settings(
         file_data = read_config_file(config_file) if config_file else {}
     file_data = dict(file_data)
     plugin_tables = file_data.pop("plugins", {}) or {}
-    valid = [f.name for f in option_fields(ServerSettings)] + ["plugins"]
-    for key in file_data:
-        if key not in valid:
-            raise _unknown(key, valid, label)
     if not isinstance(plugin_tables, dict):
         raise ConfigError(f"{label}: 'plugins' must be a table of plugin id -> options")
+    named = plugin_options(plugin_classes)
+    valid = [f.name for f in option_fields(ServerSettings)] + list(named) + ["plugins"]
+    for key in list(file_data):
+        if key not in valid:
+            raise _unknown(key, valid, label)
+        if key in named:  # a plugin option at the top level, by its flat name
+            pid, f = named[key]
+            table = plugin_tables.setdefault(pid, {})
+            if not isinstance(table, dict) or f.name in table:
+                raise ConfigError(f"{label}: {key!r} and 'plugins.{pid}.{f.name}' are one "
+                                  "option; give it once")
+            table[f.name] = file_data.pop(key)
     for pid, table in plugin_tables.items():
         if pid not in plugin_classes:
             known = ", ".join(sorted(plugin_classes)) or "no loaded plugin has options"
@@ -468,9 +507,10 @@ def load_settings(
         table = {str(k).replace("-", "_"): v for k, v in (plugin_tables.get(pid) or {}).items()}
         pvalues, psources = _resolve(
             cls, cli=(plugin_cli or {}).get(pid, {}),
-            cli_flags={k: f"--{pid}-{k}".replace("_", "-").replace(".", "-")
-                       for k in (plugin_cli or {}).get(pid, {})},
-            env=env, file_data=table, file_label=f"{label} [plugins.{pid}]", plugin_id=pid)
+            cli_flags={f.name: option_flags(f, name)[0] for name, (owner, f) in named.items()
+                       if owner == pid},
+            env=env, file_data=table, file_label=f"{label} [plugins.{pid}]", plugin_id=pid,
+            cli_source=cli_source)
         try:
             plugin_settings[pid] = cls(**pvalues)
         except (TypeError, ValueError) as exc:
@@ -490,43 +530,6 @@ def split_host_port(address: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
-_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?")
-
-
-def prefill_host_error(entry: str) -> str | None:
-    """Why ``entry`` is not a ``--disaggregation-prefill-host`` (None: it is one): ``*``, an
-    IP address, a network in CIDR notation, or a host name."""
-    if entry == "*" or _network(entry) is not None or _HOST_NAME.fullmatch(entry):
-        return None
-    return f"{entry!r} is not a host name, an IP address, a network such as 10.0.0.0/24, or *"
-
-
-def _network(text: str) -> Any:
-    try:
-        return ipaddress.ip_network(text.removeprefix("[").removesuffix("]"), strict=False)
-    except ValueError:
-        return None
-
-
-def prefill_host_allowed(host: str, entries: tuple[str, ...]) -> bool:
-    """Whether a request's ``bootstrap_host`` names a prefill server ``entries`` allow (no
-    entries: the loopback addresses and ``localhost``). Names are compared as written, never
-    resolved: resolving a client's name would let it point anywhere."""
-    try:
-        address: Any = ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
-    except ValueError:
-        address = None
-    if not entries:
-        return host == "localhost" or (address is not None and address.is_loopback)
-    for entry in entries:
-        network = _network(entry)
-        if entry == "*" or (network is None and entry.lower() == host.lower()):
-            return True
-        if network is not None and address is not None and address in network:
-            return True
-    return False
-
-
 def cores_per_rank(s: ServerSettings) -> int:
     """The CPU cores each scheduler process of this machine gets: the usable cores shared out
     among its tensor-parallel ranks (at least one)."""
@@ -536,13 +539,12 @@ def cores_per_rank(s: ServerSettings) -> int:
 def _check_ranges(s: ServerSettings) -> None:
     """The bounds of the settings: a field's ``minimum`` metadata, and the rules below."""
     def fail(key: str, msg: str) -> None:
-        raise ConfigError(f"{s.sources.get(key, 'default')}: invalid value "
-                          f"{getattr(s, key)!r} for {key!r}: {msg}")
+        raise s.invalid(key, msg)
 
-    for f in option_fields(ServerSettings):
-        value, low = getattr(s, f.name), f.metadata.get("minimum")
+    for key, (owner, f) in s.options().items():
+        value, low = getattr(owner, f.name), f.metadata.get("minimum")
         if low is not None and value is not None and value < low:
-            fail(f.name, f"expected at least {low}")
+            raise s.invalid(key, f"expected at least {low}")
     if not 0 < s.port < 65536:
         fail("port", "expected 1-65535")
     problem = check_thread_counts(s.num_threads, s.kernel_threads, cores_per_rank(s))
@@ -559,37 +561,6 @@ def _check_ranges(s: ServerSettings) -> None:
                     "speculative_token_map", "speculative_disable_by_batch_size"):
             if getattr(s, key) is not None:
                 fail(key, "it needs --speculative-algorithm (speculative decoding is off)")
-    if s.load_balance_method is not None and s.dp_size == 1:
-        fail("load_balance_method", "it needs --dp-size above 1 (one replica takes every "
-             "request)")
-    if s.disaggregation_mode == "null":
-        for key in ("disaggregation_transfer_backend", "disaggregation_bootstrap_port",
-                    "disaggregation_timeout", "disaggregation_prefill_hosts",
-                    "disaggregation_secret"):
-            if s.sources.get(key, "default") != "default":
-                fail(key, "it needs --disaggregation-mode prefill or decode")
-    else:
-        if not 0 < s.disaggregation_bootstrap_port < 65536:
-            fail("disaggregation_bootstrap_port", "expected 1-65535")
-        if s.disaggregation_mode == "prefill" and s.disaggregation_bootstrap_port == s.port:
-            fail("disaggregation_bootstrap_port", "it is also the HTTP --port; give each its "
-                 "own port")
-        for key, what in (("tp_size", "tensor parallelism"), ("dp_size", "data parallelism")):
-            if getattr(s, key) > 1:
-                fail(key, f"{what} with --disaggregation-mode is not built yet; run one "
-                     "scheduler per prefill or decode server")
-        if s.speculative_algorithm is not None:
-            fail("speculative_algorithm", "speculative decoding with --disaggregation-mode is "
-                 "not built yet (the draft model's KV is not transferred)")
-        if s.disaggregation_prefill_hosts and s.disaggregation_mode != "decode":
-            fail("disaggregation_prefill_hosts", "only a decode server takes KV from prefill "
-                 "servers (--disaggregation-mode decode)")
-        for host in s.disaggregation_prefill_hosts:
-            if (why := prefill_host_error(host)) is not None:
-                fail("disaggregation_prefill_hosts", why)
-        if s.disaggregation_secret is not None and len(s.disaggregation_secret) < 16:
-            fail("disaggregation_secret", "expected at least 16 characters (for example the "
-                 "output of: python -c 'import secrets; print(secrets.token_hex(16))')")
     if s.node_rank >= s.nnodes:
         fail("node_rank", f"expected a node index below --nnodes ({s.nnodes})")
     if s.tp_size % s.nnodes:
@@ -610,7 +581,7 @@ def _check_device(s: ServerSettings, fail: Any) -> None:
     """The device and the flags that apply to one device only. torch is imported only when
     the answer depends on whether it sees a GPU."""
     gpu_flags = [key for key in ("disable_cuda_graph", "cuda_graph_max_bs")
-                 if s.sources.get(key, "default") != "default"]
+                 if s.is_set(key)]
     if s.device == "cpu" or not (s.device == "cuda" or gpu_flags
                                    or s.enable_deterministic_inference):
         device = s.device
@@ -634,10 +605,10 @@ def _check_device(s: ServerSettings, fail: Any) -> None:
             fail(key, "CUDA graphs need --device cuda (this server runs on the CPU, where "
                  "--disable-cpu-graph turns off the replayed decode forwards)")
     elif device == "cuda":
-        if s.sources.get("disable_cpu_graph", "default") != "default":
+        if s.is_set("disable_cpu_graph"):
             fail("disable_cpu_graph", "it applies to --device cpu; on a GPU use "
                  "--disable-cuda-graph")
-        if s.sources.get("cpu_graph_max_bs", "default") != "default":
+        if s.is_set("cpu_graph_max_bs"):
             fail("cpu_graph_max_bs", "it applies to --device cpu; on a GPU use "
                  "--cuda-graph-max-bs")
 
@@ -649,6 +620,21 @@ def settings_from_dict(data: Mapping[str, Any], plugin_classes: Mapping[str, typ
     plugin_settings = {pid: plugin_classes[pid](**vals) for pid, vals in tables.items()
                        if pid in plugin_classes}
     return ServerSettings(**data, plugin_settings=plugin_settings)
+
+
+def public_settings(settings: ServerSettings) -> dict[str, Any]:
+    """The settings as ``/get_server_info`` shows them (SGLang's shape: every option at the top
+    level by its name, a plugin's also in ``plugins``), secrets as ``<hidden>``."""
+    out = settings.to_dict()
+    for key, (owner, f) in settings.options().items():
+        value = getattr(owner, f.name)
+        if f.metadata.get("secret") and value is not None:
+            value = "<hidden>"
+        out[key] = value
+    out["plugins"] = {pid: {f.name: out[plugin_option_name(pid, f)]
+                            for f in option_fields(type(obj))}
+                      for pid, obj in settings.plugin_settings.items()}
+    return out
 
 
 #: what ``sgl config show`` prints instead of a setting marked ``secret`` that is set

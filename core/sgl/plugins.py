@@ -199,7 +199,8 @@ class SglPluginManager(pluggy.PluginManager):
         return classes
 
     def check_backends(self, settings: ServerSettings) -> None:
-        """Every backend named in ``settings`` must be registered by a loaded plugin;
+        """Every backend named in ``settings`` must be registered by a loaded plugin, and each
+        plugin must accept its options (``sgl_check_settings``);
         :class:`~sgl.config.ConfigError` names the setting, where it came from and what is
         available."""
         from sgl.config import ConfigError, option_fields
@@ -210,72 +211,63 @@ class SglPluginManager(pluggy.PluginManager):
             value = getattr(settings, f.name)
             if not registry_name or value in (None, ()):
                 continue
-            if f.name == "disaggregation_transfer_backend" and \
-                    settings.disaggregation_mode == "null":
-                continue  # no transfer without disaggregation
             registry = getattr(self.registries, registry_name)
             for name in value if isinstance(value, tuple) else (value,):
                 if name in registry or name in f.metadata.get("keywords", ()):
                     continue
-                hint = "".join(f"\n  plugin {r.name!r} is unavailable: {r.reason}"
-                               for r in self.records.values() if not r.available)
                 choices = [*f.metadata.get("keywords", ()), *registry.names()]
                 raise ConfigError(
-                    f"invalid value {name!r} for {f.name!r} (from "
-                    f"{settings.sources.get(f.name, 'default')}): no installed plugin provides "
-                    f"that {registry.kind}; available: "
-                    f"{', '.join(choices) or 'none installed'}{hint}")
+                    f"invalid value {name!r} for {f.name!r} (from {settings.source(f.name)}): "
+                    f"no installed plugin provides that {registry.kind}; available: "
+                    f"{', '.join(choices) or 'none installed'}{self.unavailable_hint()}")
         if settings.cpu_isa not in ("auto", "none") and "cpu" in self.registries.kernels:
             levels = getattr(self.registries.kernels.load("cpu"), "levels", ())
             if settings.cpu_isa not in levels:
                 raise ConfigError(
                     f"invalid value {settings.cpu_isa!r} for 'cpu_isa' (from "
-                    f"{settings.sources.get('cpu_isa', 'default')}): expected auto, none or a "
-                    f"level of the CPU kernel library: {', '.join(levels)}")
+                    f"{settings.source('cpu_isa')}): expected auto, none or a level of the CPU "
+                    f"kernel library: {', '.join(levels)}")
         if settings.speculative_algorithm is not None:
-            entry = self.registries.speculative.entry(settings.speculative_algorithm)
-            try:
-                algorithm = entry.load()
-            except Exception as exc:
-                raise ConfigError(
-                    f"--speculative-algorithm {settings.speculative_algorithm}: plugin "
-                    f"{entry.owner!r} registered it as {entry.target!r}, which failed to "
-                    f"import: {type(exc).__name__}: {exc}") from None
-            if not (isinstance(algorithm, type)
-                    and callable(getattr(algorithm, "check_settings", None))):
-                raise ConfigError(
-                    f"--speculative-algorithm {settings.speculative_algorithm}: plugin "
-                    f"{entry.owner!r} registered {algorithm!r}, which is not a subclass of "
-                    "sgl.speculative.BaseSpeculativeAlgorithm")
-            problem = algorithm.check_settings(settings)
-            if problem is None and settings.tp_size > 1 and not algorithm.tensor_parallel:
-                problem = (f"not supported with --tp-size {settings.tp_size} (its draft model "
-                           "is not split over the ranks); NGRAM is")
-            if problem:
-                raise ConfigError(f"--speculative-algorithm {settings.speculative_algorithm}: "
-                                  f"{problem}")
-        if settings.disaggregation_mode != "null":
-            name = settings.disaggregation_transfer_backend
-            entry = self.registries.transfer.entry(name)
-            try:
-                backend = entry.load()
-            except Exception as exc:
-                raise ConfigError(
-                    f"--disaggregation-transfer-backend {name}: plugin {entry.owner!r} "
-                    f"registered it as {entry.target!r}, which failed to import: "
-                    f"{type(exc).__name__}: {exc}") from None
-            if not (isinstance(backend, type) and callable(getattr(backend, "write", None))):
-                raise ConfigError(
-                    f"--disaggregation-transfer-backend {name}: plugin {entry.owner!r} "
-                    f"registered {backend!r}, which is not a subclass of "
-                    "sgl.transfer.BaseKVTransfer")
-            served = [e.name for e in self.registries.extensions
-                      if getattr(e.load(), "enabled", lambda _: False)(settings)]
-            if not served:
-                raise ConfigError(
-                    f"--disaggregation-mode {settings.disaggregation_mode}: no installed plugin "
-                    "serves it (a scheduler extension of sgl-disaggregation); install it: pip "
-                    "install sgl-disaggregation (plugins/transfer/sgl-disaggregation)")
+            self._check_speculative(settings)
+        try:
+            for _ in self.call_each("sgl_check_settings", settings=settings,
+                                    registries=self.registries):
+                pass
+        except PluginError as exc:
+            if isinstance(exc.__cause__, ConfigError):
+                raise exc.__cause__ from None
+            raise
+
+    def unavailable_hint(self) -> str:
+        """One line per installed plugin that failed to load, saying why (for errors about
+        something no plugin provides)."""
+        return "".join(f"\n  plugin {r.name!r} is unavailable: {r.reason}"
+                       for r in self.records.values() if not r.available)
+
+    def _check_speculative(self, settings: ServerSettings) -> None:
+        from sgl.config import ConfigError
+
+        name = settings.speculative_algorithm
+        entry = self.registries.speculative.entry(name)
+        try:
+            algorithm = entry.load()
+        except Exception as exc:
+            raise ConfigError(
+                f"--speculative-algorithm {name}: plugin {entry.owner!r} registered it as "
+                f"{entry.target!r}, which failed to import: {type(exc).__name__}: {exc}"
+            ) from None
+        if not (isinstance(algorithm, type)
+                and callable(getattr(algorithm, "check_settings", None))):
+            raise ConfigError(
+                f"--speculative-algorithm {name}: plugin {entry.owner!r} registered "
+                f"{algorithm!r}, which is not a subclass of "
+                "sgl.speculative.BaseSpeculativeAlgorithm")
+        problem = algorithm.check_settings(settings)
+        if problem is None and settings.tp_size > 1 and not algorithm.tensor_parallel:
+            problem = (f"not supported with --tp-size {settings.tp_size} (its draft model "
+                       "is not split over the ranks); NGRAM is")
+        if problem:
+            raise ConfigError(f"--speculative-algorithm {name}: {problem}")
 
     @cached_property
     def registries(self) -> Registries:

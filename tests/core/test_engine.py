@@ -202,6 +202,12 @@ def test_plugin_options_through_engine_keywords() -> None:
         engine_settings(None, {"plugins": {"speculative-ngrm": {}}}, classes)
     with pytest.raises(ConfigError, match="max_bfs_breadth"):
         engine_settings(None, {"plugins": {"speculative-ngram": {"max_bfs_bredth": 3}}}, classes)
+    # a plugin's options by their top-level names, as SGLang's Engine takes them
+    flat = engine_settings(None, {"disaggregation_mode": "prefill", "dp_size": 2,
+                                  "load_balance_method": "cache_aware"}, classes)
+    assert flat.plugin_settings["disaggregation"].mode == "prefill"
+    assert flat.plugin_settings["parallel-dp"].load_balance_method == "cache_aware"
+    assert flat.source("disaggregation_mode") == "Engine(...)"
 
 
 def test_settings_record_their_source(engine: sgl.Engine) -> None:

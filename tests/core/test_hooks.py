@@ -315,6 +315,97 @@ def test_add_config_must_return_a_dataclass(plugin_manager, register_plugin) -> 
         plugin_manager.config_classes()
 
 
+@dataclass(frozen=True)
+class _LinkSettings:
+    mode: str = field(default="off", metadata={"help": "on or off."})
+    balance: str | None = field(default=None, metadata={"name": "balance_method",
+                                                         "help": "How to balance."})
+    token: str | None = field(default=None, metadata={"secret": True, "help": "A secret."})
+    retries: int = field(default=3, metadata={"minimum": 1, "help": "Tries."})
+
+
+class _Link:
+    @hookimpl
+    def sgl_add_config(self) -> type:
+        return _LinkSettings
+
+    @hookimpl
+    def sgl_check_settings(self, settings: Any, registries: Any) -> None:
+        opts = settings.plugin_settings["link"]
+        if opts.mode == "off" and settings.is_set("link_token"):
+            raise settings.invalid("link_token", "it needs --link-mode on")
+        if opts.balance == "crash":
+            raise RuntimeError("kaboom")
+
+
+def test_hook_sgl_check_settings(plugin_manager, register_plugin) -> None:
+    from sgl.config import ConfigError, load_settings
+
+    register_plugin(_Link(), name="link")
+    classes = plugin_manager.config_classes()
+
+    def check(**kwargs: Any) -> None:
+        plugin_manager.check_backends(load_settings(plugin_classes=classes, **kwargs))
+
+    check(env={"SGL_LINK_MODE": "on", "SGL_LINK_TOKEN": "x"})
+    with pytest.raises(ConfigError, match=r"^env SGL_LINK_TOKEN: invalid value 'x' for "
+                                          r"'link_token': it needs --link-mode on$"):
+        check(env={"SGL_LINK_TOKEN": "x"})
+    with pytest.raises(PluginError, match="plugin 'link' failed in sgl_check_settings: kaboom"):
+        check(env={}, file_data={"balance_method": "crash"})
+
+
+def test_plugin_options_by_their_top_level_names(plugin_manager, register_plugin) -> None:
+    """A plugin option is one name everywhere: ``<id>_<field>`` or the name its field declares,
+    as a flag, an environment variable, a top-level key of a file, an Engine keyword and a key
+    of the server info; ``minimum`` is checked and secrets are hidden."""
+    from sgl.config import ConfigError, load_settings, public_settings
+    from sgl.entrypoints.engine import engine_settings
+
+    register_plugin(_Link(), name="link")
+    classes = plugin_manager.config_classes()
+    flags = {opt for o in settings_options(plugin_manager) for opt in o.opts}
+    assert {"--link-mode", "--balance-method", "--link-token", "--link-retries"} <= flags
+    settings = load_settings(env={"SGL_BALANCE_METHOD": "fair", "SGL_LINK_TOKEN": "s3cret"},
+                             file_data={"link_mode": "on"}, plugin_classes=classes)
+    opts = settings.plugin_settings["link"]
+    assert (opts.mode, opts.balance, opts.token) == ("on", "fair", "s3cret")
+    assert settings.source("balance_method") == "env SGL_BALANCE_METHOD"
+    assert settings.source("link_mode").startswith("file ")
+    shown = public_settings(settings)
+    assert shown["link_mode"] == "on" and shown["balance_method"] == "fair"
+    assert shown["link_token"] == "<hidden>" and shown["plugins"]["link"]["token"] == "<hidden>"
+    assert "s3cret" not in repr(shown)
+    engine = engine_settings(None, {"balance_method": "fair", "link_retries": 5}, classes)
+    assert engine.plugin_settings["link"].retries == 5
+    assert engine.source("link_retries") == "Engine(...)"
+    with pytest.raises(ConfigError, match="'link_retries': expected at least 1"):
+        load_settings(env={"SGL_LINK_RETRIES": "0"}, plugin_classes=classes)
+    with pytest.raises(ConfigError, match="give it once"):
+        load_settings(env={}, file_data={"link_mode": "on", "plugins": {"link": {"mode": "off"}}},
+                      plugin_classes=classes)
+    with pytest.raises(TypeError, match="did you mean 'link_mode'"):
+        engine_settings(None, {"link_mod": "on"}, classes)
+
+
+def test_a_plugin_option_may_not_take_a_name_in_use(plugin_manager, register_plugin) -> None:
+    from sgl.config import ConfigError
+
+    @dataclass(frozen=True)
+    class Clashing:
+        port: int = field(default=1, metadata={"name": "port", "help": "A second port."})
+
+    class Clash:
+        @hookimpl
+        def sgl_add_config(self) -> type:
+            return Clashing
+
+    register_plugin(Clash(), name="clash")
+    with pytest.raises(ConfigError, match="plugin 'clash': its option 'port' is named 'port', "
+                                          "which the core already uses"):
+        settings_options(plugin_manager)
+
+
 def test_failing_hook_names_the_plugin(plugin_manager, register_plugin) -> None:
     class Crashes:
         @hookimpl

@@ -52,28 +52,38 @@ class EngineClosedError(RuntimeError):
 
 def engine_settings(model_path: str | None, settings: dict[str, Any],
                     plugin_classes: dict[str, type] | None = None) -> ServerSettings:
-    """Settings from ``Engine(...)`` keyword arguments (field names of
-    :class:`~sgl.config.ServerSettings`, and ``plugins``: plugin id -> its options, as a config
-    file's ``[plugins.<id>]`` tables). ``SGL_*`` variables and config files are not read.
+    """Settings from ``Engine(...)`` keyword arguments: options by their top-level names
+    (:class:`~sgl.config.ServerSettings` fields, and plugin options such as
+    ``disaggregation_mode``), and ``plugins``: plugin id -> its options, as a config file's
+    ``[plugins.<id>]`` tables. ``SGL_*`` variables and config files are not read. Without
+    ``plugin_classes`` (before the plugins are loaded) only the core's settings are read.
 
     :raises TypeError: for a name that is not a setting (the message lists the valid ones).
     :raises sgl.config.ConfigError: (a ``ValueError``) for a bad value, naming the setting.
     """
-    from sgl.config import ServerSettings, load_settings, option_fields
+    from sgl.config import ServerSettings, load_settings, option_fields, plugin_options
 
-    valid = [f.name for f in option_fields(ServerSettings)] + ["plugins"]
-    unknown = [name for name in settings if name not in valid]
+    core = [f.name for f in option_fields(ServerSettings)]
+    named = plugin_options(plugin_classes or {})
+    values = dict(settings)
+    plugins = values.pop("plugins", None)
+    if plugin_classes is None:
+        values = {name: value for name, value in values.items() if name in core}
+    valid = core + list(named) + ["plugins"]
+    unknown = [name for name in values if name not in valid]
     if unknown:
         close = difflib.get_close_matches(unknown[0], valid, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise TypeError(f"Engine() got unknown setting(s) {', '.join(map(repr, unknown))}{hint} "
                         f"(valid settings: {', '.join(valid)})")
-    values = dict(settings)
-    plugins = values.pop("plugins", None)
+    plugin_cli: dict[str, dict[str, Any]] = {}
+    for name in [name for name in values if name in named]:
+        pid, f = named[name]
+        plugin_cli.setdefault(pid, {})[f.name] = values.pop(name)
     if model_path is not None:
         values["model_path"] = str(model_path)
     tables = {"plugins": plugins} if plugins and plugin_classes is not None else None
-    return load_settings(cli=values, env={}, file_data=tables,  # the tables once plugins load
+    return load_settings(cli=values, plugin_cli=plugin_cli, env={}, file_data=tables,
                          plugin_classes=plugin_classes, cli_source=SOURCE)
 
 

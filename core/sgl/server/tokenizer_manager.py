@@ -587,10 +587,10 @@ class TokenizerManager:
         facts = {k: v for k, v in dataclasses.asdict(self.info).items() if k not in ("ok", "error")}
         if len(self.replicas) > 1:
             facts["parallel"] = {**facts.get("parallel", {}), **self.replicas.info()}
-        settings = self.settings.to_dict() if self.settings is not None else {}
-        if settings.get("api_key"):
-            settings["api_key"] = "<hidden>"
+        from sgl.config import public_settings
         from sgl.version import __version__
+
+        settings = public_settings(self.settings) if self.settings is not None else {}
 
         return {**settings, **facts, "internal_states": internal, "version": __version__}
 

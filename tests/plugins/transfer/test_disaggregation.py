@@ -269,7 +269,10 @@ def test_an_unauthenticated_want_gets_no_kv(pd: PD) -> None:
 def test_queues_and_transfers_are_reported(pd: PD) -> None:
     for server, mode in ((pd.prefill, "prefill"), (pd.decode, "decode")):
         info = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()
-        assert info["disaggregation_mode"] == mode
+        assert info["disaggregation_mode"] == mode  # SGLang's key, which its router reads
+        assert info["plugins"]["disaggregation"]["mode"] == mode
+        if info["disaggregation_secret"] is not None:
+            assert info["disaggregation_secret"] == "<hidden>"
         s = info["internal_states"][0]
         assert s["disaggregation_mode"] == mode and s["kv_transfers"] >= 1
         assert s["kv_transfer_failures"] == 0 and s["kv_transfer_bytes"] > 0
@@ -644,6 +647,13 @@ def _kill_tree(pid: int) -> None:
      "only a decode server takes KV"),
     (["--disaggregation-mode", "decode", "--disaggregation-prefill-host", "a b"],
      "'a b' is not a host name"),
+    (["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "0"],
+     "'disaggregation_bootstrap_port': expected 1-65535"),
+    (["--disaggregation-mode", "decode", "--disaggregation-timeout", "0"],
+     "'disaggregation_timeout': expected at least 0.1"),
+    (["--load-balance-method", "cache_aware"], "it needs --dp-size above 1"),
+    (["--disable-plugin", "disaggregation", "--disaggregation-mode", "prefill"],
+     "No such option '--disaggregation-mode'. A plugin's options exist only while it loads"),
 ])
 def test_bad_disaggregation_flags_are_named(args: list[str], says: str) -> None:
     result = run_cli(["serve", "--port", str(free_port()), *args], timeout=60)

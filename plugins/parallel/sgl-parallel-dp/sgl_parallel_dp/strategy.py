@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from sgl.parallel import BaseParallelStrategy, RankInfo, RequestRouter
 from sgl.threads import take_core_share
 from sgl_parallel_dp.routers import ROUTERS
+from sgl_parallel_dp.settings import load_balance_method
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
@@ -40,7 +41,7 @@ class DataParallel(BaseParallelStrategy):
 
     @property
     def method(self) -> str:
-        return self.settings.load_balance_method or "round_robin"
+        return load_balance_method(self.settings)
 
     def local_ranks(self, init_addr: str) -> list[RankInfo]:
         size = self.settings.dp_size

@@ -27,6 +27,7 @@ And :class:`ServerProcess`, which runs ``sgl serve`` on a free loopback port for
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import socket
@@ -317,6 +318,18 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         names = [f"{lv} emulated" for lv in cpu.isa_levels()] + list(cpu.isa_levels())
         line = ", ".join(f"{lv} {counts[lv]}" for lv in names if lv in counts)
         terminalreporter.write_line(f"sgl CPU ISA levels, tests passed at each: {line}")
+
+
+#: seconds the interpreter has to exit once the run is over (``SGL_TEST_EXIT_GRACE_S``)
+EXIT_GRACE_S = float(os.environ.get("SGL_TEST_EXIT_GRACE_S", "120"))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run is over, so the interpreter must exit: a thread, executor or child process that
+    a test left running would otherwise hold it until CI's time limit, with nothing printed.
+    After :data:`EXIT_GRACE_S` seconds, print every thread's stack and exit with status 1."""
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True, file=sys.__stderr__)
 
 
 def run_cli(args: Sequence[str], env: dict[str, str] | None = None,

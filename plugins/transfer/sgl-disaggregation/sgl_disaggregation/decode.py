@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import zmq
 
-from sgl.config import prefill_host_allowed
 from sgl.engine.extension import SchedulerExtension
 from sgl.transfer import BaseKVTransfer, KVTransferError
 from sgl_disaggregation.bootstrap import is_alive, lookup_route
 from sgl_disaggregation.link import (Link, LinkCodec, peer_socket, request_error, room_of,
                                      transfer_backend)
+from sgl_disaggregation.settings import options_of, prefill_host_allowed
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
@@ -191,17 +191,17 @@ class DecodeSide(SchedulerExtension):
 
     @classmethod
     def enabled(cls, settings: ServerSettings) -> bool:
-        return settings.disaggregation_mode == "decode"
+        return options_of(settings).mode == "decode"
 
     def __init__(self, scheduler: SchedulerView) -> None:
         super().__init__(scheduler)
         backend = transfer_backend(scheduler)
-        self.default_port = scheduler.settings.disaggregation_bootstrap_port
+        opts = options_of(scheduler.settings)
+        self.default_port = opts.bootstrap_port
         #: the prefill servers requests may name (--disaggregation-prefill-host)
-        self.allowed_hosts = scheduler.settings.disaggregation_prefill_hosts
-        secret = scheduler.settings.disaggregation_secret
-        self.link = DecodeLink(scheduler.zmq, backend, scheduler.settings.disaggregation_timeout,
-                               LinkCodec(secret))
+        self.allowed_hosts = opts.prefill_hosts
+        secret = opts.secret
+        self.link = DecodeLink(scheduler.zmq, backend, opts.timeout, LinkCodec(secret))
         #: KV from prefill servers enters the prefix cache only when they are authenticated
         self.shares_peer_kv = secret is not None
         if not self.shares_peer_kv:

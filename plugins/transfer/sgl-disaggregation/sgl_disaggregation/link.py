@@ -21,6 +21,7 @@ import zmq
 
 from sgl.transfer import BaseKVTransfer, KVBuffers
 from sgl_disaggregation.bootstrap import advertised_host
+from sgl_disaggregation.settings import options_of
 
 if TYPE_CHECKING:
     from sgl.engine.extension import SchedulerView
@@ -40,11 +41,11 @@ MAX_MESSAGE_BYTES = 32 * 2**20
 def transfer_backend(scheduler: SchedulerView) -> BaseKVTransfer:
     """The ``--disaggregation-transfer-backend`` plugin's backend over the scheduler's KV pool,
     in this server's role."""
-    settings = scheduler.settings
-    cls = scheduler.plugins.registries.transfer.load(settings.disaggregation_transfer_backend)
+    opts = options_of(scheduler.settings)
+    cls = scheduler.plugins.registries.transfer.load(opts.transfer_backend)
     pool = scheduler.runner.kv_pool
-    return cls(KVBuffers([*pool.k_buffer, *pool.v_buffer]), role=settings.disaggregation_mode,
-               host=advertised_host(settings.host))
+    return cls(KVBuffers([*pool.k_buffer, *pool.v_buffer]), role=opts.mode,
+               host=advertised_host(scheduler.settings.host))
 
 
 def request_error(req: Any, mode: str) -> str | None:

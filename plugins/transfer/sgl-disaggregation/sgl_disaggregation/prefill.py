@@ -33,6 +33,7 @@ from sgl.transfer import BaseKVTransfer, KVTransferError
 from sgl_disaggregation.bootstrap import BootstrapServer, advertised_host
 from sgl_disaggregation.link import (Link, LinkCodec, peer_socket, request_error, room_of,
                                      transfer_backend)
+from sgl_disaggregation.settings import options_of
 
 if TYPE_CHECKING:
     from sgl.config import ServerSettings
@@ -229,16 +230,16 @@ class PrefillSide(SchedulerExtension):
 
     @classmethod
     def enabled(cls, settings: ServerSettings) -> bool:
-        return settings.disaggregation_mode == "prefill"
+        return options_of(settings).mode == "prefill"
 
     def __init__(self, scheduler: SchedulerView) -> None:
         super().__init__(scheduler)
-        settings = scheduler.settings
+        settings, opts = scheduler.settings, options_of(scheduler.settings)
         backend = transfer_backend(scheduler)
-        self.link = PrefillLink(scheduler.zmq, backend, settings.disaggregation_timeout,
-                                settings.host, LinkCodec(settings.disaggregation_secret))
+        self.link = PrefillLink(scheduler.zmq, backend, opts.timeout, settings.host,
+                                LinkCodec(opts.secret))
         self.bootstrap = BootstrapServer(
-            settings.host, settings.disaggregation_bootstrap_port,
+            settings.host, opts.bootstrap_port,
             {"endpoint": self.link.endpoint, "backend": backend.name, "engine_rank": 0,
              "rank_ip": advertised_host(settings.host)})
         self.link.start()
