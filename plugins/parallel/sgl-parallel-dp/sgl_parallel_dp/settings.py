@@ -29,6 +29,12 @@ def load_balance_method(settings: ServerSettings) -> str:
 
 
 def check(settings: ServerSettings) -> None:
+    """``--load-balance-method`` needs replicas; replicas are of one rank on one machine."""
     if settings.is_set("load_balance_method") and settings.dp_size == 1:
         raise settings.invalid("load_balance_method", "it needs --dp-size above 1 (one "
                                "replica takes every request)")
+    if settings.dp_size > 1 and (settings.tp_size > 1 or settings.nnodes > 1):
+        raise settings.invalid("dp_size", f"with --tp-size {settings.tp_size} and --nnodes "
+                               f"{settings.nnodes}: data parallelism runs replicas of one rank "
+                               "each on one machine; use one of the two, or SGLang's router "
+                               "(`sgl router`) in front of several servers")

@@ -30,15 +30,6 @@ class DataParallel(BaseParallelStrategy):
     def from_settings(cls, settings: ServerSettings) -> DataParallel | None:
         return cls(settings) if settings.dp_size > 1 else None
 
-    @classmethod
-    def check_settings(cls, settings: ServerSettings) -> str | None:
-        if settings.dp_size > 1 and (settings.tp_size > 1 or settings.nnodes > 1):
-            return (f"--dp-size {settings.dp_size} with --tp-size {settings.tp_size} and "
-                    f"--nnodes {settings.nnodes}: data parallelism runs replicas of one rank "
-                    "each on one machine; use one of the two, or SGLang's router (`sgl "
-                    "router`) in front of several servers")
-        return None
-
     @property
     def method(self) -> str:
         return load_balance_method(self.settings)
