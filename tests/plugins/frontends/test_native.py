@@ -210,6 +210,9 @@ def test_server_info(server: ServerProcess, path: str) -> None:
     assert state["num_running_reqs"] == 0
     assert {"kv_used_tokens", "kv_total_tokens", "num_waiting_reqs"} <= set(state)
     assert info["api_key"] is None
+    # plugins' options by SGLang's names, as its router and clients read them
+    assert info["disaggregation_mode"] == "null" and info["load_balance_method"] is None
+    assert info["plugins"]["disaggregation"]["bootstrap_port"] == 8998
 
 
 def test_health_generate(server: ServerProcess) -> None:
