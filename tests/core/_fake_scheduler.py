@@ -19,6 +19,7 @@ def fake_scheduler_main(endpoints: dict[str, str], conn: Any, vocab_size: int,
     from sgl.engine.messages import SchedulerInfo, ShutdownRequest
 
     ctx = zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)  # closing never waits for a gone peer
     pull = ctx.socket(zmq.PULL)
     pull.connect(endpoints["requests"])
     conn.send(SchedulerInfo(ok=True, model_path="fake", architecture="Fake", dtype="float32",

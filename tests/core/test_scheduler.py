@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ class Harness:
             "chunked_prefill_size": 512, "num_threads": 1, "int8_activations": "off",
             "cpu_graph_max_bs": 4, **overrides})
         self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.LINGER, 0)  # closing never waits for a gone peer
         endpoints = {"requests": f"ipc://{tmp}/req", "outputs": f"ipc://{tmp}/out"}
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.bind(endpoints["requests"])
@@ -493,3 +495,19 @@ def test_short_requests_keep_their_latency_beside_one_that_fills_the_context(
         h.assert_memory_empty()
     finally:
         h.close()
+
+
+def test_a_context_holding_an_undelivered_output_closes_at_once(tmp_path: Path) -> None:
+    """The scheduler's sockets with an output queued for a server that is gone (its socket
+    connects, so ZMQ queues the message). Closing the context, which garbage collection does in
+    whatever thread it runs, waited for ever with ZMQ's default linger: a CI run hung at exit on
+    a thread that happened to collect such a context. It must return at once."""
+    from sgl.engine.scheduler_io import SchedulerIO
+
+    io = SchedulerIO.__new__(SchedulerIO)
+    io.connect({"requests": f"ipc://{tmp_path}/requests", "outputs": f"ipc://{tmp_path}/outputs"})
+    io.send_sock.send_pyobj("an output no server takes")
+    closing = threading.Thread(target=io.zmq.destroy, daemon=True)
+    closing.start()
+    closing.join(10)
+    assert not closing.is_alive(), "closing the scheduler's ZMQ context hung"

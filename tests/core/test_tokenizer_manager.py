@@ -44,6 +44,7 @@ class FakeScheduler(threading.Thread):
         self.endpoints, self.script = endpoints, script
         self.received: list[Any] = []
         self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.LINGER, 0)  # closing never waits for a gone peer
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.connect(endpoints["requests"])
         self.push = self.ctx.socket(zmq.PUSH)
@@ -379,3 +380,4 @@ def test_long_prompts_are_tokenized_on_their_own_thread() -> None:
     assert long[0].startswith("sgl-tokenize-long") and long[1][0] > 0
     assert many[0].startswith("sgl-tokenize-long") and len(many[1]) == LONG_PROMPT_CHARS // 1000
     assert copies[0] is copies[1] and copies[0] is not shared
+

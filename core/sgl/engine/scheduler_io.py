@@ -88,6 +88,9 @@ class SchedulerIO:
             ShutdownRequest: lambda msg: self.stop(),
         }
         self.zmq = zmq.Context()
+        # no socket may hold the context open at exit: an output to a server that is gone would
+        # otherwise block its closing for ever (a garbage-collected context closes it too)
+        self.zmq.setsockopt(zmq.LINGER, 0)
         self.recv_sock = self.zmq.socket(zmq.PULL)
         self.recv_sock.connect(endpoints["requests"])
         self.send_sock = self.zmq.socket(zmq.PUSH)

@@ -180,6 +180,9 @@ class TokenizerManager:
 
     async def start(self) -> None:
         self._zmq = zmq.asyncio.Context()
+        # no socket may hold the context open at exit: a message to a scheduler that is gone
+        # would otherwise block its closing (and the interpreter's exit) for ever
+        self._zmq.setsockopt(zmq.LINGER, 0)
         self.replicas.bind(self._zmq)
         self._recv = self._zmq.socket(zmq.PULL)
         self._recv.bind(self.endpoints["outputs"])

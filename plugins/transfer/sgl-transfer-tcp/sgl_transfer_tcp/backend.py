@@ -76,6 +76,7 @@ class TcpKVTransfer(BaseKVTransfer):
         super().__init__(buffers, role=role, host=host)
         self._rows = [_byte_rows(t) for t in buffers.tensors]
         self._ctx: zmq.Context[Any] = zmq.Context()
+        self._ctx.setsockopt(zmq.LINGER, 0)  # closing never waits for a peer that is gone
         self._seq = itertools.count(1)
         self._lock = threading.Lock()  # the prefill side's sockets
         self._peers: dict[str, zmq.Socket[Any]] = {}
