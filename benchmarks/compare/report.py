@@ -2,7 +2,9 @@
 
 The results document (schema ``sgl-compare/1``)::
 
-    {"schema", "date", "command", "machine": {...}, "concurrencies": [1, 8, 32],
+    {"schema", "date", "command",
+     "model": {"name", "label", "origin", "source", "description", "shape", "parameters"},
+     "machine": {...}, "concurrencies": [1, 8, 32],
      "repeats": 3, "baseline": "vllm",
      "workloads": [{"name", "label", "description"}],
      "engines": [{"name", "label", "settings", "error"}],
@@ -12,7 +14,11 @@ The results document (schema ``sgl-compare/1``)::
 With more than one run per cell (``--repeats``), ``metrics`` are those of the run with the
 median output throughput (the lower middle one of an even count: every figure of a row then
 comes from one real run) and ``runs`` summarizes them all; a file without ``repeats`` or
-``runs`` holds one run per cell.
+``runs`` holds one run per cell, and one without ``model`` (written before ``--model``) is of
+the bundled SmolLM2-135M (:data:`SMOLLM2`).
+
+Every model has its own block in the docs (between :func:`markers`) and its own charts; the
+bundled model's keep the names they had before ``--model``.
 
 Everything here is a pure function of that document, so it is tested on a recorded one.
 """
@@ -26,6 +32,29 @@ from typing import Any
 SCHEMA = "sgl-compare/1"
 BEGIN = "<!-- compare:begin (written by benchmarks/compare; do not edit by hand) -->"
 END = "<!-- compare:end -->"
+#: the ``model`` of a results file written before ``--model``
+SMOLLM2 = {"name": "smollm2", "label": "SmolLM2-135M-Instruct",
+           "description": "the bundled GGUF dequantized to one bfloat16 Hugging Face folder; "
+                          "llama-server reads GGUFs converted from that folder"}
+
+
+def model_of(doc: dict[str, Any]) -> dict[str, Any]:
+    """The model a results document is for."""
+    return doc.get("model") or SMOLLM2
+
+
+def _suffix(doc: dict[str, Any]) -> str:
+    name = model_of(doc)["name"]
+    return "" if name == "smollm2" else f"-{name}"
+
+
+def markers(doc: dict[str, Any]) -> tuple[str, str]:
+    """The lines around the model's block in the docs."""
+    name = model_of(doc)["name"]
+    if name == "smollm2":
+        return BEGIN, END
+    return (BEGIN.replace("compare:begin", f"compare:begin {name}"),
+            END.replace("compare:end", f"compare:end {name}"))
 
 
 def _entry(doc: dict[str, Any], engine: str, workload: str,
@@ -113,11 +142,13 @@ def markdown(doc: dict[str, Any], chart_paths: dict[str, str]) -> str:
             f"{repeats} runs per cell {where}: a row gives the run with the median output "
             "tokens/s, and in brackets the range of the cell's runs; each run has its own "
             "prompts, the same for every engine.")
-    lines = [BEGIN, "", "### sgl next to vLLM, llama-server and transformers", "",
-             f"{runs} Command:", "", "```", doc["command"], "```", ""]
-    lines.append("Engines, each alone on the machine while measured, all on SmolLM2-135M-Instruct "
-                 "(the bundled GGUF dequantized to one bfloat16 Hugging Face folder; llama-server "
-                 "reads GGUFs converted from that folder):")
+    model = model_of(doc)
+    begin, end = markers(doc)
+    lines = [begin, "", f"### sgl next to vLLM, llama-server and transformers: {model['label']}",
+             "", f"{runs} Command:", "", "```", doc["command"], "```", ""]
+    shape = f" Shape: {model['shape']}." if model.get("shape") else ""
+    lines.append(f"Engines, each alone on the machine while measured, all on {model['label']} "
+                 f"({model['description']}).{shape}")
     lines.append("")
     for e in doc["engines"]:
         state = f" **not measured: {e['error']}**" if e.get("error") else ""
@@ -164,7 +195,7 @@ def markdown(doc: dict[str, Any], chart_paths: dict[str, str]) -> str:
         lines.append("")
     for title, path in chart_paths.items():
         lines += [f"![{title}]({path})", ""]
-    lines.append(END)
+    lines.append(end)
     return "\n".join(lines) + "\n"
 
 
@@ -178,9 +209,9 @@ def write_charts(doc: dict[str, Any], img_dir: Path) -> dict[str, Path]:
     img_dir.mkdir(parents=True, exist_ok=True)
     charts = {"output throughput versus concurrency": ("output_throughput", None,
                                                        "output tokens/s", False,
-                                                       "compare-throughput.png"),
+                                                       f"compare{_suffix(doc)}-throughput.png"),
               "mean TTFT versus concurrency": ("ttft_ms", "mean", "mean TTFT (ms, log scale)",
-                                               True, "compare-ttft.png")}
+                                               True, f"compare{_suffix(doc)}-ttft.png")}
     written: dict[str, Path] = {}
     for title, (key, sub, ylabel, log, filename) in charts.items():
         fig, axes = plt.subplots(1, len(doc["workloads"]), figsize=(5.5 * len(doc["workloads"]),
@@ -206,7 +237,7 @@ def write_charts(doc: dict[str, Any], img_dir: Path) -> dict[str, Path]:
             ax.set_title(w["label"])
             ax.grid(True, alpha=0.3)
         axes[0][0].legend(fontsize=8)
-        fig.suptitle(f"SmolLM2-135M, {title} ({doc['date']})")
+        fig.suptitle(f"{model_of(doc)['label']}, {title} ({doc['date']})")
         fig.tight_layout()
         path = img_dir / filename
         fig.savefig(path, dpi=110)
@@ -216,11 +247,16 @@ def write_charts(doc: dict[str, Any], img_dir: Path) -> dict[str, Path]:
 
 
 def update_docs(doc_path: Path, section: str) -> None:
-    """Replace the text between the markers (or append the section when they are missing)."""
+    """Replace the block between the section's markers; a new model's block goes after the
+    last compare block (or at the end of the file)."""
+    begin, end = section.splitlines()[0], section.rstrip("\n").splitlines()[-1]
     text = doc_path.read_text() if doc_path.exists() else ""
-    start, end = text.find(BEGIN), text.find(END)
-    if start >= 0 and end > start:
-        text = text[:start] + section.rstrip("\n") + text[end + len(END):]
+    start, stop = text.find(begin), text.find(end)
+    if start >= 0 and stop > start:
+        text = text[:start] + section.rstrip("\n") + text[stop + len(end):]
+    elif "<!-- compare:end" in text:
+        at = text.index("-->", text.rindex("<!-- compare:end")) + len("-->")
+        text = text[:at] + "\n\n" + section.rstrip("\n") + text[at:]
     else:
         text = text.rstrip("\n") + "\n\n" + section
     doc_path.write_text(text)

@@ -1,6 +1,7 @@
 """benchmarks/compare without the peers: its workloads, its report (table, targets, charts, the
-docs section) on a recorded run, its argument checks, and the model folder it hands to vLLM and
-transformers. Nothing here starts an engine or times anything."""
+docs section) on a recorded run, its argument checks, the ladder's shapes, and the model folders
+it hands to vLLM, transformers and sgl. Nothing here builds llama.cpp or vLLM or times anything;
+one test serves a tiny ladder-like folder with sgl.Engine."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from compare import report  # noqa: E402
-from compare.__main__ import _record, parse_args, server_spec  # noqa: E402
+from compare import hf_folder, report  # noqa: E402
+from compare.__main__ import _record, parse_args, prepare, server_spec  # noqa: E402
+from compare.ladder import LADDER, ladder_config  # noqa: E402
+from compare.models import resolve_model  # noqa: E402
+from compare.peers import Peers  # noqa: E402
 from compare.workloads import default_workloads  # noqa: E402
 
 from sgl_bench.metrics import RequestResult, compute_metrics  # noqa: E402
@@ -91,6 +95,33 @@ def test_report_table_ratios_and_targets() -> None:
     json.dumps(doc)  # the results file is plain JSON
 
 
+def test_report_names_the_model_and_its_shape(tmp_path: Path) -> None:
+    old = report.markdown(recorded_run(), {})  # a results file from before --model
+    assert "### sgl next to vLLM, llama-server and transformers: SmolLM2-135M-Instruct" in old
+    assert "all on SmolLM2-135M-Instruct (the bundled GGUF dequantized" in old
+    doc = recorded_run()
+    doc["model"] = {"name": "llama-3.2-1b", "label": "llama-3.2-1b (random weights)",
+                    "description": "random bfloat16 weights of meta-llama/Llama-3.2-1B's shape",
+                    "shape": "LlamaForCausalLM, hidden 2048, 16 layers"}
+    text = report.markdown(doc, {})
+    assert text.startswith("<!-- compare:begin llama-3.2-1b (written by benchmarks/compare")
+    assert text.rstrip().endswith("<!-- compare:end llama-3.2-1b -->")
+    assert ": llama-3.2-1b (random weights)\n" in text
+    assert "Shape: LlamaForCausalLM, hidden 2048, 16 layers." in text
+    # its own block after smollm2's, which stays; its own charts
+    doc_path = tmp_path / "benchmarks.md"
+    doc_path.write_text("# Benchmarks\n\n" + old + "\n## After\n")
+    report.update_docs(doc_path, text)
+    report.update_docs(doc_path, text)
+    written = doc_path.read_text()
+    assert written.count(report.BEGIN) == 1 and written.count("compare:begin llama-3.2-1b") == 1
+    assert written.index(report.END) < written.index("compare:begin llama") < written.index(
+        "## After")
+    charts = report.write_charts(doc, tmp_path / "img")
+    assert sorted(p.name for p in charts.values()) == ["compare-llama-3.2-1b-throughput.png",
+                                                      "compare-llama-3.2-1b-ttft.png"]
+
+
 def test_docs_section_is_replaced_in_place(tmp_path: Path) -> None:
     doc_path = tmp_path / "benchmarks.md"
     doc_path.write_text("# Benchmarks\n\nintro\n")
@@ -121,6 +152,13 @@ def test_charts_are_written(tmp_path: Path) -> None:
     (["--concurrencies", "one"], "comma-separated list of int"),
     (["--from-results", "/nonexistent/compare.json"], "--from-results: no such file"),
     (["--sgl-dtype", "float16"], "invalid choice: 'float16'"),
+    (["--model", "llama-9b"], "argument --model: 'llama-9b' is neither smollm2, a ladder model"),
+    (["--engines", "sgl-gguf"], "--engines: unknown engine 'sgl-gguf'; choose from sgl, "
+                                "sgl-gguf-q4_1,"),
+    (["--model", "llama-3.2-1b", "--engines", "sgl,llama-server-q4_1"],
+     "--engines: 'llama-server-q4_1' makes no sense for model llama-3.2-1b: it has no q4_1 GGUF "
+     "(its kinds: bf16, q8_0, q4_k_m, q5_k_m, q6_k)"),
+    (["--engines", "sgl-gguf-q3_k_s"], "'sgl-gguf-q3_k_s' makes no sense for model smollm2"),
 ])
 def test_bad_arguments_name_the_flag(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -140,19 +178,173 @@ def test_sgl_is_served_in_the_dtype_asked_for(dtype: str, shown: str) -> None:
 def test_sgl_gguf_serves_the_bundled_file_quantized() -> None:
     from sgl.model_loader import bundled_model_path
 
-    args = parse_args(["--engines", "sgl,sgl-gguf,llama-server-q4_1", "--sgl-dtype", "auto"])
-    peers = SimpleNamespace(hf_folder=Path("/models/smollm2"))
-    dense, gguf = (server_spec(name, args, peers, 30000) for name in ("sgl", "sgl-gguf"))
+    args = parse_args(["--engines", "sgl,sgl-gguf-q4_1,llama-server-q4_1", "--sgl-dtype", "auto"])
+    peers = Peers(Path("/peers"), args.model)
+    dense, gguf = (server_spec(name, args, peers, 30000) for name in ("sgl", "sgl-gguf-q4_1"))
     path = gguf.command[gguf.command.index("--model-path") + 1]
-    assert path == str(bundled_model_path()) and gguf.name == "sgl-gguf"
+    assert path == str(bundled_model_path()) and gguf.name == "sgl-gguf-q4_1"
     assert "--quantization" not in gguf.command  # sgl's default: the file's blocks
-    assert gguf.settings.startswith("Q4_1/Q8_0 weights, dtype auto,")
-    assert dense.command[dense.command.index("--model-path") + 1] == "/models/smollm2"
-    args = parse_args(["--engines", "sgl,sgl-gguf", "--sgl-int8-activations", "on"])
-    dense, gguf = (server_spec(name, args, peers, 30000) for name in ("sgl", "sgl-gguf"))
+    assert gguf.settings.startswith("Q4_1 GGUF weights, dtype auto,")
+    assert gguf.label == "sgl, GGUF Q4_1"
+    assert dense.command[dense.command.index("--model-path") + 1] == "/peers/models/smollm2/hf"
+    args = parse_args(["--engines", "sgl,sgl-gguf-q4_1", "--sgl-int8-activations", "on"])
+    dense, gguf = (server_spec(name, args, peers, 30000) for name in ("sgl", "sgl-gguf-q4_1"))
     at = gguf.command.index("--int8-activations")
     assert gguf.command[at + 1] == "on" and "--int8-activations" not in dense.command
     assert "int8 activations on" in gguf.settings
+
+
+def test_engines_follow_the_model(tmp_path: Path) -> None:
+    from sgl.model_loader import bundled_model_path
+
+    # smollm2: the set before --model, with sgl-gguf named after its kind
+    assert parse_args([]).engines == ["sgl", "sgl-gguf-q4_1", "vllm", "llama-server-bf16",
+                                      "llama-server-q8_0", "llama-server-q4_1", "transformers"]
+    assert parse_args([]).results.name == "compare.json"
+    args = parse_args(["--model", "qwen2.5-0.5b"])
+    assert args.engines == ["sgl", "sgl-gguf-q8_0", "sgl-gguf-q4_k_m", "sgl-gguf-q5_k_m",
+                            "sgl-gguf-q6_k", "vllm", "llama-server-bf16", "llama-server-q8_0",
+                            "llama-server-q4_k_m", "llama-server-q5_k_m", "llama-server-q6_k"]
+    assert args.results.name == "compare-qwen2.5-0.5b.json"
+    peers = Peers(tmp_path, args.model)
+    assert peers.hf_folder == tmp_path / "models" / "qwen2.5-0.5b" / "hf"
+    assert peers.gguf("q4_k_m") == tmp_path / "models" / "qwen2.5-0.5b" / "q4_k_m.gguf"
+    llama = server_spec("llama-server-q6_k", args, SimpleNamespace(
+        model=args.model, llama_server=Path("/bin/true"), gguf=peers.gguf), 30000)
+    assert llama.command[llama.command.index("-m") + 1] == str(peers.gguf("q6_k"))
+    assert llama.command[llama.command.index("--alias") + 1] == "qwen2.5-0.5b"
+    # a GGUF file is served as it is; a Hugging Face folder is used as it is
+    gguf = parse_args(["--model", str(bundled_model_path())]).model
+    assert gguf.origin == "gguf" and gguf.kinds[0] == "q4_1"
+    assert Peers(tmp_path, gguf).gguf("q4_1") == bundled_model_path()
+    (tmp_path / "My-Model").mkdir()
+    (tmp_path / "My-Model" / "config.json").write_text("{}")
+    args = parse_args(["--model", str(tmp_path / "My-Model"), "--engines", "sgl,vllm"])
+    assert args.model.slug == "my-model" and args.model.kinds == ("bf16", "q8_0", "q4_k_m",
+                                                                  "q5_k_m", "q6_k")
+    assert Peers(tmp_path, args.model).hf_folder == tmp_path / "My-Model"
+
+
+class RecordingPeers:
+    """A Peers that records what prepare() asks for and builds nothing."""
+
+    def __init__(self, root: Path, model) -> None:
+        self.real, self.calls = Peers(root, model), []
+        self.llama_server = None
+
+    def gguf(self, kind: str) -> Path:
+        return self.real.gguf(kind)
+
+    def __getattr__(self, name: str):
+        if not name.startswith("ensure_"):
+            raise AttributeError(name)
+        return lambda *args: self.calls.append((name, *args))
+
+
+def test_setup_builds_what_the_engines_need(tmp_path: Path) -> None:
+    args = parse_args(["--model", "llama-3.2-1b", "--engines",
+                       "sgl,sgl-gguf-q4_k_m,llama-server-q4_k_m,llama-server-bf16"])
+    peers = RecordingPeers(tmp_path, args.model)
+    assert prepare(args, peers) == {}
+    assert peers.calls == [("ensure_hf_folder",), ("ensure_llama_server",),
+                           ("ensure_gguf", "q4_k_m"), ("ensure_gguf", "bf16")]
+    # smollm2's own Q4_1 file needs no llama.cpp for sgl; vLLM only when asked for
+    args = parse_args(["--engines", "sgl-gguf-q4_1,vllm"])
+    peers = RecordingPeers(tmp_path, args.model)
+    prepare(args, peers)
+    assert peers.calls == [("ensure_hf_folder",), ("ensure_vllm",), ("ensure_gguf", "q4_1")]
+
+
+def test_smollm2_files_of_the_old_layout_are_adopted(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    (models / "smollm2-hf").mkdir(parents=True)
+    (models / "smollm2-hf" / "config.json").write_text("{}")
+    (models / "smollm2-q8_0.gguf").write_bytes(b"GGUF")
+    (models / "smollm2-q4_1.gguf").symlink_to(tmp_path / "elsewhere.gguf")
+    peers = Peers(tmp_path, parse_args([]).model)
+    assert peers.ensure_hf_folder() == models / "smollm2" / "hf"
+    assert (models / "smollm2" / "hf" / "config.json").exists()
+    assert peers.ensure_gguf("q8_0").read_bytes() == b"GGUF"
+    assert not (models / "smollm2-hf").exists()
+
+
+@pytest.mark.parametrize("name", list(LADDER))
+def test_ladder_shapes_have_the_published_parameter_counts(name: str) -> None:
+    """Non-embedding parameters (a rung's vocabulary is SmolLM2's 49152, not the source's)
+    within 2% of the published model's, computed on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rung = LADDER[name]
+    config = ladder_config(name, vocab_size=49152, bos_token_id=1, eos_token_id=2)
+    assert type(config).__name__ == rung.config_class
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert type(model).__name__ == rung.architecture
+    ours = sum(p.numel() for n, p in model.named_parameters()
+               if "embed_tokens" not in n and "lm_head" not in n)
+    embeddings = rung.published_vocab * config.hidden_size * (
+        1 if config.tie_word_embeddings else 2)
+    assert ours == pytest.approx(rung.published_params - embeddings, rel=0.02)
+
+
+TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 96, "num_experts": 4, "num_experts_per_tok": 2}
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "llama-3.1-8b", "qwen2-moe-a2.7b"])
+def test_sharded_folder_loads_back_in_transformers(name: str, tmp_path: Path,
+                                                   monkeypatch) -> None:
+    """A tiny model of the rung's family, written in several shards: transformers loads it
+    with no key missing or unexpected, and saves back the very tensors."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setattr(hf_folder, "SHARD_BYTES", 20_000)
+    shape = {k: v for k, v in TINY.items()
+             if "expert" not in k or LADDER[name].config_class == "Qwen2MoeConfig"}
+    folder = hf_folder.folder_from_ladder(name, tmp_path / "hf", **shape)
+    assert not (tmp_path / "hf.partial").exists()
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(folder.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and set(index["weight_map"].values()) == {p.name for p in shards}
+    written = {k: v for p in shards for k, v in load_file(p).items()}
+    assert written.keys() == index["weight_map"].keys()
+    assert all(t.dtype == torch.bfloat16 for t in written.values())
+    raw = json.loads((folder / "config.json").read_text())
+    assert raw["architectures"] == [LADDER[name].architecture]
+    assert raw["torch_dtype"] == "bfloat16" and raw["rope_theta"] == LADDER[name].shape[
+        "rope_theta"]
+    assert AutoConfig.from_pretrained(folder).vocab_size == 49152
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    model.save_pretrained(tmp_path / "again")
+    again = {k: v for p in (tmp_path / "again").glob("*.safetensors")
+             for k, v in load_file(p).items()}
+    assert again.keys() == written.keys()
+    assert all(torch.equal(again[k], written[k]) for k in written)
+    assert (folder / "generation_config.json").exists()
+    # SmolLM's pre-tokenizer (llama.cpp's converter knows the tokenizer by it): digits one by one
+    assert AutoTokenizer.from_pretrained(folder).tokenize(" 2024") == ["Ġ", "2", "0", "2", "4"]
+
+
+def test_ladder_folder_is_served_by_sgl(tmp_path: Path) -> None:
+    """The MoE rung's checkpoint layout (experts one by one, a shared expert) in sgl.Engine."""
+    import sgl
+
+    folder = hf_folder.folder_from_ladder("qwen2-moe-a2.7b", tmp_path / "hf", **TINY)
+    engine = sgl.Engine(model_path=str(folder), dtype="float32", max_total_tokens=512,
+                        context_length=128, log_level="warning")
+    try:
+        out = engine.generate("Hello", {"max_new_tokens": 4, "temperature": 0})
+    finally:
+        engine.shutdown()
+    assert out["meta_info"]["completion_tokens"] == 4
+    shape = resolve_model("qwen2-moe-a2.7b").describe(folder)["shape"]
+    assert shape.startswith("Qwen2MoeForCausalLM, hidden 64, 2 layers, 4 heads (2 KV), 4 experts "
+                            "of 32 (2 per token), shared expert 96, vocabulary 49152 (untied")
 
 
 @pytest.mark.slow
@@ -162,14 +354,14 @@ def test_model_folder_loads_in_transformers(tmp_path: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from compare.peers import Peers
     from sgl.model_loader import iter_weights
 
-    peers = Peers(tmp_path)
+    peers = Peers(tmp_path, parse_args([]).model)
     folder = peers.ensure_hf_folder()
-    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    index = folder / "model.safetensors.index.json"
+    stamp = index.stat().st_mtime_ns
     assert peers.ensure_hf_folder() == folder
-    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    assert index.stat().st_mtime_ns == stamp
     assert AutoConfig.from_pretrained(folder).architectures == ["LlamaForCausalLM"]
     model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
