@@ -99,34 +99,17 @@ def write_folder(folder: Path, config: PretrainedConfig, tokenizer: PreTrainedTo
     return folder
 
 
-def gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
-    """sgl's tokenizer of a GGUF file, with SmolLM's pre-tokenizer (digits one by one, then
-    GPT-2's byte-level split) put back where the file names it (``tokenizer.ggml.pre`` is
-    ``smollm``): ``transformers``' GGUF conversion leaves it out, and llama.cpp's converter
-    recognises a BPE tokenizer by how it pre-tokenizes (else it refuses to convert)."""
-    from tokenizers import pre_tokenizers
-
-    from sgl.model_loader import load_tokenizer
-    from sgl.model_loader.gguf_config import GGUFMetadata, read_gguf
-
-    tokenizer = load_tokenizer(gguf)
-    if GGUFMetadata(read_gguf(gguf)).get("tokenizer.ggml.pre") == "smollm":
-        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
-    return tokenizer
-
-
 def folder_from_gguf(gguf: Path, folder: Path) -> Path:
     """A GGUF file as a bfloat16 Hugging Face folder, written by sgl's GGUF reader, with the
-    tokenizer (:func:`gguf_tokenizer`) and chat template from the GGUF."""
+    tokenizer (sgl's, which splits texts as llama.cpp does, so that llama.cpp's converter
+    recognises it) and chat template from the GGUF."""
     import torch
 
-    from sgl.model_loader import iter_weights, load_hf_config
+    from sgl.model_loader import iter_weights, load_hf_config, load_tokenizer
 
     logger.info("writing %s as a Hugging Face folder: %s", gguf, folder)
     config = load_hf_config(gguf)
-    return write_folder(folder, config, gguf_tokenizer(gguf),
+    return write_folder(folder, config, load_tokenizer(gguf),
                         lambda: iter_weights(gguf, torch.bfloat16))
 
 
@@ -134,12 +117,12 @@ def folder_from_ladder(name: str, folder: Path, **overrides: Any) -> Path:
     """Ladder rung ``name`` as a folder of random bfloat16 weights with the bundled model's
     tokenizer; ``overrides`` (config fields) shrink it in tests."""
     from compare.ladder import ladder_config, random_tensors
-    from sgl.model_loader import bundled_model_path, load_hf_config
+    from sgl.model_loader import bundled_model_path, load_hf_config, load_tokenizer
 
     logger.info("writing random weights of %s's shape: %s", name, folder)
     bundled = bundled_model_path()
     base = load_hf_config(bundled)
     config = ladder_config(name, vocab_size=base.vocab_size, bos_token_id=base.bos_token_id,
                            eos_token_id=base.eos_token_id, **overrides)
-    return write_folder(folder, config, gguf_tokenizer(bundled),
+    return write_folder(folder, config, load_tokenizer(bundled),
                         lambda: random_tensors(config))

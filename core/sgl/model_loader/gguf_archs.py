@@ -78,6 +78,10 @@ class GGUFArch:
     #: architecture gets (:meth:`complete`):
     #: ``complete_config(meta, config)`` sets them on ``config``
     complete_config: Callable[[GGUFMetadata, PretrainedConfig], None] | None = None
+    #: pre-tokenizers of this architecture's files that transformers does not rebuild:
+    #: ``tokenizer.ggml.pre`` -> the regexes llama.cpp splits a text with, in order, before
+    #: the byte-level encoding (:func:`sgl.model_loader.tokenizer.load_tokenizer` applies them)
+    pre_tokenizer_splits: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def complete(self, meta: GGUFMetadata, config: PretrainedConfig) -> None:
         """Add to ``config`` (transformers' reading of the file) what the metadata says and

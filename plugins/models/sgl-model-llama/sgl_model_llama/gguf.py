@@ -25,4 +25,10 @@ def _complete(meta: GGUFMetadata, config: PretrainedConfig) -> None:
         config.sliding_window = int(window) if window else None
 
 
-LLAMA = GGUFArch("llama", DECODER_LAYER_NAMES, permuted_qk=True, complete_config=_complete)
+#: GPT-2's split, the second of llama.cpp's ``smollm`` regexes
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+#: SmolLM's tokenizer splits every digit off before GPT-2's split (``tokenizer.ggml.pre``
+#: ``smollm``), which transformers' GGUF reading leaves out
+LLAMA = GGUFArch("llama", DECODER_LAYER_NAMES, permuted_qk=True, complete_config=_complete,
+                 pre_tokenizer_splits={"smollm": (r"\p{N}", _GPT2_SPLIT)})
