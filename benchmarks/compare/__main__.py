@@ -125,6 +125,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the Markdown file whose compare section is rewritten")
     p.add_argument("--img-dir", type=Path, default=ROOT / "docs" / "img")
     p.add_argument("--no-docs", action="store_true", help="write the results file only")
+    p.add_argument("--no-roofline", action="store_true",
+                   help="skip measuring this machine's matmul peaks and memory bandwidth "
+                        "(benchmarks/roofline.py, about a minute); the tables then have no "
+                        "roofline columns")
     p.add_argument("--setup-only", action="store_true",
                    help="install the peers and write the model files, then stop")
     p.add_argument("--from-results", type=Path,
@@ -254,6 +258,26 @@ def server_spec(name: str, args: argparse.Namespace, peers: Peers, port: int) ->
     return spec
 
 
+def weight_bytes(engine: str, peers: Peers) -> int:
+    """Bytes of the weights ``engine`` reads: its GGUF file, else the Hugging Face folder's
+    safetensors."""
+    kind = gguf_kind(engine)
+    if kind:
+        return peers.gguf(kind).stat().st_size
+    return sum(f.stat().st_size for f in peers.hf_folder.glob("*.safetensors"))
+
+
+def kv_bytes_per_token(hf_folder: Path) -> int:
+    """Bytes of K and V one token keeps, every layer, in 16-bit KV caches (every engine's)."""
+    from roofline import kv_bytes_per_token as per_token
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return per_token(config["num_hidden_layers"], config.get("num_key_value_heads", heads),
+                     head_dim, 2)
+
+
 def run_engine(name: str, args: argparse.Namespace, peers: Peers, workloads: list[Workload],
                tokenizer: Any, run_dir: Path, doc: dict[str, Any]) -> None:
     from sgl_bench.serving import resolve_model
@@ -276,7 +300,8 @@ def run_engine(name: str, args: argparse.Namespace, peers: Peers, workloads: lis
     port = free_port()
     spec = server_spec(name, args, peers, port)
     entry = {"name": name, "label": spec.label, "settings": spec.settings, "error": None,
-             "probe_ms": probe}
+             "probe_ms": probe, "weight_bytes": weight_bytes(name, peers),
+             "compute": "int8" if gguf_kind(name) not in (None, "bf16") else "bfloat16"}
     doc["engines"].append(entry)
     logger.info("starting %s: %s", name, shlex.join(spec.command))
     started = time.perf_counter()
@@ -357,9 +382,16 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_summary(), "concurrencies": args.concurrencies,
         "repeats": args.repeats,
         "baseline": "vllm" if "vllm" in args.engines else None,
-        "workloads": [{"name": w.name, "label": w.label, "description": w.describe()}
-                      for w in workloads],
+        "workloads": [{"name": w.name, "label": w.label, "description": w.describe(),
+                       "prompt_len": w.system_prompt_len + w.input_len,
+                       "output_len": w.output_len} for w in workloads],
         "engines": [], "cells": []}
+    doc["model"]["kv_bytes_per_token"] = kv_bytes_per_token(peers.hf_folder)
+    if not args.no_roofline:
+        import roofline
+
+        logger.info("measuring this machine's roofline (benchmarks/roofline.py)")
+        doc["roofline"] = roofline.measure().to_dict()
     for name in args.engines:
         if name in errors:
             doc["engines"].append({"name": name, "label": name, "settings": "",

@@ -3,11 +3,13 @@
 The results document (schema ``sgl-compare/1``)::
 
     {"schema", "date", "command",
-     "model": {"name", "label", "origin", "source", "description", "shape", "parameters"},
+     "model": {"name", "label", "origin", "source", "description", "shape", "parameters",
+               "kv_bytes_per_token"},
+     "roofline": {benchmarks/roofline.py's Roofline},
      "machine": {...}, "concurrencies": [1, 8, 32],
      "repeats": 3, "baseline": "vllm",
-     "workloads": [{"name", "label", "description"}],
-     "engines": [{"name", "label", "settings", "error"}],
+     "workloads": [{"name", "label", "description", "prompt_len", "output_len"}],
+     "engines": [{"name", "label", "settings", "error", "weight_bytes", "compute"}],
      "cells": [{"engine", "workload", "concurrency", "metrics": {sgl bench metrics},
                 "runs": [{"output_throughput", "ttft_mean_ms"}, ...]}]}
 
@@ -109,6 +111,43 @@ def _ratio(value: Any, base: Any) -> str:
     return f"{value / base:.2f}x"
 
 
+def decode_rate(doc: dict[str, Any], engine: dict[str, Any], workload: dict[str, Any],
+                concurrency: int, m: dict[str, Any]) -> tuple[float, float] | None:
+    """GB/s a cell's decode steps read (every weight once a step, and each of ``concurrency``
+    sequences' KV cache at its mean length) and that as a fraction of the machine's bandwidth;
+    None without a roofline or the facts it needs."""
+    roof, tpot = doc.get("roofline"), m["tpot_ms"]["mean"]
+    kv, weights = model_of(doc).get("kv_bytes_per_token"), engine.get("weight_bytes")
+    if not roof or not tpot or kv is None or weights is None or "prompt_len" not in workload:
+        return None
+    length = workload["prompt_len"] + workload["output_len"] / 2
+    rate = (weights + concurrency * length * kv) * (1000.0 / tpot) / 1e9
+    return rate, rate / roof["bandwidth_gbs"]
+
+
+def prefill_rate(doc: dict[str, Any], engine: dict[str, Any], workload: dict[str, Any],
+                 m: dict[str, Any]) -> tuple[float, float] | None:
+    """GFLOP/s of a prefill (2 per parameter and prompt token over the mean TTFT, so only at
+    concurrency 1, where nothing waits) and that as a fraction of the machine's matmul peak in
+    the engine's compute type (bfloat16; int8 for quantized GGUF files)."""
+    roof, ttft = doc.get("roofline"), m["ttft_ms"]["mean"]
+    params = model_of(doc).get("parameters")
+    if not roof or not ttft or not params or "prompt_len" not in workload:
+        return None
+    rate = 2.0 * params * workload["prompt_len"] / (ttft / 1000.0) / 1e9
+    peak = roof["peak_gflops"].get(engine.get("compute", "bfloat16"))
+    return rate, rate / peak if peak else float("nan")
+
+
+def _roofline_columns(doc: dict[str, Any], engine: dict[str, Any], workload: dict[str, Any],
+                      concurrency: int, m: dict[str, Any]) -> str:
+    decode = decode_rate(doc, engine, workload, concurrency, m)
+    prefill = prefill_rate(doc, engine, workload, m) if concurrency == 1 else None
+    text = [f"{decode[0]:.1f} ({decode[1]:.0%})" if decode else "-",
+            f"{prefill[0]:.0f} ({prefill[1]:.0%})" if prefill else "-"]
+    return " | ".join(text) + " |"
+
+
 def targets(doc: dict[str, Any]) -> list[tuple[str, float | None, float | None, bool | None]]:
     """The issue's two targets against the baseline, per workload: (what, sgl, baseline, met).
     Output throughput at the highest concurrency is met when sgl >= baseline; TTFT at the lowest
@@ -166,12 +205,26 @@ def markdown(doc: dict[str, Any], chart_paths: dict[str, str]) -> str:
     for w in doc["workloads"]:
         lines.append(f"- {w['label']}: {w['description']}.")
     lines.append("")
+    roof = doc.get("roofline")
+    if roof:
+        peaks = ", ".join(f"{name} {rate:,.0f} {'GOP/s' if name == 'int8' else 'GFLOP/s'}"
+                          for name, rate in roof["peak_gflops"].items())
+        lines += [f"Roofline of this machine on {roof['threads']} thread(s) "
+                  f"(`benchmarks/roofline.py`, measured at the start of the run): memory "
+                  f"{roof['bandwidth_gbs']:.1f} GB/s; matmul peaks {peaks}. *Decode GB/s*: "
+                  "the weights (the file the engine serves) plus every sequence's KV cache at "
+                  "its mean length, read once per decode step (1000 / TPOT steps a second), "
+                  "and in brackets the fraction of the bandwidth. *Prefill GFLOP/s* (at "
+                  "concurrency 1): 2 FLOPs per parameter and prompt token over the mean TTFT, "
+                  "and in brackets the fraction of the matmul peak of the engine's compute type "
+                  "(bfloat16; int8 for quantized GGUF files).", ""]
     for w in doc["workloads"]:
         vs = f"vs {labels.get(base, base)}" if base else "ratio"
+        extra = " Decode GB/s | Prefill GFLOP/s |" if roof else ""
         lines += [f"#### {w['label']}", "",
                   f"| Engine | Concurrency | Output tok/s | {vs} | TTFT mean (ms) | "
-                  "TTFT p99 (ms) | ITL median (ms) | TPOT mean (ms) | OK / failed |",
-                  "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+                  f"TTFT p99 (ms) | ITL median (ms) | TPOT mean (ms) | OK / failed |{extra}",
+                  "|---|--:|--:|--:|--:|--:|--:|--:|--:|" + ("--:|--:|" if roof else "")]
         for e in doc["engines"]:
             for c in doc["concurrencies"]:
                 m = cell(doc, e["name"], w["name"], c)
@@ -183,7 +236,8 @@ def markdown(doc: dict[str, Any], chart_paths: dict[str, str]) -> str:
                     f"{_ratio(m['output_throughput'], b and b['output_throughput'])} | "
                     f"{number(m['ttft_ms']['mean'])} | {number(m['ttft_ms']['p99'])} | "
                     f"{number(m['itl_ms']['median'])} | {number(m['tpot_ms']['mean'])} | "
-                    f"{m['completed']} / {m['failed']} |")
+                    f"{m['completed']} / {m['failed']} |"
+                    + (f" {_roofline_columns(doc, e, w, c, m)}" if roof else ""))
         lines.append("")
     checks = targets(doc)
     if checks:

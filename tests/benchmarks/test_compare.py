@@ -95,6 +95,35 @@ def test_report_table_ratios_and_targets() -> None:
     json.dumps(doc)  # the results file is plain JSON
 
 
+def test_roofline_columns_are_the_bytes_and_flops_over_the_machine_limits() -> None:
+    doc = recorded_run()
+    assert "Decode GB/s" not in report.markdown(doc, {})  # an older file: no roofline
+    doc["roofline"] = {"threads": 2, "peak_gflops": {"bfloat16": 500.0, "int8": 1000.0},
+                       "peak_by": {}, "bandwidth_gbs": 40.0, "bandwidth_by": "sum", "isa": "x"}
+    doc["model"] = {**report.SMOLLM2, "parameters": 1e9, "kv_bytes_per_token": 32768}
+    doc["workloads"][0].update(prompt_len=128, output_len=128)
+    doc["engines"][0].update(weight_bytes=2e9, compute="bfloat16")
+    sgl = next(e for e in doc["engines"] if e["name"] == "sgl")
+    work = doc["workloads"][0]
+    m = report.cell(doc, "sgl", "random", 32)
+    gbs, part = report.decode_rate(doc, sgl, work, 32, m)
+    steps = 1000.0 / m["tpot_ms"]["mean"]
+    assert gbs == pytest.approx((2e9 + 32 * 192 * 32768) * steps / 1e9)
+    assert part == pytest.approx(gbs / 40.0)
+    first = report.cell(doc, "sgl", "random", 1)
+    gflops, of_peak = report.prefill_rate(doc, sgl, work, first)
+    assert gflops == pytest.approx(2e9 * 128 / (first["ttft_ms"]["mean"] / 1000) / 1e9)
+    assert of_peak == pytest.approx(gflops / 500.0)
+    text = report.markdown(doc, {})
+    assert "memory 40.0 GB/s; matmul peaks bfloat16 500 GFLOP/s, int8 1,000 GOP/s" in text
+    row = next(line for line in text.splitlines() if line.startswith("| sgl | 32 |"))
+    assert row.endswith(f"| {gbs:.1f} ({part:.0%}) | - |")  # prefill only at concurrency 1
+    vllm = next(line for line in text.splitlines() if line.startswith("| vLLM | 1 |"))
+    v_gflops, v_part = report.prefill_rate(doc, doc["engines"][1], work,
+                                           report.cell(doc, "vllm", "random", 1))
+    assert vllm.endswith(f"| - | {v_gflops:.0f} ({v_part:.0%}) |")  # no weight bytes for it
+
+
 def test_report_names_the_model_and_its_shape(tmp_path: Path) -> None:
     old = report.markdown(recorded_run(), {})  # a results file from before --model
     assert "### sgl next to vLLM, llama-server and transformers: SmolLM2-135M-Instruct" in old
