@@ -445,4 +445,3 @@ class Scheduler(SchedulerIO):
         self.extensions.close()
         self.recv_sock.close(linger=0)
         self.send_sock.close(linger=0)
-        self.zmq.term()

@@ -87,9 +87,11 @@ class SchedulerIO:
                 msg.rid, self.sessions.close_session(msg.session_id, self.cache)),
             ShutdownRequest: lambda msg: self.stop(),
         }
-        self.zmq = zmq.Context()
-        # no socket may hold the context open at exit: an output to a server that is gone would
-        # otherwise block its closing for ever (a garbage-collected context closes it too)
+        # the process's shared context, never terminated here: a context of our own that became
+        # garbage with its sockets (a scheduler dropped without close(), in a reference cycle)
+        # would block in its finalizer for ever, in whatever thread the collector ran. Its
+        # sockets close with linger 0: an output to a server that is gone is dropped.
+        self.zmq = zmq.Context.instance()
         self.zmq.setsockopt(zmq.LINGER, 0)
         self.recv_sock = self.zmq.socket(zmq.PULL)
         self.recv_sock.connect(endpoints["requests"])

@@ -179,9 +179,10 @@ class TokenizerManager:
         self.metrics = ServerMetrics()
 
     async def start(self) -> None:
-        self._zmq = zmq.asyncio.Context()
-        # no socket may hold the context open at exit: a message to a scheduler that is gone
-        # would otherwise block its closing (and the interpreter's exit) for ever
+        # the process's shared context, never terminated here: a context of our own that became
+        # garbage with its sockets (a manager dropped without stop(), in a reference cycle)
+        # would block in its finalizer for ever, in whatever thread the collector ran
+        self._zmq = zmq.asyncio.Context.instance()
         self._zmq.setsockopt(zmq.LINGER, 0)
         self.replicas.bind(self._zmq)
         self._recv = self._zmq.socket(zmq.PULL)
@@ -204,7 +205,6 @@ class TokenizerManager:
                     pass
             self.replicas.close()
             self._recv.close(linger=0)
-            self._zmq.term()
             self._zmq = None
         for thread in self._tokenizer_threads.values():
             thread.shutdown(wait=False, cancel_futures=True)

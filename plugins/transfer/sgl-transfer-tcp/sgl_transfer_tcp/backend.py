@@ -75,8 +75,9 @@ class TcpKVTransfer(BaseKVTransfer):
     def __init__(self, buffers: KVBuffers, *, role: Role, host: str) -> None:
         super().__init__(buffers, role=role, host=host)
         self._rows = [_byte_rows(t) for t in buffers.tensors]
-        self._ctx: zmq.Context[Any] = zmq.Context()
-        self._ctx.setsockopt(zmq.LINGER, 0)  # closing never waits for a peer that is gone
+        # the process's shared context, never terminated here (a context of our own dropped
+        # with open sockets would block its finalizer for ever); each socket closes itself
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._seq = itertools.count(1)
         self._lock = threading.Lock()  # the prefill side's sockets
         self._peers: dict[str, zmq.Socket[Any]] = {}
@@ -284,4 +285,3 @@ class TcpKVTransfer(BaseKVTransfer):
         with self._lock:
             for endpoint in list(self._peers):
                 self._drop(endpoint)
-        self._ctx.term()
