@@ -48,8 +48,8 @@ class GroupedCommand(click.Command):
         try:
             return super().parse_args(ctx, args)
         except click.NoSuchOption as exc:
-            exc.message += (" A plugin's options exist only while it loads: `sgl plugins` "
-                            "lists the loaded ones and says why one is unavailable.")
+            exc.message += (" If it is a plugin's option, that plugin is not loaded: `sgl "
+                            "plugins` lists the loaded ones and says why one is unavailable.")
             raise
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:

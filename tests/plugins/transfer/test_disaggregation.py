@@ -653,7 +653,8 @@ def _kill_tree(pid: int) -> None:
      "'disaggregation_timeout': expected at least 0.1"),
     (["--load-balance-method", "cache_aware"], "it needs --dp-size above 1"),
     (["--disable-plugin", "disaggregation", "--disaggregation-mode", "prefill"],
-     "No such option '--disaggregation-mode'. A plugin's options exist only while it loads"),
+     "No such option '--disaggregation-mode'. If it is a plugin's option, that plugin is not "
+     "loaded"),
 ])
 def test_bad_disaggregation_flags_are_named(args: list[str], says: str) -> None:
     result = run_cli(["serve", "--port", str(free_port()), *args], timeout=60)
