@@ -80,11 +80,14 @@ class ServerSettings:
         "auto", "How the weights are held. auto: a GGUF file's Q4_0, Q4_1 and Q8_0 blocks as "
         "they are (multiplied by sgl's quantized kernels; other GGUF types dequantized, with a "
         "log line), a checkpoint in a weight format a plugin registers (the choices after "
-        "int4) as its blocks too, any other Hugging Face checkpoint dense. none: everything dequantized to --dtype. int8 / int4: a dense Hugging Face "
-        "checkpoint's linear weights rounded to 8-/4-bit blocks of 32 at load (weight-only; the "
-        "embedding and LM head to 8 bits). gguf, or a weight format's name: as auto, but only "
-        "for that kind of checkpoint.",
-        registry="weight_formats", keywords=("auto", "none", "gguf", "int8", "int4"))
+        "w8a8_int8) as its blocks too, any other Hugging Face checkpoint dense. none: everything "
+        "dequantized to --dtype. int8 / int4: a dense Hugging Face checkpoint's linear weights "
+        "rounded to 8-/4-bit blocks of 32 at load (weight-only; the embedding and LM head to 8 "
+        "bits). w8a8_int8: SGLang's scheme, the linear weights rounded to int8 per output "
+        "channel at load and each matmul's activations to int8 per token, multiplied as "
+        "integers (AMX / VNNI; the embedding and LM head stay --dtype). gguf, or a weight "
+        "format's name: as auto, but only for that kind of checkpoint.",
+        registry="weight_formats", keywords=("auto", "none", "gguf", "int8", "int4", "w8a8_int8"))
     int8_activations: Literal["auto", "on", "off"] = _opt(
         "off", "Round the activations to int8 per block of 32 before each 4-bit quantized "
         "matmul of a decode step and multiply integers, as llama.cpp does with every matmul. "

@@ -515,3 +515,159 @@ def test_hf_checkpoint_rounded_at_load_matches_transformers_on_the_rounded_weigh
     got = served.logits_at(served.forward(batch), torch.arange(12))
     release_sequence(served, row, 12)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+# -- --quantization w8a8_int8: int8 weights per channel, int8 activations per token -----------
+
+def _channel_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """What a w8 layer holding the dense ``w`` must give: ``w`` rounded per channel, ``x`` per
+    row, the integers multiplied (the reference operator)."""
+    q, scales = quant.quantize("w8", w)
+    return ops.linear_w8a8(x, ops.pack_int8_weight(q), scales.view(-1), bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_int8_rounds_linear_weights_per_channel_at_load(dtype: torch.dtype) -> None:
+    with deferred_weights("w8a8_int8"):
+        layer = RowParallelLinear(96, 40, bias=True, dtype=dtype)
+        odd = RowParallelLinear(40, 8, dtype=dtype)  # any width: a scale per channel
+        fused = MergedColumnParallelLinear(64, [32, 24], dtype=dtype)
+    w, b = weights(40, 96, 6), torch.randn(40)
+    layer.weight.weight_loader(layer.weight, w)
+    layer.bias.weight_loader(layer.bias, b.to(dtype))
+    odd.weight.weight_loader(odd.weight, weights(8, 40, 7))
+    gate, up = weights(32, 64, 8), weights(24, 64, 9)
+    fused.weight.weight_loader(fused.weight, gate, 0)
+    fused.weight.weight_loader(fused.weight, up, 1)
+    assert layer.weight_layout == odd.weight_layout == fused.weight_layout == "w8"
+    assert layer.weight.dtype == torch.int8  # the integers until loading is done
+    for module in (layer, odd, fused):
+        module.process_weights_after_loading()
+        module.process_weights_after_loading()  # once packed, left alone
+    assert layer.weight.dtype == torch.uint8 and layer.weight_scales.shape == (40,)
+    x = inputs(5, 96, dtype)
+    assert torch.equal(layer(x), _channel_product(x, w, b.to(dtype).float()))
+    x = inputs(3, 40, dtype)
+    assert torch.equal(odd(x), _channel_product(x, weights(8, 40, 7)))
+    x = inputs(4, 64, dtype)  # each shard's rows rounded on their own: as the whole weight's
+    assert torch.equal(fused(x), _channel_product(x, torch.cat([gate, up])))
+    # and within the rounding's bound of the exact product: each weight moves by at most half
+    # a step of its channel, each value of x by half a step of its row, plus the output's own
+    # rounding to the dtype
+    w = torch.cat([gate, up]).double()
+    exact = x.double() @ w.t()
+    sw = w.abs().amax(-1) / 127
+    sx = x.double().abs().amax(-1, keepdim=True) / 127
+    bound = sw / 2 * x.double().abs().sum(-1, keepdim=True) + sx / 2 * w.abs().sum(-1)
+    bound = bound + exact.abs() * (2 ** -8 if dtype == torch.bfloat16 else 1e-6)
+    assert ((fused(x).double() - exact).abs() <= bound * 1.01).all()
+
+
+def test_w8a8_int8_keeps_the_embedding_and_head_dense_and_refuses_gguf(tmp_path: Any) -> None:
+    from sgl.model_loader import bundled_model_path
+    from transformers import LlamaConfig
+
+    with deferred_weights("w8a8_int8"):
+        embedding = VocabParallelEmbedding(64, 32)
+        head = ParallelLMHead(64, 32)
+    load(embedding, weights(64, 32, 1))
+    load(head, weights(64, 32, 2))
+    assert embedding.weight_layout is None and head.weight_layout is None
+    config = LlamaConfig()
+    assert resolve_quantization("w8a8_int8", tmp_path, config) == "w8a8_int8"
+    with pytest.raises(ValueError, match="--quantization w8a8_int8 rounds a Hugging Face"):
+        resolve_quantization("w8a8_int8", bundled_model_path(), config)
+    config.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    with pytest.raises(ValueError, match="--quantization w8a8_int8 rounds a dense"):
+        resolve_quantization("w8a8_int8", tmp_path, config)
+
+
+@pytest.fixture(scope="module")
+def w8a8_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, ModelRunner]:
+    """A tiny random Llama (safetensors) and sgl serving it with ``--quantization w8a8_int8``
+    in bfloat16, the default dtype where sgl's kernels have bfloat16 instructions."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=False)
+    reference = LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("w8a8")
+    reference.save_pretrained(path)
+    pm = create_plugin_manager()
+    served = ModelRunner(model_path=str(path), quantization="w8a8_int8", dtype="bfloat16",
+                         registries=pm.registries, plugin_manager=pm, max_total_tokens=1024,
+                         max_running_requests=4, show_progress=False)
+    return reference, served
+
+
+def _last_logits(runner: ModelRunner, seqs: list[BatchSeq]) -> torch.Tensor:
+    batch = make_forward_batch(runner, ForwardMode.EXTEND, seqs)
+    last = torch.cumsum(batch.extend_seq_lens, dim=0) - 1
+    return runner.logits_at(runner.forward(batch), last)
+
+
+def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy tokens of ``prompts`` run together: one prefill, then decode steps."""
+    rows = [runner.req_to_token_pool.alloc() for _ in prompts]
+    lengths = [len(p) for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    logits = _last_logits(runner, [BatchSeq(r, 0, p) for r, p in zip(rows, prompts)])
+    for _ in range(steps):
+        for i, token in enumerate(logits.argmax(-1).tolist()):
+            out[i].append(token)
+        seqs = [BatchSeq(r, n, [o[-1]]) for r, n, o in zip(rows, lengths, out)]
+        lengths = [n + 1 for n in lengths]
+        with decode_step():
+            batch = make_forward_batch(runner, ForwardMode.DECODE, seqs)
+            logits = runner.logits_at(runner.forward(batch), torch.arange(len(prompts)))
+    for r, n in zip(rows, lengths):
+        release_sequence(runner, r, n)
+    return out
+
+
+def test_w8a8_int8_model_is_close_to_transformers(w8a8_llama: tuple[Any, ModelRunner]) -> None:
+    """Every linear layer is w8, the embedding and LM head dense; the logits stay within the
+    rounding of weights and activations of transformers' float32 logits on the original
+    weights (a bound measured with margin, not a hard-coded output)."""
+    reference, served = w8a8_llama
+    layer = served.model.model.layers[0]
+    assert served.quantization == "w8a8_int8"
+    assert {layer.self_attn.qkv_proj.weight_layout, layer.self_attn.o_proj.weight_layout,
+            layer.mlp.gate_up_proj.weight_layout, layer.mlp.down_proj.weight_layout} == {"w8"}
+    assert served.model.get_input_embeddings().weight_layout is None
+    assert served.model.lm_head.weight_layout is None
+    prompt = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = reference(prompt).logits[0]
+    row = served.req_to_token_pool.alloc()
+    batch = make_forward_batch(served, ForwardMode.EXTEND, [BatchSeq(row, 0, prompt[0].tolist())])
+    got = served.logits_at(served.forward(batch), torch.arange(24))
+    release_sequence(served, row, 24)
+    error = (got - want).abs()
+    assert error.max() < 0.1 * want.abs().max() and error.mean() < 0.02 * want.abs().mean() + 0.01
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+
+
+def test_w8a8_int8_tokens_do_not_depend_on_the_batch_or_the_cache(
+        w8a8_llama: tuple[Any, ModelRunner]) -> None:
+    """Each row of x is rounded on its own and the integers are summed exactly: a prompt's
+    greedy tokens are the same alone, in a batch with others, and its logits after a prefix of
+    it was computed in an earlier pass (a cache hit) are the same bits."""
+    _, served = w8a8_llama
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (19, 7, 33)]
+    with torch.inference_mode():
+        alone = [_greedy(served, [p], 6)[0] for p in prompts]
+        assert _greedy(served, prompts, 6) == alone
+        assert _greedy(served, prompts[::-1], 6) == alone[::-1]
+        row = served.req_to_token_pool.alloc()
+        cold = _last_logits(served, [BatchSeq(row, 0, prompts[2])])
+        release_sequence(served, row, len(prompts[2]))
+        row = served.req_to_token_pool.alloc()
+        _last_logits(served, [BatchSeq(row, 0, prompts[2][:20])])
+        hit = _last_logits(served, [BatchSeq(row, 20, prompts[2][20:])])
+        release_sequence(served, row, len(prompts[2]))
+    assert torch.equal(hit, cold)

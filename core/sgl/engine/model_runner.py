@@ -35,7 +35,12 @@ from sgl.model_loader import (
     open_weights,
     resolve_model_path,
 )
-from sgl.model_loader.formats import CORE_CHOICES, installed_weight_formats, weight_formats_of
+from sgl.model_loader.formats import (
+    CORE_CHOICES,
+    ROUNDING_CHOICES,
+    installed_weight_formats,
+    weight_formats_of,
+)
 from sgl.parallel.base import GroupFailure
 
 if TYPE_CHECKING:
@@ -96,7 +101,7 @@ def auto_cpu_dtype() -> tuple[torch.dtype, str]:
 def resolve_quantization(name: str, path: Path, config: PretrainedConfig,
                          formats: Mapping[str, type[WeightFormat]] | None = None) -> str:
     """The quantization mode of ``--quantization name`` for the model at ``path``: ``none``,
-    ``gguf``, ``int8``/``int4`` (:data:`~sgl.model_loader.formats.CORE_CHOICES`), or the name
+    ``gguf``, ``int8``/``int4``/``w8a8_int8`` (:data:`~sgl.model_loader.formats.CORE_CHOICES`), or the name
     of a checkpoint weight format of ``formats`` (the plugins'; default the installed ones);
     ValueError naming what fits when it does not apply."""
     formats = installed_weight_formats() if formats is None else formats
@@ -109,7 +114,7 @@ def resolve_quantization(name: str, path: Path, config: PretrainedConfig,
 
     gguf = is_gguf(path)
     if gguf:
-        if name in ("int8", "int4"):
+        if name in ROUNDING_CHOICES:
             raise ValueError(f"--quantization {name} rounds a Hugging Face checkpoint's weights; "
                              f"{path.name} is a GGUF file, served with its own blocks (auto) or "
                              "dequantized (none)")
@@ -124,7 +129,7 @@ def resolve_quantization(name: str, path: Path, config: PretrainedConfig,
     method = str(quant.get("quant_method") or "").lower()
     if method in formats:
         formats[method].check(quant, path.name)
-        if name in ("int8", "int4"):
+        if name in ROUNDING_CHOICES:
             raise ValueError(f"--quantization {name} rounds a dense checkpoint's weights; "
                              f"{path.name} is already quantized ({method}): serve it as it is "
                              "(auto) or dequantized (none)")

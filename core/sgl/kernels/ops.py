@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from sgl.kernels import quant
 
 __all__ = ["NAMESPACE", "REFERENCES", "SCHEMAS", "pack_bf16_weight", "pack_f32_weight",
-           "unpack_bf16_weight", "unpack_f32_weight"]
+           "pack_int8_weight", "round_x_rows", "unpack_bf16_weight", "unpack_f32_weight",
+           "unpack_int8_weight"]
 
 NAMESPACE = "sgl"
 
@@ -40,6 +41,7 @@ SCHEMAS = {
                  "bool round_x=False) -> Tensor",
     "linear_q8": "linear_q8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, "
                  "bool round_x=False) -> Tensor",
+    "linear_w8a8": "linear_w8a8(Tensor x, Tensor packed, Tensor scales, Tensor? bias) -> Tensor",
     "rmsnorm": "rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor",
     "add_rmsnorm": "add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) "
                    "-> (Tensor, Tensor)",
@@ -160,6 +162,64 @@ def linear_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
               bias: torch.Tensor | None, round_x: bool = False) -> torch.Tensor:
     """:func:`linear_q4` for the 8-bit layout (``qweight`` int8 ``[N, K/32, 32]``)."""
     return _linear_quantized("q8", x, qweight, scales, bias, round_x)
+
+
+#: channels per group and values per step of :func:`pack_int8_weight`'s layout, and the step K
+#: is padded to
+INT8_GROUP, INT8_STEP, INT8_K_ALIGN = 16, 4, 64
+
+
+def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The packed copy of an int8 ``weight [N, K]`` that :func:`linear_w8a8` takes: uint8
+    ``[Np/16, Kp/4, 64]`` holding ``w + 128``, for each group of 16 output channels and each 4
+    values along K the 4 values of each channel side by side (the B operand of AMX's int8 tiles
+    and of ``vpdpbusd``); N padded to a multiple of 16 and K to one of 64 with ``w = 0``."""
+    if weight.dtype != torch.int8 or weight.dim() != 2:
+        raise ValueError(f"pack_int8_weight takes an int8 [N, K] weight, got {weight.dtype} "
+                         f"{list(weight.shape)}")
+    n, k = weight.shape
+    np_ = -(-n // INT8_GROUP) * INT8_GROUP
+    kp = -(-k // INT8_K_ALIGN) * INT8_K_ALIGN
+    padded = torch.zeros((np_, kp), dtype=torch.int16, device=weight.device)
+    padded[:n, :k] = weight
+    stored = (padded + 128).to(torch.uint8)  # [Np, Kp]
+    return stored.view(np_ // INT8_GROUP, INT8_GROUP, kp // INT8_STEP, INT8_STEP) \
+        .permute(0, 2, 1, 3).reshape(np_ // INT8_GROUP, kp // INT8_STEP,
+                                     INT8_GROUP * INT8_STEP).contiguous()
+
+
+def unpack_int8_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The int8 ``weight [n, k]`` of :func:`pack_int8_weight`'s ``packed``."""
+    groups, steps, _ = packed.shape
+    stored = packed.view(groups, steps, INT8_GROUP, INT8_STEP).permute(0, 2, 1, 3) \
+        .reshape(groups * INT8_GROUP, steps * INT8_STEP)
+    return (stored[:n, :k].to(torch.int16) - 128).to(torch.int8)
+
+
+def round_x_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of float ``x [M, K]`` rounded to int8 as :func:`linear_w8a8` rounds it:
+    ``(q int32 [M, K], sx [M])`` with ``sx = max|x| / 127`` and ``q = nearest-even(x * (127 /
+    max|x|))`` in float32, clamped to +-127 (zeros for an all-zero row)."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int32)
+    return q, amax / 127.0
+
+
+def linear_w8a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T + bias`` in SGLang's ``w8a8_int8`` scheme: ``W = scales[n] * w[n, k]`` with int8
+    ``w`` (:func:`pack_int8_weight`'s ``packed``) and float32 ``scales [N]``, and each row of
+    float32 or bfloat16 ``x [M, K]`` rounded to int8 first (:func:`round_x_rows`, dynamic
+    per-token). The integer products are summed exactly, then ``y = float32(sum) * sx * scales[n]``
+    (``+ bias[n]``, float32 ``[N]``), rounded once to ``x``'s dtype: a row's result does not
+    depend on the other rows, and a kernel computes exactly these numbers."""
+    q, sx = round_x_rows(x)
+    w = unpack_int8_weight(packed, scales.numel(), x.shape[-1])
+    sums = (q.double() @ w.double().t()).to(torch.int32)  # exact integers
+    y = sums.float() * sx.unsqueeze(-1) * scales.float()
+    return (y if bias is None else y + bias).to(x.dtype)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -336,7 +396,7 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 #: operator name -> its reference implementation
 REFERENCES: dict[str, Callable[..., Any]] = {
     "linear_bf16": linear_bf16, "linear_f32": linear_f32, "linear_q4": linear_q4,
-    "linear_q8": linear_q8, "rmsnorm": rmsnorm,
+    "linear_q8": linear_q8, "linear_w8a8": linear_w8a8, "rmsnorm": rmsnorm,
     "add_rmsnorm": add_rmsnorm, "rmsnorm_heads": rmsnorm_heads, "silu_mul": silu_mul,
     "rotary": rotary, "embedding": embedding, "embedding_q": embedding_q,
     "argmax": argmax,

@@ -16,6 +16,13 @@ offset ``m``, with ``W = d * q + m``:
 blocks together, so rows can be sliced (tensor parallelism), permuted and concatenated (fused
 projections) without touching the blocks.
 
+One layout has a scale per output channel instead of per block, SGLang's ``w8a8_int8`` weights
+(``sgl::linear_w8a8``, which rounds the activations to int8 too):
+
+* **w8**: ``qweight`` int8 ``[N, K]`` (``q`` in -127..127), ``scales`` float32 ``[N, 1]``,
+  ``W = scale * q``. Rows and columns can be sliced as they are; the matmul takes the weight
+  packed (:func:`sgl.kernels.ops.pack_int8_weight`), which a layer does once loaded.
+
 :func:`quantize` makes these from a float weight (round to nearest per block, ``d`` and ``m``
 from the block's range); :func:`dequantize` gives the float32 weight back.
 """
@@ -24,18 +31,31 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK", "FORMATS", "check", "dequantize", "integers", "quantize"]
+__all__ = ["BLOCK", "CHANNEL_LAYOUT", "FORMATS", "LAYOUTS", "check", "dequantize", "integers",
+           "quantize"]
 
 #: values per block along K
 BLOCK = 32
 #: layout -> bytes of ``qweight`` per block
 FORMATS = {"q4": 16, "q8": 32}
+#: the layout with one scale per output channel
+CHANNEL_LAYOUT = "w8"
+#: every layout
+LAYOUTS = (*FORMATS, CHANNEL_LAYOUT)
 
 
 def check(fmt: str, qweight: torch.Tensor, scales: torch.Tensor) -> None:
     """ValueError unless ``qweight`` and ``scales`` are a weight in layout ``fmt``."""
+    if fmt == CHANNEL_LAYOUT:
+        if qweight.dim() != 2 or qweight.dtype != torch.int8:
+            raise ValueError(f"w8 qweight must be int8 [N, K], got {qweight.dtype} "
+                             f"{list(qweight.shape)}")
+        if scales.dtype != torch.float32 or tuple(scales.shape) != (qweight.shape[0], 1):
+            raise ValueError(f"w8 scales must be float32 [N, 1] = [{qweight.shape[0]}, 1], got "
+                             f"{scales.dtype} {list(scales.shape)}")
+        return
     if fmt not in FORMATS:
-        raise ValueError(f"unknown quantized layout {fmt!r} (expected one of {sorted(FORMATS)})")
+        raise ValueError(f"unknown quantized layout {fmt!r} (expected one of {list(LAYOUTS)})")
     dtype = torch.uint8 if fmt == "q4" else torch.int8
     if qweight.dim() != 3 or qweight.shape[2] != FORMATS[fmt] or qweight.dtype != dtype:
         raise ValueError(f"{fmt} qweight must be {dtype} [N, K/32, {FORMATS[fmt]}], got "
@@ -59,8 +79,10 @@ def _values(fmt: str, qweight: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(fmt: str, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The float32 ``W [N, K]`` of a quantized weight (``fmt``: ``"q4"`` or ``"q8"``)."""
+    """The float32 ``W [N, K]`` of a quantized weight (``fmt``: one of :data:`LAYOUTS`)."""
     check(fmt, qweight, scales)
+    if fmt == CHANNEL_LAYOUT:
+        return qweight.float() * scales
     s = scales.float()
     w = _values(fmt, qweight) * s[..., :1] + s[..., 1:]
     return w.reshape(qweight.shape[0], -1)
@@ -70,7 +92,15 @@ def quantize(fmt: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """``(qweight, scales)`` of a float ``weight [N, K]`` (K a multiple of 32), each block
     rounded to nearest over its own range: q4 spans ``[min, max]`` with 16 levels (``m`` the
     minimum), q8 spans ``[-amax, amax]`` symmetrically (``m = 0``), as GGUF's ``Q4_1`` and
-    ``Q8_0`` do."""
+    ``Q8_0`` do. ``w8``: each row symmetrically over its own range, ``scale = max|w| / 127`` in
+    float32 (any K)."""
+    if fmt == CHANNEL_LAYOUT:
+        if weight.dim() != 2:
+            raise ValueError(f"can only quantize a 2-D weight, got {list(weight.shape)}")
+        w = weight.detach().float()
+        scale = w.abs().amax(-1, keepdim=True) / 127
+        q = torch.where(scale > 0, w / scale.clamp_min(1e-30), 0).round().clamp(-127, 127)
+        return q.to(torch.int8).contiguous(), scale.contiguous()
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantized layout {fmt!r} (expected one of {sorted(FORMATS)})")
     if weight.dim() != 2 or weight.shape[1] % BLOCK:

@@ -14,8 +14,7 @@ from sgl.kernels import cpu, ops
 from sgl.kernels.library import PackedWeight
 from sgl.layers.packed_linear import linear, pack_weight
 from sgl.layers.quantized import (
-    EMBEDDING_LAYOUT,
-    QUANTIZE_MODES,
+    embedding_layout,
     init_weight,
     quantized_linear,
     store_weight_rows,
@@ -57,7 +56,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"{tuple(loaded.shape)}"
             )
         rows = self.vocab_end - self.vocab_start
-        quantize_as = EMBEDDING_LAYOUT if self.weight_mode in QUANTIZE_MODES else None
+        quantize_as = embedding_layout(self.weight_mode)
         store_weight_rows(self, 0, loaded.narrow(0, self.vocab_start, rows), "embedding",
                           quantize_as=quantize_as)
         zero_weight_rows(self, rows)

@@ -19,12 +19,13 @@ import torch
 from torch import nn
 
 from sgl.kernels.library import PackedWeight
-from sgl.kernels.quant import BLOCK
+from sgl.kernels.quant import BLOCK, CHANNEL_LAYOUT
 from sgl.layers.packed_linear import linear, pack_weight
 from sgl.layers.quantized import (
     QUANTIZE_MODES,
     QuantizedTensor,
     init_weight,
+    pack_channel_weight,
     quantized_linear,
     store_weight_rows,
 )
@@ -98,6 +99,8 @@ class _ParallelLinear(nn.Module):
         if self.weight_layout is not None:
             self.packed = None
             self.bias32 = None if self.bias is None else self.bias.detach().float()
+            if self.weight_layout == CHANNEL_LAYOUT:
+                pack_channel_weight(self)
         else:
             self.packed = pack_weight(self.weight, self.bias)
 
@@ -228,7 +231,8 @@ class RowParallelLinear(_ParallelLinear):
         _check_full(loaded, self.output_size, self.input_size, "row-parallel linear")
         size = self.input_size_per_partition
         start = self.tp.rank * size
-        if isinstance(loaded, QuantizedTensor) and (start % BLOCK or size % BLOCK):
+        if isinstance(loaded, QuantizedTensor) and loaded.layout != CHANNEL_LAYOUT and (
+                start % BLOCK or size % BLOCK):
             loaded = loaded.dequantize(self.weight_dtype)  # this split cuts through blocks
         part = loaded.narrow(1, start, size) if self.tp.size > 1 else loaded
         self._store(param, 0, part, "row-parallel weight")

@@ -179,8 +179,11 @@ class FusedMoE(nn.Module):
         offset = size if shard_id == "up" else 0
         if self.pending is not None:
             holder = self.pending["down" if shard_id == "down" else "gate_up"][local]
+            # under w8a8_int8 the experts are 8-bit blocks, weight-only (no per-channel
+            # expert matmul yet)
+            layout = QUANTIZE_MODES.get(self.mode or "")
             store_weight_rows(holder, offset, source, f"expert {expert_id} {shard_id}_proj",
-                              quantize_as=QUANTIZE_MODES.get(self.mode or ""))
+                              quantize_as="q8" if layout == quant.CHANNEL_LAYOUT else layout)
             return
         target = param.data[local] if shard_id == "down" else \
             param.data[local].narrow(0, offset, size)

@@ -8,7 +8,14 @@ arrives. That tensor decides how the weight is held:
 * a :class:`QuantizedTensor` (a GGUF file's ``Q4_0``/``Q4_1``/``Q8_0`` blocks, repacked by the
   loader) is kept in its layout, ``q4`` or ``q8``;
 * a dense tensor is kept dense, except under ``int8``/``int4`` (:data:`QUANTIZE_MODES`), where a
-  linear layer rounds it to ``q8``/``q4`` blocks as it arrives and an embedding to ``q8``.
+  linear layer rounds it to ``q8``/``q4`` blocks as it arrives and an embedding to ``q8``, and
+  under ``w8a8_int8``, where a linear layer rounds it per output channel (``w8``, SGLang's
+  scheme: its matmul rounds the activations to int8 per token too) and the embedding and LM head
+  stay dense, as SGLang keeps them.
+
+Once loaded, a ``w8`` linear layer holds its weight packed for the matmul
+(:func:`sgl.kernels.ops.pack_int8_weight`) in place of the ``[N, K]`` integers, and its scales as
+float32 ``[N]`` (:func:`pack_channel_weight`).
 
 Fused layers take their shards one by one and the shards may differ: a ``q4`` weight that
 receives a ``q8`` shard becomes ``q8`` (every 4-bit value is an 8-bit value: nothing changes),
@@ -31,14 +38,16 @@ from sgl.kernels import cpu, ops, quant
 
 __all__ = ["AUTO_ROUND_X_ROWS", "INT8_ACTIVATIONS", "QUANTIZE_MODES",
            "QuantizedTensor",
-           "decode_step", "deferred_weights",
-           "deferred_mode", "dense_rows", "quantized_linear", "store_weight_rows"]
+           "decode_step", "deferred_weights", "embedding_layout",
+           "deferred_mode", "dense_rows", "pack_channel_weight", "quantized_linear",
+           "store_weight_rows"]
 
 #: the modes that quantize dense weights at load (to 8-/4-bit blocks), and the layout of linear
 #: layers under each; under any other mode (``gguf``, a checkpoint weight format's name) the
 #: weights are kept as they arrive, quantized blocks staying quantized
-QUANTIZE_MODES = {"int8": "q8", "int4": "q4"}
-#: the layout of a quantized token embedding (and a tied LM head) under any quantizing mode
+QUANTIZE_MODES = {"int8": "q8", "int4": "q4", "w8a8_int8": quant.CHANNEL_LAYOUT}
+#: the layout of a quantized token embedding (and a tied LM head) under the modes of
+#: :data:`QUANTIZE_MODES` that round them (see :func:`embedding_layout`)
 EMBEDDING_LAYOUT = "q8"
 
 
@@ -61,6 +70,8 @@ class QuantizedTensor:
 
     @property
     def shape(self) -> torch.Size:
+        if self.layout == quant.CHANNEL_LAYOUT:
+            return self.qweight.shape
         return torch.Size((self.qweight.shape[0], self.qweight.shape[1] * quant.BLOCK))
 
     @property
@@ -85,6 +96,9 @@ class QuantizedTensor:
             return self.map_rows(lambda t: t.narrow(0, start, length))
         if dim != 1:
             raise ValueError(f"a quantized weight has 2 dimensions, not {dim + 1}")
+        if self.layout == quant.CHANNEL_LAYOUT:  # a scale per row: any columns
+            return QuantizedTensor(self.layout, self.qweight.narrow(1, start, length),
+                                   self.scales)
         if start % quant.BLOCK or length % quant.BLOCK:
             raise ValueError(f"columns {start}..{start + length} cut through blocks of "
                              f"{quant.BLOCK} values")
@@ -160,8 +174,19 @@ def deferred_mode() -> str | None:
     return None if _deferred is None else _deferred[0]
 
 
+def embedding_layout(mode: str | None) -> str | None:
+    """The layout a dense token embedding (and LM head) is rounded to under ``mode``: 8-bit
+    blocks under ``int8``/``int4``; None (dense) under ``w8a8_int8`` and modes that keep what
+    arrives."""
+    layout = QUANTIZE_MODES.get(mode or "")
+    return None if layout in (None, quant.CHANNEL_LAYOUT) else EMBEDDING_LAYOUT
+
+
 def _blocks(layout: str, rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor,
                                                                               torch.Tensor]:
+    if layout == quant.CHANNEL_LAYOUT:
+        return (torch.empty((rows, cols), dtype=torch.int8, device=device),
+                torch.empty((rows, 1), dtype=torch.float32, device=device))
     dtype = torch.uint8 if layout == "q4" else torch.int8
     nb = cols // quant.BLOCK
     return (torch.empty((rows, nb, quant.FORMATS[layout]), dtype=dtype, device=device),
@@ -198,7 +223,7 @@ def store_weight_rows(module: nn.Module, offset: int, loaded: torch.Tensor | Qua
         raise ValueError(f"{what}: expected {cols} columns and at most {rows - offset} rows, "
                          f"got shape {tuple(loaded.shape)}")
     if not isinstance(loaded, QuantizedTensor) and quantize_as is not None \
-            and cols % quant.BLOCK == 0:
+            and (quantize_as == quant.CHANNEL_LAYOUT or cols % quant.BLOCK == 0):
         loaded = QuantizedTensor.quantize(quantize_as, loaded)
     layout = loaded.layout if isinstance(loaded, QuantizedTensor) else None
     if weight.is_meta:  # the first tensor for this weight decides how it is held
@@ -211,8 +236,11 @@ def store_weight_rows(module: nn.Module, offset: int, loaded: torch.Tensor | Qua
         held = _current(module)
         if module.weight_layout is None:  # dense stays dense
             loaded = loaded.dequantize(module.weight_dtype)
-        elif layout is None:  # a dense shard: the whole weight becomes dense
+        elif layout is None or quant.CHANNEL_LAYOUT in (layout, module.weight_layout):
+            # a dense shard, or blocks beside channels: the whole weight becomes dense
             _hold(module, None, held.dequantize(module.weight_dtype), None)
+            if layout is not None:
+                loaded = loaded.dequantize(module.weight_dtype)
         elif layout == "q8":  # q4 held, q8 arrives
             widened = held.with_layout("q8")
             _hold(module, "q8", widened.qweight.contiguous(), widened.scales)
@@ -282,6 +310,15 @@ def decode_step(active: bool = True) -> Iterator[None]:
         _decode_step = previous
 
 
+def pack_channel_weight(module: nn.Module) -> None:
+    """Replace a loaded ``w8`` weight (int8 ``[N, K]``, scales ``[N, 1]``) by what
+    ``sgl::linear_w8a8`` takes: its packed copy and the scales as float32 ``[N]``."""
+    if module.weight.dtype == torch.uint8:  # packed already
+        return
+    module.weight = nn.Parameter(ops.pack_int8_weight(module.weight.data), requires_grad=False)
+    module.weight_scales = module.weight_scales.reshape(-1).contiguous()
+
+
 def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
                      scales: torch.Tensor, bias32: torch.Tensor | None, *,
                      round_x_rows: int = 0) -> torch.Tensor:
@@ -293,6 +330,12 @@ def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
     x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if layout == quant.CHANNEL_LAYOUT:  # packed (pack_channel_weight); every row rounded
+        n = scales.numel()
+        cpu_kernel = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+        out = (torch.ops.sgl.linear_w8a8 if cpu_kernel else ops.linear_w8a8)(
+            x2, qweight, scales, bias32)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
         # the 8-bit layout rounds only the many rows of the integer tiles (see INT8_ACTIVATIONS)
         first = round_x_rows if layout == "q4" else max(round_x_rows, AUTO_ROUND_X_ROWS)

@@ -21,11 +21,14 @@ if TYPE_CHECKING:
 
     from sgl.model_loader.source import WeightSource
 
-__all__ = ["CORE_CHOICES", "WeightFormat", "installed_weight_formats", "weight_formats_of"]
+__all__ = ["CORE_CHOICES", "ROUNDING_CHOICES", "WeightFormat", "installed_weight_formats", "weight_formats_of"]
 
 #: the ``--quantization`` values of the core: ``auto`` (as the checkpoint is stored), ``none``
-#: (dense), ``gguf`` (a GGUF file's blocks), ``int8``/``int4`` (round a dense checkpoint)
-CORE_CHOICES = ("auto", "none", "gguf", "int8", "int4")
+#: (dense), ``gguf`` (a GGUF file's blocks), ``int8``/``int4``/``w8a8_int8`` (round a dense
+#: checkpoint: to blocks, weight-only; or per channel with int8 activations, SGLang's scheme)
+CORE_CHOICES = ("auto", "none", "gguf", "int8", "int4", "w8a8_int8")
+#: the choices that round a dense checkpoint's weights at load
+ROUNDING_CHOICES = ("int8", "int4", "w8a8_int8")
 
 
 class WeightFormat(ABC):

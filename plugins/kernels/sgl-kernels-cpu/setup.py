@@ -16,7 +16,8 @@ import sys
 from setuptools import setup
 
 SOURCES_C = ["csrc/pool.c", "csrc/run_op.c", "csrc/kernels_avx512.c", "csrc/kernels_avx2.c",
-             "csrc/kernels_quant_avx2.c", "csrc/kernels_quant_avx512.c"]
+             "csrc/kernels_quant_avx2.c", "csrc/kernels_quant_avx512.c", "csrc/kernels_w8a8.c",
+             "csrc/kernels_w8a8_avx512.c"]
 # the AVX-512 kernels again with their instructions in software, where SIMDe's headers are found
 # (Debian's libsimde-dev), for the tests of those levels on any CPU; at -O1, which compiles it in
 # under a minute (-O2 takes 3-4 minutes of SIMDe's inlining) and runs the tests about as fast

@@ -14,11 +14,11 @@ from sgl_kernels_cpu import isa
 #: torch 2.13's dict on an AMD EPYC without AVX-512 (abridged; every AVX-512 and AMX key False)
 AVX2_ONLY = {"avx": True, "avx2": True, "fma3": True, "fma4": False, "f16c": True,
              "avx512_f": False, "avx512_bw": False, "avx512_vl": False, "avx512_dq": False,
-             "avx512_bf16": False, "amx_bf16": False, "amx_tile": False}
+             "avx512_bf16": False, "amx_bf16": False, "amx_tile": False, "amx_int8": False}
 AVX512 = {**AVX2_ONLY, "avx512_f": True, "avx512_bw": True, "avx512_vl": True,
           "avx512_dq": True}
 AVX512_BF16 = {**AVX512, "avx512_bf16": True}
-AMX = {**AVX512_BF16, "amx_bf16": True, "amx_tile": True}
+AMX = {**AVX512_BF16, "amx_bf16": True, "amx_tile": True, "amx_int8": True}
 #: Linux's flags of the AVX2-only CPU, for a torch that lacks keys
 PROC_AVX2 = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
 
@@ -60,6 +60,11 @@ def test_avx512_levels(cpu_as) -> None:
 
 def test_amx_only_where_the_os_grants_it(cpu_as) -> None:
     assert cpu_as(AMX, amx=False) == "avx512_bf16"
+
+
+def test_amx_needs_its_int8_tiles_too(cpu_as) -> None:
+    """The amx level multiplies int8 weights (sgl::linear_w8a8) with AMX-INT8 tiles."""
+    assert cpu_as({**AMX, "amx_int8": False}) == "avx512_bf16"
 
 
 def test_an_older_torchs_fma_key(cpu_as) -> None:
@@ -106,6 +111,6 @@ def test_this_cpu_agrees_with_linuxs_flags() -> None:
         expected = "avx2" if {"avx2", "fma"} <= proc else "none"
     got = isa.detect_isa()
     if got == "amx":
-        assert expected == "avx512_bf16" and {"amx_bf16", "amx_tile"} <= proc
+        assert expected == "avx512_bf16" and {"amx_bf16", "amx_tile", "amx_int8"} <= proc
     else:
         assert got == expected

@@ -100,6 +100,8 @@ def _op_inputs(dtype: torch.dtype) -> dict[str, tuple]:
     args["extend_attention"] = _extend_args(dtype, hq, hk, d, softcap=0.0, window=0)
     for fmt in quant.FORMATS:  # x of either dtype
         args[f"linear_{fmt}"] = (x, *quant.quantize(fmt, torch.randn(70, h)), torch.randn(70))
+    q, scales = quant.quantize("w8", torch.randn(70, h))
+    args["linear_w8a8"] = (x, ops.pack_int8_weight(q), scales.view(-1), torch.randn(70))
     table_fmt = "q4" if dtype == torch.float32 else "q8"  # one layout per output dtype
     args["embedding_q"] = (*quant.quantize(table_fmt, torch.randn(50, h)),
                            torch.tensor([0, 49, 3, 3]), dtype)

@@ -38,6 +38,10 @@ enum {
     SGL_OP_EMBEDDING_QUANT = 20,
     /* the quantized matmuls on AVX-512 (kernels_quant_avx512.c), the arguments of 19 */
     SGL_OP_LINEAR_QUANT_AVX512 = 21,
+    /* the int8 matmul (kernels_w8a8.c at every level, kernels_w8a8_avx512.c at the AVX-512
+       ones; the AVX-512 kind takes one more argument, AMX tiles allowed) */
+    SGL_OP_LINEAR_W8A8_AVX2 = 22,
+    SGL_OP_LINEAR_W8A8_AVX512 = 23,
 };
 
 #define SGL_OP_ARGS 26

@@ -32,6 +32,7 @@
 #define sgl_decode_attention sgl_decode_attention_emulated
 #define sgl_extend_attention sgl_extend_attention_emulated
 #define sgl_linear_quant_avx512 sgl_linear_quant_avx512_emulated
+#define sgl_linear_w8a8_avx512 sgl_linear_w8a8_avx512_emulated
 #define sgl_bf16_panel_avx512 sgl_bf16_panel_avx512_emulated
 #define sgl_avx512_kernels_native sgl_avx512_kernels_emulated
 
@@ -287,17 +288,38 @@ static inline void emu_tile_dpbf16ps(int tc, int ta, int tb) {
     }
 }
 
+/* TDPBSUD: c[m][n] += sum over k of a[m][k] (signed bytes) * b[k/4][4n + k%4] (unsigned), in
+ * int32 (exact: the sums of a tile step stay far below 2^31) */
+static inline void emu_tile_dpbsud(int tc, int ta, int tb) {
+    emu_tile *c = &emu_tiles[tc];
+    const emu_tile *a = &emu_tiles[ta], *b = &emu_tiles[tb];
+    const int M = c->rows, N = c->colsb / 4, K4 = a->colsb / 4;
+    for (int m = 0; m < M; m++) {
+        int32_t acc[16];
+        memcpy(acc, c->data + m * 64, sizeof acc);
+        const int8_t *am = (const int8_t *)(a->data + m * 64);
+        for (int k = 0; k < K4 && k < b->rows; k++) {
+            const uint8_t *bk = b->data + k * 64;
+            for (int n = 0; n < N; n++)
+                for (int i = 0; i < 4; i++) acc[n] += (int32_t)am[4 * k + i] * bk[4 * n + i];
+        }
+        memcpy(c->data + m * 64, acc, (size_t)N * 4);
+    }
+}
+
 #undef _tile_loadconfig
 #undef _tile_release
 #undef _tile_zero
 #undef _tile_loadd
 #undef _tile_stored
 #undef _tile_dpbf16ps
+#undef _tile_dpbsud
 #define _tile_loadconfig(config) emu_tile_loadconfig(config)
 #define _tile_release() emu_tile_release()
 #define _tile_zero(t) emu_tile_zero(t)
 #define _tile_loadd(t, base, stride) emu_tile_loadd((t), (base), (int64_t)(stride))
 #define _tile_stored(t, base, stride) emu_tile_stored((t), (void *)(base), (int64_t)(stride))
 #define _tile_dpbf16ps(c, a, b) emu_tile_dpbf16ps((c), (a), (b))
+#define _tile_dpbsud(c, a, b) emu_tile_dpbsud((c), (a), (b))
 
 #endif

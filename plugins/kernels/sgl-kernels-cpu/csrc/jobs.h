@@ -404,4 +404,62 @@ static inline int run_extend_attention(
     return atomic_load(&job.failed) ? -2 : 0;
 }
 
+/* -- the int8 matmul of sgl::linear_w8a8 (kernels_w8a8.c, kernels_w8a8_avx512.c) ------------- */
+
+typedef struct {
+    const uint8_t *wp; /* the packed weight, w + 128 */
+    const float *sw;   /* per output channel */
+    void *y;
+    const float *bias;
+    int64_t ldy, M, N, K, Kp;
+    int dtype;
+    const int8_t *xq; /* x's rows rounded: [Mp, Kp], zero-padded */
+    const float *sx;  /* per row: max|x| / 127 */
+    const int32_t *xs; /* per row: 128 * sum(q), the share of the stored offset */
+} w8a8_job;
+
+/* rows of x are padded to this many for AMX's 16-row tiles */
+#define W8A8_ROWS_ALIGN 16
+
+/* Checks the shapes, rounds x into the calling thread's scratch and fills the job: 0, -1
+   (arguments refused: K above 65536 could overflow the int32 sums), -2 (no memory). */
+static inline int w8a8_setup(w8a8_job *j, const void *x, int64_t ldx, const uint8_t *wp,
+                             const float *sw, void *y, int64_t ldy, int64_t M, int64_t N,
+                             int64_t K, const float *bias, int dtype) {
+    if (M < 0 || N < 1 || K < 1 || K > 65536) return -1;
+    const int64_t Kp = (K + 63) & ~(int64_t)63;
+    const int64_t Mp = (M + W8A8_ROWS_ALIGN - 1) / W8A8_ROWS_ALIGN * W8A8_ROWS_ALIGN;
+    char *s = sgl_scratch(1, (size_t)(Mp * Kp + 8 * M + 64));
+    if (!s) return -2;
+    int8_t *xq = (int8_t *)s;
+    float *sx = (float *)(s + Mp * Kp);
+    int32_t *xs = (int32_t *)(sx + M);
+    sgl_w8a8_round_rows(x, ldx, dtype, M, Mp, K, Kp, xq, sx, xs);
+    *j = (w8a8_job){wp, sw, y, bias, ldy, M, N, K, Kp, dtype, xq, sx, xs};
+    return 0;
+}
+
+/* the nearest bfloat16 of v (ties to even; a NaN stays a NaN), as torch rounds */
+static inline uint16_t w8a8_bf16_of(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits | 0x400000u) >> 16);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* y[r, n0 + c] for the channels c < 16 that exist, from each one's int32 sum */
+static inline void w8a8_store_row(const w8a8_job *j, int64_t r, int64_t n0,
+                                  const int32_t *sums) {
+    const int64_t cols = j->N - n0 < 16 ? j->N - n0 : 16;
+    const float sx = j->sx[r];
+    for (int64_t c = 0; c < cols; c++) {
+        float v = (float)(sums[c] - j->xs[r]) * sx * j->sw[n0 + c];
+        if (j->bias) v = v + j->bias[n0 + c];
+        if (j->dtype)
+            ((uint16_t *)j->y)[r * j->ldy + n0 + c] = w8a8_bf16_of(v);
+        else
+            ((float *)j->y)[r * j->ldy + n0 + c] = v;
+    }
+}
+
 #endif

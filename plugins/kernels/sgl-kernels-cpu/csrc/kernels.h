@@ -61,6 +61,17 @@ void sgl_round_x_blocks(const float *xf, int64_t ldx, int64_t M, int64_t KB, int
 int sgl_linear_quant_avx512(const void *x, int64_t ldx, const uint8_t *qw, const uint16_t *sc,
                             void *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                             const float *bias, int dtype, int bits, int round_x, int bf16_dot);
+/* sgl::linear_w8a8 (kernels_w8a8.c, kernels_w8a8_avx512.c): x's rows rounded to int8 (shared
+   by every level), the AVX2 product, and the AVX-512 one (AMX tiles from W8A8_AMX_ROWS rows
+   where `amx`, else AVX512-VNNI, else the AVX2 one) */
+void sgl_w8a8_round_rows(const void *x, int64_t ldx, int dtype, int64_t M, int64_t Mp,
+                         int64_t K, int64_t Kp, int8_t *xq, float *sx, int32_t *xs);
+int sgl_linear_w8a8_avx2(const void *x, int64_t ldx, const uint8_t *wp, const float *sw,
+                         void *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                         const float *bias, int dtype);
+int sgl_linear_w8a8_avx512(const void *x, int64_t ldx, const uint8_t *wp, const float *sw,
+                           void *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                           const float *bias, int dtype, int amx);
 int sgl_embedding_quant(const uint8_t *qw, const uint16_t *sc, int64_t vocab, int64_t K,
                         const int64_t *ids, int64_t T, void *out, int64_t o_stride, int dtype,
                         int bits);
@@ -137,6 +148,7 @@ typedef struct {
     __typeof__(sgl_decode_attention) *decode_attention;
     __typeof__(sgl_extend_attention) *extend_attention;
     __typeof__(sgl_linear_quant_avx512) *linear_quant;
+    __typeof__(sgl_linear_w8a8_avx512) *linear_w8a8;
 } sgl_avx512_kernels;
 
 extern const sgl_avx512_kernels sgl_avx512_kernels_native;

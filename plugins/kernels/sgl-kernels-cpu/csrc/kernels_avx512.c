@@ -1480,7 +1480,7 @@ AVX512_TARGET int sgl_extend_attention(
 const sgl_avx512_kernels sgl_avx512_kernels_native = {
     sgl_linear_bf16_amx, sgl_linear_bf16_avx512, sgl_linear_f32, sgl_rmsnorm, sgl_silu_mul,
     sgl_rotary, sgl_argmax_f32, sgl_decode_attention, sgl_extend_attention,
-    sgl_linear_quant_avx512,
+    sgl_linear_quant_avx512, sgl_linear_w8a8_avx512,
 };
 
 #endif

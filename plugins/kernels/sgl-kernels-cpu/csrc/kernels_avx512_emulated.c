@@ -11,6 +11,7 @@
 #include "isa_emulation.h"
 #include "kernels_avx512.c"
 #include "kernels_quant_avx512.c"
+#include "kernels_w8a8_avx512.c"
 #endif
 #endif
 

@@ -11,7 +11,7 @@
 
 #if defined(__x86_64__)
 
-int sgl_kernels_version(void) { return 12; }
+int sgl_kernels_version(void) { return 13; }
 
 /* the AVX-512 levels' kernels in use: compiled for the CPU, or emulated (sgl_set_emulation) */
 static const sgl_avx512_kernels *avx512 = &sgl_avx512_kernels_native;
@@ -99,6 +99,12 @@ int sgl_run_op(const sgl_op *op) {
     case SGL_OP_LINEAR_QUANT_AVX512:
         return avx512->linear_quant(P(0), a[1], P(2), P(3), P(4), a[5], a[6], a[7], a[8], P(9),
                                     (int)a[10], (int)a[11], (int)a[12], (int)a[13]);
+    case SGL_OP_LINEAR_W8A8_AVX2:
+        return sgl_linear_w8a8_avx2(P(0), a[1], P(2), P(3), P(4), a[5], a[6], a[7], a[8], P(9),
+                                    (int)a[10]);
+    case SGL_OP_LINEAR_W8A8_AVX512:
+        return avx512->linear_w8a8(P(0), a[1], P(2), P(3), P(4), a[5], a[6], a[7], a[8], P(9),
+                                   (int)a[10], (int)a[11]);
     case SGL_OP_EMBEDDING_QUANT:
         return sgl_embedding_quant(P(0), P(1), a[2], a[3], P(4), a[5], P(6), a[7], (int)a[8],
                                    (int)a[9]);

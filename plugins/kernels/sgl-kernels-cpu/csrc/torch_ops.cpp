@@ -311,6 +311,38 @@ Tensor linear_q8(const Tensor& x, const Tensor& qweight, const Tensor& scales,
   return linear_quant("sgl::linear_q8", x, qweight, scales, bias, 8, round_x);
 }
 
+// The int8 matmul (sgl/kernels/ops.py: linear_w8a8): the packed weight of pack_int8_weight,
+// scales float32 [N]; AVX2 at avx2 (and where the CPU lacks AVX512-VNNI: the AVX-512 kernel hands
+// over), AMX tiles at amx.
+Tensor linear_w8a8(const Tensor& x, const Tensor& packed, const Tensor& scales,
+                   const OptTensor& bias) {
+  const char* op = "sgl::linear_w8a8";
+  check_rows(op, "x", x);
+  check_contiguous(op, "packed", packed, at::kByte);
+  check_contiguous(op, "scales", scales, at::kFloat);
+  const int64_t m = x.size(0), k = x.size(1), n = scales.numel();
+  const int64_t kp = (k + 63) / 64 * 64, np = (n + 15) / 16 * 16;
+  TORCH_CHECK_VALUE(k >= 1 && k <= 65536, op, ": x must have 1 to 65536 columns, got ", k);
+  TORCH_CHECK_VALUE(n >= 1 && packed.dim() == 3 && packed.size(0) == np / 16 &&
+                        packed.size(1) == kp / 4 && packed.size(2) == 64,
+                    op, ": packed must be the [", np / 16, ", ", kp / 4,
+                    ", 64] packing of a weight with ", n, " rows (scales) and ", k,
+                    " columns (x), got ", packed.sizes());
+  if (bias.has_value()) {
+    check_contiguous(op, "bias", *bias, at::kFloat);
+    TORCH_CHECK_VALUE(bias->numel() == n, op, ": bias has ", bias->numel(), " values, not ", n);
+  }
+  Tensor y = new_output({m, n}, x.options());
+  if (m == 0) return y;
+  Call call(at_level(SGL_OP_LINEAR_W8A8_AVX512, SGL_OP_LINEAR_W8A8_AVX2));
+  call << ptr(x) << x.stride(0) << ptr(packed) << ptr(scales) << ptr(y) << n << m << n << k
+       << ptr(bias) << dtype_code(x);
+  if (call.op.kind == SGL_OP_LINEAR_W8A8_AVX512) call << (g_level == AMX ? 1 : 0);
+  TORCH_CHECK(run(call, {x, packed, scales, bias}, {y}) == 0, op,
+              ": no memory for x's rounded rows");
+  return y;
+}
+
 void check_rmsnorm(const char* op, int rc) {
   TORCH_CHECK(rc != -2, op, ": no memory for its row buffer");
   TORCH_CHECK_VALUE(rc == 0, op, " refused its arguments (", rc, ")");
@@ -585,6 +617,7 @@ TORCH_LIBRARY_IMPL(sgl, CPU, m) {
   m.impl("linear_f32", &linear_f32);
   m.impl("linear_q4", &linear_q4);
   m.impl("linear_q8", &linear_q8);
+  m.impl("linear_w8a8", &linear_w8a8);
   m.impl("rmsnorm", &rmsnorm);
   m.impl("add_rmsnorm", &add_rmsnorm);
   m.impl("rmsnorm_heads", &rmsnorm_heads);

@@ -20,7 +20,8 @@ _FEATURES = {"avx2": (("avx2",), "avx2"), "fma": (("fma3", "fma"), "fma"),
              "avx512_vl": (("avx512_vl",), "avx512vl"), "avx512_dq": (("avx512_dq",), "avx512dq"),
              "avx512_bf16": (("avx512_bf16",), "avx512_bf16"),
              "avx512_vnni": (("avx512_vnni",), "avx512_vnni"),
-             "amx_bf16": (("amx_bf16",), "amx_bf16"), "amx_tile": (("amx_tile",), "amx_tile")}
+             "amx_bf16": (("amx_bf16",), "amx_bf16"), "amx_tile": (("amx_tile",), "amx_tile"),
+             "amx_int8": (("amx_int8",), "amx_int8")}
 
 
 def _torch_capability() -> dict:
@@ -94,6 +95,7 @@ def detect_isa() -> str:
         return "none"
     if not all(flags[k] for k in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq")):
         return "avx2" if flags["avx2"] and flags["fma"] and flags["f16c"] else "none"
-    if flags["avx512_bf16"] and flags["amx_bf16"] and flags["amx_tile"] and _amx_permitted():
+    amx = flags["amx_bf16"] and flags["amx_int8"] and flags["amx_tile"]
+    if flags["avx512_bf16"] and amx and _amx_permitted():
         return "amx"
     return "avx512_bf16" if flags["avx512_bf16"] else "avx512"

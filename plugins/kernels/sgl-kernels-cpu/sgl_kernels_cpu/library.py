@@ -35,9 +35,10 @@ KERNEL_NAMES = {1: "sgl_linear_bf16_amx", 2: "sgl_linear_f32", 3: "sgl_rmsnorm",
                 13: "sgl_rmsnorm_avx2", 14: "sgl_silu_mul_avx2", 15: "sgl_rotary_avx2",
                 16: "sgl_decode_attention_avx2", 17: "sgl_argmax_f32_avx2",
                 18: "sgl_extend_attention_avx2", 19: "sgl_linear_quant_avx2",
-                20: "sgl_embedding_quant", 21: "sgl_linear_quant_avx512"}
+                20: "sgl_embedding_quant", 21: "sgl_linear_quant_avx512",
+                22: "sgl_linear_w8a8_avx2", 23: "sgl_linear_w8a8_avx512"}
 #: what ``sgl_kernels_version`` of a build of this source returns
-VERSION = 12
+VERSION = 13
 
 _lock = threading.Lock()
 _loaded_path: Path | None = None
