@@ -413,7 +413,8 @@ typedef struct {
     const float *bias;
     int64_t ldy, M, N, K, Kp;
     int dtype;
-    const int8_t *xq; /* x's rows rounded: [Mp, Kp], zero-padded */
+    const int8_t *xq; /* x's rows rounded: [Mp, Kp] with row stride ldq, zero-padded */
+    int64_t ldq;
     const float *sx;  /* per row: max|x| / 127 */
     const int32_t *xs; /* per row: 128 * sum(q), the share of the stored offset */
 } w8a8_job;
@@ -428,14 +429,17 @@ static inline int w8a8_setup(w8a8_job *j, const void *x, int64_t ldx, const uint
                              int64_t K, const float *bias, int dtype) {
     if (M < 0 || N < 1 || K < 1 || K > 65536) return -1;
     const int64_t Kp = (K + 63) & ~(int64_t)63;
+    /* one cache line more than Kp: rows a power of two apart would share the L1 sets, and the
+       16 rows of an AMX tile (or 4 of a VNNI tile) would evict each other */
+    const int64_t ldq = Kp + 64;
     const int64_t Mp = (M + W8A8_ROWS_ALIGN - 1) / W8A8_ROWS_ALIGN * W8A8_ROWS_ALIGN;
-    char *s = sgl_scratch(1, (size_t)(Mp * Kp + 8 * M + 64));
+    char *s = sgl_scratch(1, (size_t)(Mp * ldq + 8 * M + 64));
     if (!s) return -2;
     int8_t *xq = (int8_t *)s;
-    float *sx = (float *)(s + Mp * Kp);
+    float *sx = (float *)(s + Mp * ldq);
     int32_t *xs = (int32_t *)(sx + M);
-    sgl_w8a8_round_rows(x, ldx, dtype, M, Mp, K, Kp, xq, sx, xs);
-    *j = (w8a8_job){wp, sw, y, bias, ldy, M, N, K, Kp, dtype, xq, sx, xs};
+    sgl_w8a8_round_rows(x, ldx, dtype, M, Mp, K, ldq, xq, sx, xs);
+    *j = (w8a8_job){wp, sw, y, bias, ldy, M, N, K, Kp, dtype, xq, ldq, sx, xs};
     return 0;
 }
 

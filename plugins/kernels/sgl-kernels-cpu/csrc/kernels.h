@@ -65,7 +65,7 @@ int sgl_linear_quant_avx512(const void *x, int64_t ldx, const uint8_t *qw, const
    by every level), the AVX2 product, and the AVX-512 one (AMX tiles from W8A8_AMX_ROWS rows
    where `amx`, else AVX512-VNNI, else the AVX2 one) */
 void sgl_w8a8_round_rows(const void *x, int64_t ldx, int dtype, int64_t M, int64_t Mp,
-                         int64_t K, int64_t Kp, int8_t *xq, float *sx, int32_t *xs);
+                         int64_t K, int64_t ldq, int8_t *xq, float *sx, int32_t *xs);
 int sgl_linear_w8a8_avx2(const void *x, int64_t ldx, const uint8_t *wp, const float *sw,
                          void *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                          const float *bias, int dtype);

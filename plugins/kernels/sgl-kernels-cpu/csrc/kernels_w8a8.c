@@ -29,10 +29,10 @@
 #if defined(__x86_64__)
 #include "vec_avx2.h"
 
-/* Row r of x (dtype 1: bfloat16, 0: float32) rounded to int8 as the header says: xq[r, 0..Kp)
+/* Row r of x (dtype 1: bfloat16, 0: float32) rounded to int8 as the header says: xq[r, 0..ldq)
    (zero past K), sx[r], and xs[r] = 128 * sum(q). Rows M .. Mp of xq are zeroed. */
 AVX2_TARGET void sgl_w8a8_round_rows(const void *x, int64_t ldx, int dtype, int64_t M,
-                                     int64_t Mp, int64_t K, int64_t Kp, int8_t *xq, float *sx,
+                                     int64_t Mp, int64_t K, int64_t ldq, int8_t *xq, float *sx,
                                      int32_t *xs) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const int64_t es = dtype ? 2 : 4;
@@ -45,8 +45,8 @@ AVX2_TARGET void sgl_w8a8_round_rows(const void *x, int64_t ldx, int dtype, int6
         if (k < K) mx = _mm256_max_ps(mx, _mm256_and_ps(load8n(row + k * es, K - k, dtype),
                                                         abs_mask));
         const float amax = hmax8(mx);
-        int8_t *q = xq + r * Kp;
-        memset(q, 0, (size_t)Kp);
+        int8_t *q = xq + r * ldq;
+        memset(q, 0, (size_t)ldq);
         sx[r] = amax / 127.0f;
         int32_t sum = 0;
         if (amax > 0.0f) {
@@ -71,7 +71,7 @@ AVX2_TARGET void sgl_w8a8_round_rows(const void *x, int64_t ldx, int dtype, int6
         }
         xs[r] = 128 * sum;
     }
-    if (Mp > M) memset(xq + M * Kp, 0, (size_t)((Mp - M) * Kp));
+    if (Mp > M) memset(xq + M * ldq, 0, (size_t)((Mp - M) * ldq));
 }
 
 /* -- the product: 1-2 rows by one group of 16 channels ---------------------------------------- */
@@ -92,7 +92,7 @@ AVX2_TARGET INLINE void w8_tile_avx2(const w8a8_job *j, int64_t m0, int R, int64
         for (int r = 0; r < 2; r++) {
             if (r >= R) break;
             int32_t x4;
-            memcpy(&x4, j->xq + (m0 + r) * Kp + 4 * k4, 4);
+            memcpy(&x4, j->xq + (m0 + r) * j->ldq + 4 * k4, 4);
             const __m256i xv = _mm256_cvtepi8_epi16(_mm_set1_epi32(x4));
             #pragma GCC unroll 4
             for (int i = 0; i < 4; i++)

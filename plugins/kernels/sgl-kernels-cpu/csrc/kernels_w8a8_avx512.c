@@ -45,6 +45,8 @@
    it always is) the AMX tiles */
 #define W8A8_AMX_ROWS 5
 #define W8_INLINE static inline __attribute__((always_inline))
+/* 64-value steps of the weight the AMX tiles ask for ahead of their loads */
+#define W8_PREFETCH_STEPS 16
 
 /* y[r, n0 .. n0 + 16) from the 16 channels' int32 sums of row r: (sum - 128 sum(q)) * sx * sw
    (+ bias), rounded to x's dtype (bfloat16: nearest even, in integers, since the VNNI levels
@@ -75,7 +77,7 @@ W8_VNNI_TARGET W8_INLINE void w8_tile_vnni(const w8a8_job *j, int64_t m0, int64_
                                           const int R, const int G) {
     const int64_t Kp = j->Kp;
     const uint8_t *w = j->wp + g0 * Kp * 16;
-    const int8_t *xr = j->xq + m0 * Kp;
+    const int8_t *xr = j->xq + m0 * j->ldq;
     __m512i acc[4][4];
     #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -89,7 +91,7 @@ W8_VNNI_TARGET W8_INLINE void w8_tile_vnni(const w8a8_job *j, int64_t m0, int64_
         #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             int32_t x4;
-            memcpy(&x4, xr + r * Kp + 4 * k4, 4);
+            memcpy(&x4, xr + r * j->ldq + 4 * k4, 4);
             const __m512i xv = _mm512_set1_epi32(x4);
             #pragma GCC unroll 4
             for (int g = 0; g < G; g++) acc[r][g] = _mm512_dpbusd_epi32(acc[r][g], wv[g], xv);
@@ -150,18 +152,26 @@ W8_AMX_TARGET static void w8a8_pairs_amx(void *ctx, int64_t begin, int64_t end) 
         const uint8_t *w0 = j->wp + g0 * Kp * 16, *w1 = w0 + Kp * 16;
         for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
             const int both = Mp - m0 >= 32; /* a second tile of rows */
-            const int8_t *a0 = j->xq + m0 * Kp, *a1 = a0 + 16 * Kp;
+            const int8_t *a0 = j->xq + m0 * j->ldq, *a1 = a0 + 16 * j->ldq;
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int64_t kb = 0; kb < KB; kb++) {
+                if (m0 == 0 && kb + W8_PREFETCH_STEPS < KB) /* the first pass reads memory */
+                    for (int line = 0; line < 16; line++) {
+                        _mm_prefetch((const char *)w0 + (kb + W8_PREFETCH_STEPS) * 1024 + 64 * line,
+                                     _MM_HINT_T0);
+                        if (two)
+                            _mm_prefetch((const char *)w1 + (kb + W8_PREFETCH_STEPS) * 1024 +
+                                         64 * line, _MM_HINT_T0);
+                    }
                 _tile_loadd(6, w0 + kb * 1024, 64);
-                _tile_loadd(4, a0 + kb * 64, Kp);
+                _tile_loadd(4, a0 + kb * 64, j->ldq);
                 _tile_dpbsud(0, 4, 6);
                 if (two) {
                     _tile_loadd(7, w1 + kb * 1024, 64);
                     _tile_dpbsud(1, 4, 7);
                 }
                 if (both) {
-                    _tile_loadd(5, a1 + kb * 64, Kp);
+                    _tile_loadd(5, a1 + kb * 64, j->ldq);
                     _tile_dpbsud(2, 5, 6);
                     if (two) _tile_dpbsud(3, 5, 7);
                 }
