@@ -215,7 +215,10 @@ class SglPluginManager(pluggy.PluginManager):
             for name in value if isinstance(value, tuple) else (value,):
                 if name in registry or name in f.metadata.get("keywords", ()):
                     continue
-                choices = [*f.metadata.get("keywords", ()), *registry.names()]
+                # a registered name may also be a keyword (w8a8_int8: a core mode and a
+                # checkpoint format): named once
+                choices = list(dict.fromkeys([*f.metadata.get("keywords", ()),
+                                              *registry.names()]))
                 raise ConfigError(
                     f"invalid value {name!r} for {f.name!r} (from {settings.source(f.name)}): "
                     f"no installed plugin provides that {registry.kind}; available: "

@@ -129,7 +129,7 @@ def resolve_quantization(name: str, path: Path, config: PretrainedConfig,
     method = str(quant.get("quant_method") or "").lower()
     if method in formats:
         formats[method].check(quant, path.name)
-        if name in ROUNDING_CHOICES:
+        if name in ROUNDING_CHOICES and name != method:
             raise ValueError(f"--quantization {name} rounds a dense checkpoint's weights; "
                              f"{path.name} is already quantized ({method}): serve it as it is "
                              "(auto) or dequantized (none)")
@@ -137,7 +137,7 @@ def resolve_quantization(name: str, path: Path, config: PretrainedConfig,
             raise ValueError(f"{needs(name)}; {path.name} is {formats[method].description} "
                              f"checkpoint (auto, {method} or none)")
         return "none" if name == "none" else method
-    if name in formats:
+    if name in formats and name not in ROUNDING_CHOICES:  # w8a8_int8 also rounds
         raise ValueError(f"{needs(name)}; {path.name} is {method or 'dense'}")
     if method and name != "none":
         served = ", ".join(f.description.split(" ", 1)[1] for f in formats.values())

@@ -1,4 +1,4 @@
-"""The three formats as :class:`sgl.model_loader.formats.WeightFormat` s: the checks of
+"""The formats as :class:`sgl.model_loader.formats.WeightFormat` s: the checks of
 :mod:`~sgl_quant_packed.gptq_awq` and :mod:`~sgl_quant_packed.compressed_tensors`, and their
 readers."""
 
@@ -15,6 +15,8 @@ from sgl_quant_packed.compressed_tensors import (
 from sgl_quant_packed.gptq_awq import AWQ as AWQ_METHOD
 from sgl_quant_packed.gptq_awq import GPTQ as GPTQ_METHOD
 from sgl_quant_packed.gptq_awq import GPTQAWQWeights, check_gptq_awq
+from sgl_quant_packed.w8a8_int8 import QUANT_METHOD as W8A8_METHOD
+from sgl_quant_packed.w8a8_int8 import W8A8Int8Weights, check_w8a8_int8
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 
     from sgl.model_loader.source import WeightSource
 
-__all__ = ["AWQ", "GPTQ", "CompressedTensors"]
+__all__ = ["AWQ", "GPTQ", "CompressedTensors", "W8A8Int8"]
 
 
 class CompressedTensors(WeightFormat):
@@ -60,3 +62,17 @@ class AWQ(GPTQ):
     name = AWQ_METHOD
     description = "an AWQ"
     settings_files = ("quant_config.json",)
+
+
+class W8A8Int8(WeightFormat):
+    """SGLang's ``w8a8_int8`` checkpoints: int8 weights per output channel, int8 activations
+    per token."""
+
+    name = W8A8_METHOD
+    description = "a w8a8_int8"
+    check = staticmethod(check_w8a8_int8)
+
+    @classmethod
+    def open(cls, path: Path, dtype: torch.dtype, quant: dict[str, Any], *,
+             quantized: bool) -> WeightSource:
+        return W8A8Int8Weights(path, dtype, quantized=quantized)

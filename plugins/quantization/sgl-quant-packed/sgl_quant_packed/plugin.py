@@ -1,4 +1,5 @@
-"""Registers the GPTQ, AWQ and compressed-tensors weight formats; imports nothing heavy."""
+"""Registers the GPTQ, AWQ, compressed-tensors and w8a8_int8 weight formats; imports nothing
+heavy."""
 
 from __future__ import annotations
 
@@ -17,3 +18,4 @@ def sgl_register_weight_formats(register: RegisterFn) -> None:
     register("compressed-tensors", "sgl_quant_packed.formats:CompressedTensors")
     register("gptq", "sgl_quant_packed.formats:GPTQ")
     register("awq", "sgl_quant_packed.formats:AWQ")
+    register("w8a8_int8", "sgl_quant_packed.formats:W8A8Int8")
