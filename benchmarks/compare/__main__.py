@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import platform
 import shlex
@@ -53,7 +54,7 @@ from compare.engines import (  # noqa: E402
     sgl_spec,
     vllm_spec,
 )
-from compare.models import Model, gguf_kind, resolve_model  # noqa: E402
+from compare.models import W8A8_ENGINE, Model, gguf_kind, resolve_model  # noqa: E402
 from compare.peers import PeerError, Peers  # noqa: E402
 from machine_info import cpu_model  # noqa: E402
 from compare.workloads import (  # noqa: E402
@@ -240,11 +241,12 @@ def prepare(args: argparse.Namespace, peers: Peers) -> dict[str, str]:
 def server_spec(name: str, args: argparse.Namespace, peers: Peers, port: int) -> ServerSpec:
     max_c = max(args.concurrencies)
     kind = gguf_kind(name)
-    if name == "sgl" or name.startswith("sgl-gguf-"):
+    if name in ("sgl", W8A8_ENGINE) or name.startswith("sgl-gguf-"):
         return sgl_spec(peers.gguf(kind) if kind else peers.hf_folder, port,
                         threads=args.sgl_threads, dtype=args.sgl_dtype,
                         max_running=max(64, max_c), name=name, kind=kind,
-                        int8_activations=args.sgl_int8_activations if kind else None)
+                        int8_activations=args.sgl_int8_activations if kind else None,
+                        quantization="w8a8_int8" if name == W8A8_ENGINE else None)
     if name == "vllm":
         spec = vllm_spec(peers, peers.hf_folder, port, cpus=args.vllm_cpus,
                          kv_gib=args.vllm_kv_gib)
@@ -258,12 +260,29 @@ def server_spec(name: str, args: argparse.Namespace, peers: Peers, port: int) ->
     return spec
 
 
+#: bytes per element of safetensors dtype names
+_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I8": 1, "U8": 1}
+
+
 def weight_bytes(engine: str, peers: Peers) -> int:
     """Bytes of the weights ``engine`` reads: its GGUF file, else the Hugging Face folder's
-    safetensors."""
+    safetensors (for ``sgl-w8a8``, with the decoder's linear weights at one byte each)."""
     kind = gguf_kind(engine)
     if kind:
         return peers.gguf(kind).stat().st_size
+    if engine == W8A8_ENGINE:  # the decoder's linear weights in int8, the rest as stored
+        from safetensors import safe_open
+
+        total = 0
+        for file in peers.hf_folder.glob("*.safetensors"):
+            with safe_open(str(file), "pt") as handle:
+                for name in handle.keys():
+                    piece = handle.get_slice(name)
+                    elements = math.prod(piece.get_shape())
+                    linear = ".layers." in name and name.endswith("_proj.weight")
+                    total += elements if linear else elements * _DTYPE_BYTES.get(
+                        piece.get_dtype(), 2)
+        return total
     return sum(f.stat().st_size for f in peers.hf_folder.glob("*.safetensors"))
 
 
@@ -301,7 +320,8 @@ def run_engine(name: str, args: argparse.Namespace, peers: Peers, workloads: lis
     spec = server_spec(name, args, peers, port)
     entry = {"name": name, "label": spec.label, "settings": spec.settings, "error": None,
              "probe_ms": probe, "weight_bytes": weight_bytes(name, peers),
-             "compute": "int8" if gguf_kind(name) not in (None, "bf16") else "bfloat16"}
+             "compute": "int8" if gguf_kind(name) not in (None, "bf16") or name == W8A8_ENGINE
+             else "bfloat16"}
     doc["engines"].append(entry)
     logger.info("starting %s: %s", name, shlex.join(spec.command))
     started = time.perf_counter()

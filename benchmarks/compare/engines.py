@@ -119,19 +119,26 @@ _DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32", "auto": "dtype auto"}
 
 def sgl_spec(model: Path, port: int, *, threads: int | None, max_running: int,
              dtype: str = "bfloat16", name: str = "sgl", kind: str | None = None,
-             int8_activations: str | None = None) -> ServerSpec:
-    """``sgl serve`` of ``model``: a Hugging Face folder (served dense) or a GGUF file of
-    ``kind`` (served with its quantized blocks, sgl's default; ``name`` ``sgl-gguf-<kind>``)."""
+             int8_activations: str | None = None,
+             quantization: str | None = None) -> ServerSpec:
+    """``sgl serve`` of ``model``: a Hugging Face folder (served dense, or as ``quantization``
+    says: ``w8a8_int8`` for ``sgl-w8a8``) or a GGUF file of ``kind`` (served with its quantized
+    blocks, sgl's default; ``name`` ``sgl-gguf-<kind>``)."""
     command = [sys.executable, "-m", "sgl", "serve", "--model-path", str(model),
                "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
                "--max-running-requests", str(max_running), "--log-level", "warning"]
+    if quantization:
+        command += ["--quantization", quantization]
     if threads:
         command += ["--num-threads", str(threads)]
     if int8_activations:  # else sgl's default (auto)
         command += ["--int8-activations", int8_activations]
     rounding = f"int8 activations {int8_activations}, " if int8_activations else ""
-    weights = f"{kind.upper()} GGUF weights, " if kind else ""
-    return ServerSpec(name, f"sgl, GGUF {kind.upper()}" if kind else "sgl", command,
+    weights = f"{kind.upper()} GGUF weights, " if kind else (
+        f"--quantization {quantization}, " if quantization else "")
+    label = f"sgl, GGUF {kind.upper()}" if kind else (
+        f"sgl, {quantization}" if quantization else "sgl")
+    return ServerSpec(name, label, command,
                       settings=f"{weights}{rounding}"
                                f"{_DTYPE_NAMES.get(dtype, dtype)}, {threads or 'default'} "
                                f"scheduler thread(s), "

@@ -30,6 +30,8 @@ from compare.ladder import LADDER
 QUANTIZED_KINDS = ("q8_0", "q4_k_m", "q5_k_m", "q6_k")
 CONVERTED_KINDS = ("bf16", *QUANTIZED_KINDS)
 GGUF_ENGINES = ("sgl-gguf-", "llama-server-")
+#: sgl on the Hugging Face folder with its int8 weights and activations (SGLang's w8a8_int8)
+W8A8_ENGINE = "sgl-w8a8"
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class Model:
 
     @property
     def engines(self) -> tuple[str, ...]:
-        return ("sgl", *(f"sgl-gguf-{k}" for k in self.kinds), "vllm",
+        return ("sgl", W8A8_ENGINE, *(f"sgl-gguf-{k}" for k in self.kinds), "vllm",
                 *(f"llama-server-{k}" for k in self.kinds), "transformers")
 
     @property
@@ -62,12 +64,13 @@ class Model:
         and llama-server on the file, llama-server also on bf16 and Q8_0, and transformers
         (the set before ``--model`` for smollm2); for a folder or a rung (up to 8B, where
         transformers' static batches are slow), sgl and llama-server on every quantized kind,
-        llama-server also on bf16, and no transformers."""
+        llama-server also on bf16, and no transformers. sgl also serves the folder in its int8
+        compute mode (``sgl-w8a8``: ``--quantization w8a8_int8``) everywhere."""
         if self.origin == "gguf":
             llama = dict.fromkeys(("bf16", "q8_0", self.own_kind))
-            return ["sgl", f"sgl-gguf-{self.own_kind}", "vllm",
+            return ["sgl", W8A8_ENGINE, f"sgl-gguf-{self.own_kind}", "vllm",
                     *(f"llama-server-{k}" for k in llama), "transformers"]
-        return ["sgl", *(f"sgl-gguf-{k}" for k in QUANTIZED_KINDS), "vllm",
+        return ["sgl", W8A8_ENGINE, *(f"sgl-gguf-{k}" for k in QUANTIZED_KINDS), "vllm",
                 *(f"llama-server-{k}" for k in CONVERTED_KINDS)]
 
     def check_engine(self, engine: str) -> str | None:

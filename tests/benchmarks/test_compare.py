@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -183,7 +184,7 @@ def test_charts_are_written(tmp_path: Path) -> None:
     (["--sgl-dtype", "float16"], "invalid choice: 'float16'"),
     (["--model", "llama-9b"], "argument --model: 'llama-9b' is neither smollm2, a ladder model"),
     (["--engines", "sgl-gguf"], "--engines: unknown engine 'sgl-gguf'; choose from sgl, "
-                                "sgl-gguf-q4_1,"),
+                                "sgl-w8a8, sgl-gguf-q4_1,"),
     (["--model", "llama-3.2-1b", "--engines", "sgl,llama-server-q4_1"],
      "--engines: 'llama-server-q4_1' makes no sense for model llama-3.2-1b: it has no q4_1 GGUF "
      "(its kinds: bf16, q8_0, q4_k_m, q5_k_m, q6_k)"),
@@ -223,16 +224,37 @@ def test_sgl_gguf_serves_the_bundled_file_quantized() -> None:
     assert "int8 activations on" in gguf.settings
 
 
+def test_sgl_w8a8_serves_the_folder_in_int8_and_reads_a_byte_per_linear_weight(
+        tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from compare.__main__ import weight_bytes
+
+    args = parse_args(["--engines", "sgl,sgl-w8a8"])
+    spec = server_spec("sgl-w8a8", args, SimpleNamespace(hf_folder=tmp_path), 30000)
+    assert spec.command[spec.command.index("--model-path") + 1] == str(tmp_path)
+    assert spec.command[spec.command.index("--quantization") + 1] == "w8a8_int8"
+    assert spec.label == "sgl, w8a8_int8" and "--quantization w8a8_int8" in spec.settings
+    assert "--quantization" not in server_spec("sgl", args, SimpleNamespace(
+        hf_folder=tmp_path), 30000).command
+    save_file({"model.layers.0.mlp.down_proj.weight": torch.zeros(8, 16, dtype=torch.bfloat16),
+               "model.embed_tokens.weight": torch.zeros(10, 8, dtype=torch.bfloat16),
+               "model.norm.weight": torch.zeros(8)}, str(tmp_path / "model.safetensors"))
+    peers = SimpleNamespace(hf_folder=tmp_path)
+    assert weight_bytes("sgl-w8a8", peers) == 8 * 16 + 10 * 8 * 2 + 8 * 4
+
+
 def test_engines_follow_the_model(tmp_path: Path) -> None:
     from sgl.model_loader import bundled_model_path
 
     # smollm2: the set before --model, with sgl-gguf named after its kind
-    assert parse_args([]).engines == ["sgl", "sgl-gguf-q4_1", "vllm", "llama-server-bf16",
-                                      "llama-server-q8_0", "llama-server-q4_1", "transformers"]
+    assert parse_args([]).engines == ["sgl", "sgl-w8a8", "sgl-gguf-q4_1", "vllm",
+                                      "llama-server-bf16", "llama-server-q8_0",
+                                      "llama-server-q4_1", "transformers"]
     assert parse_args([]).results.name == "compare.json"
     args = parse_args(["--model", "qwen2.5-0.5b"])
-    assert args.engines == ["sgl", "sgl-gguf-q8_0", "sgl-gguf-q4_k_m", "sgl-gguf-q5_k_m",
-                            "sgl-gguf-q6_k", "vllm", "llama-server-bf16", "llama-server-q8_0",
+    assert args.engines == ["sgl", "sgl-w8a8", "sgl-gguf-q8_0", "sgl-gguf-q4_k_m",
+                            "sgl-gguf-q5_k_m", "sgl-gguf-q6_k", "vllm", "llama-server-bf16", "llama-server-q8_0",
                             "llama-server-q4_k_m", "llama-server-q5_k_m", "llama-server-q6_k"]
     assert args.results.name == "compare-qwen2.5-0.5b.json"
     peers = Peers(tmp_path, args.model)
