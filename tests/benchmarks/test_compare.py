@@ -255,7 +255,8 @@ def test_engines_follow_the_model(tmp_path: Path) -> None:
     args = parse_args(["--model", "qwen2.5-0.5b"])
     assert args.engines == ["sgl", "sgl-w8a8", "sgl-gguf-q8_0", "sgl-gguf-q4_k_m",
                             "sgl-gguf-q5_k_m", "sgl-gguf-q6_k", "vllm", "llama-server-bf16",
-                            "llama-server-q8_0", "llama-server-q4_k_m", "llama-server-q5_k_m", "llama-server-q6_k"]
+                            "llama-server-q8_0", "llama-server-q4_k_m", "llama-server-q5_k_m",
+                            "llama-server-q6_k"]
     assert args.results.name == "compare-qwen2.5-0.5b.json"
     peers = Peers(tmp_path, args.model)
     assert peers.hf_folder == tmp_path / "models" / "qwen2.5-0.5b" / "hf"
