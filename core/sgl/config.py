@@ -85,7 +85,7 @@ class ServerSettings:
         "rounded to 8-/4-bit blocks of 32 at load (weight-only; the embedding and LM head to 8 "
         "bits). w8a8_int8: SGLang's scheme, the linear weights rounded to int8 per output "
         "channel at load and each matmul's activations to int8 per token, multiplied as "
-        "integers (AMX / VNNI; the embedding and LM head stay --dtype). gguf, or a weight "
+        "integers (the embedding and LM head stay --dtype). gguf, or a weight "
         "format's name: as auto, but only for that kind of checkpoint.",
         registry="weight_formats", keywords=("auto", "none", "gguf", "int8", "int4", "w8a8_int8"))
     int8_activations: Literal["auto", "on", "off"] = _opt(
