@@ -4,7 +4,7 @@ readers."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sgl.model_loader.formats import WeightFormat
 from sgl_quant_packed.compressed_tensors import (
@@ -15,6 +15,7 @@ from sgl_quant_packed.compressed_tensors import (
 from sgl_quant_packed.gptq_awq import AWQ as AWQ_METHOD
 from sgl_quant_packed.gptq_awq import GPTQ as GPTQ_METHOD
 from sgl_quant_packed.gptq_awq import GPTQAWQWeights, check_gptq_awq
+from sgl_quant_packed.packed import PackedWeights
 from sgl_quant_packed.w8a8_int8 import QUANT_METHOD as W8A8_METHOD
 from sgl_quant_packed.w8a8_int8 import W8A8Int8Weights, check_w8a8_int8
 
@@ -28,17 +29,25 @@ if TYPE_CHECKING:
 __all__ = ["AWQ", "GPTQ", "CompressedTensors", "W8A8Int8"]
 
 
-class CompressedTensors(WeightFormat):
+class _PerLayerFormat(WeightFormat):
+    """A format whose reader needs only the folder, the dtype and whether to keep the layers
+    quantized (:attr:`reader`)."""
+
+    reader: ClassVar[type[PackedWeights]]
+
+    @classmethod
+    def open(cls, path: Path, dtype: torch.dtype, quant: dict[str, Any], *,
+             quantized: bool) -> WeightSource:
+        return cls.reader(path, dtype, quantized=quantized)
+
+
+class CompressedTensors(_PerLayerFormat):
     """llm-compressor's ``pack-quantized`` checkpoints (W4A16, W8A16)."""
 
     name = QUANT_METHOD
     description = "a compressed-tensors"
     check = staticmethod(check_compressed_tensors)
-
-    @classmethod
-    def open(cls, path: Path, dtype: torch.dtype, quant: dict[str, Any], *,
-             quantized: bool) -> WeightSource:
-        return CompressedTensorsWeights(path, dtype, quantized=quantized)
+    reader = CompressedTensorsWeights
 
 
 class GPTQ(WeightFormat):
@@ -64,15 +73,11 @@ class AWQ(GPTQ):
     settings_files = ("quant_config.json",)
 
 
-class W8A8Int8(WeightFormat):
+class W8A8Int8(_PerLayerFormat):
     """SGLang's ``w8a8_int8`` checkpoints: int8 weights per output channel, int8 activations
     per token."""
 
     name = W8A8_METHOD
     description = "a w8a8_int8"
     check = staticmethod(check_w8a8_int8)
-
-    @classmethod
-    def open(cls, path: Path, dtype: torch.dtype, quant: dict[str, Any], *,
-             quantized: bool) -> WeightSource:
-        return W8A8Int8Weights(path, dtype, quantized=quantized)
+    reader = W8A8Int8Weights
