@@ -172,6 +172,23 @@ def test_experts_rounded_at_load_equal_dense_experts_on_the_rounded_weights(
     assert_same_outputs(layer, dense_build(rounded))
 
 
+def test_w8a8_int8_holds_the_experts_as_8_bit_blocks() -> None:
+    """Under w8a8_int8 the experts are weight-only q8 blocks, whether they arrive dense or as a
+    w8a8_int8 checkpoint's per-channel integers (dequantized, then rounded to blocks)."""
+    from sgl.layers.quantized import QuantizedTensor
+
+    weights = q_expert_weights()
+    channels = {key: QuantizedTensor.quantize("w8", w) for key, w in weights.items()}
+    for arriving in (weights, channels):
+        layer = quantized_build("w8a8_int8", arriving)
+        assert layer.layouts == {"gate_up": "q8", "down": "q8"}
+        values = {key: w.dequantize() if isinstance(w, QuantizedTensor) else w
+                  for key, w in arriving.items()}
+        rounded = {key: QuantizedTensor.quantize("q8", w).dequantize()
+                   for key, w in values.items()}
+        assert_same_outputs(layer, dense_build(rounded))
+
+
 def test_gguf_experts_keep_their_blocks_in_one_layout_per_projection() -> None:
     """Blocks stay blocks; an expert whose up projection is 8-bit widens its projection's
     4-bit experts to 8 bits (exactly); one dense expert makes its projection dense."""

@@ -172,8 +172,11 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert {expert_id} {shard_id}_proj: expected shape {expected}, "
                              f"got {tuple(loaded.shape)}")
         if isinstance(loaded, QuantizedTensor) and (
-                self.pending is None or (shard_id == "down" and size % quant.BLOCK)):
-            loaded = loaded.dequantize(self.dtype)  # held dense, or a split that cuts blocks
+                self.pending is None or loaded.layout == quant.CHANNEL_LAYOUT
+                or (shard_id == "down" and size % quant.BLOCK)):
+            # held dense, a split that cuts blocks, or a w8a8_int8 checkpoint's per-channel
+            # expert (the experts are held as blocks)
+            loaded = loaded.dequantize(self.dtype)
         source = (loaded.narrow(1, rank * size, size) if shard_id == "down"
                   else loaded.narrow(0, rank * size, size))
         offset = size if shard_id == "up" else 0
