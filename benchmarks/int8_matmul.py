@@ -19,19 +19,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
-
-
-def _best(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+from roofline import _best_seconds as _best  # benchmarks/ is on the path when run
 
 
 def main(argv: list[str] | None = None) -> int:

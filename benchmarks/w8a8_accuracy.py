@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -45,7 +46,7 @@ def _runner(path: Path, quantization: str):
     from sgl.plugins import create_plugin_manager
 
     torch.set_num_threads(1)
-    cpu.set_threads(max(1, len(__import__("os").sched_getaffinity(0))))
+    cpu.set_threads(max(1, len(os.sched_getaffinity(0))))
     pm = create_plugin_manager()
     return ModelRunner(model_path=str(path), quantization=quantization, dtype="bfloat16",
                        registries=pm.registries, plugin_manager=pm, max_total_tokens=4096,
