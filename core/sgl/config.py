@@ -89,16 +89,16 @@ class ServerSettings:
         "format's name: as auto, but only for that kind of checkpoint.",
         registry="weight_formats", keywords=("auto", "none", "gguf", "int8", "int4", "w8a8_int8"))
     int8_activations: Literal["auto", "on", "off"] = _opt(
-        "off", "Round the activations to int8 per block of 32 before each 4-bit quantized "
-        "matmul of a decode step and multiply integers, as llama.cpp does with every matmul. "
-        "off (default): every product exact, and greedy output the same alone, in any batch "
-        "and after a prefix-cache hit. auto: in steps of 8 or more sequences, on CPUs whose "
-        "kernels are faster so (integer dot-product instructions); on: also in steps of 1-3 sequences. Rounding "
-        "moves the logits by about 0.5, so with auto or on the output depends on the batch "
-        "size (auto: on the load).")
+        "off", "Round the activations to int8 per block of 32 before the matmuls of quantized "
+        "weights (GGUF blocks, --quantization int8/int4, GPTQ/AWQ) and multiply integers, as "
+        "llama.cpp does with every matmul. off (default): every product exact. on: every such "
+        "matmul, prefill and decode: faster at every batch size on CPUs with integer dot "
+        "products, the logits moved by about 0.5, and greedy output still the same alone, in "
+        "any batch and after a prefix-cache hit. auto: only decode steps of 8 or more "
+        "sequences, where the kernels are faster so; the output then depends on the load.")
     enable_deterministic_inference: bool = _opt(
         False, "Refuse the settings under which greedy output depends on the batch (SGLang's "
-        "flag): --int8-activations auto or on, and a GPU device (its attention kernels are not "
+        "flag): --int8-activations auto, and a GPU device (its attention kernels are not "
         "batch-invariant). On the CPU sgl's kernels give a token the same result alone, in any "
         "batch and after a prefix-cache hit with or without it (docs/kernels.md, Batch "
         "invariance).")
@@ -596,10 +596,10 @@ def _check_device(s: ServerSettings, fail: Any) -> None:
         except ValueError as exc:
             fail("device", str(exc))
     if s.enable_deterministic_inference:
-        if s.int8_activations != "off":
-            fail("int8_activations", f"{s.int8_activations} rounds decode steps' activations "
-                 "by batch size, so greedy output depends on the batch; "
-                 "--enable-deterministic-inference needs off (the default)")
+        if s.int8_activations == "auto":
+            fail("int8_activations", "auto rounds decode steps' activations by batch size, so "
+                 "greedy output depends on the batch; --enable-deterministic-inference takes "
+                 "off (the default) or on (every matmul rounded)")
         if device != "cpu":
             fail("enable_deterministic_inference", f"sgl's batch-invariant kernels are CPU "
                  f"kernels; on {device} the attention backends' sums depend on the batch")

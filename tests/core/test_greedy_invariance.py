@@ -208,6 +208,24 @@ def test_every_dtype_and_quantization(request: pytest.FixtureRequest, tmp_path: 
         harness.close()
 
 
+def test_int8_activations_on(request: pytest.FixtureRequest, tmp_path: Path,
+                             model_isa: str) -> None:
+    """``--int8-activations on``: every quantized matmul, prefill and decode, rounds its
+    activations to int8 per block (llama.cpp's arithmetic); a row's rounding is its own and the
+    kernels sum the integers exactly, so the four prompts' property holds as it does exact."""
+    if model_isa == "none":  # known, and the test says so if it ends
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "without sgl's kernels torch's attention and norms can differ in the last bit by "
+            "batch shape; exact products leave the tokens alone, but rounding the next "
+            "matmul's activations turns such a bit into a step of the int8 grid")))
+    harness = Harness(tmp_path, cpu_isa=model_isa, dtype="auto", int8_activations="on",
+                      max_total_tokens=4096)
+    try:
+        _four_prompts_hold(harness)
+    finally:
+        harness.close()
+
+
 def _four_prompts_hold(harness: Harness) -> None:
     """Four prompts give their cold, alone tokens together and again from the cache."""
     with torch.inference_mode():

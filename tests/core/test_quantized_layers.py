@@ -140,21 +140,20 @@ def test_int8_and_int4_round_dense_weights_at_load(mode: str, layout: str) -> No
     torch.testing.assert_close(layer(x), x @ expected.t(), rtol=1e-5, atol=1e-5)
 
 
-def test_quantized_matmuls_round_x_in_decode_steps_where_the_kernels_are_faster(
-        kernel_isa: str) -> None:
-    """In a decode step, layers multiply x rounded to int8 per block (the round_x reference)
-    at the rows where the kernels say that is faster (up to 3 at every level, and from 8 at the
-    AVX-512 levels on a CPU with AVX512-VNNI, or emulated): a q4 layer of
-    ``--int8-activations on`` at both, of ``auto`` from 8 only, a q8 layer of ``on`` from 8
-    only; outside a decode step, and with ``off``, every product is exact."""
+def test_quantized_matmuls_round_x_as_int8_activations_says(kernel_isa: str) -> None:
+    """Layers multiply x rounded to int8 per block (the round_x reference): under
+    ``--int8-activations on`` every matmul, q4 and q8, at any number of rows, in a decode step
+    and outside one (prefill); under ``auto`` only decode steps of 8 or more rows where the
+    kernels say that is faster (from 8 at the AVX-512 levels on a CPU with AVX512-VNNI, or
+    emulated); under ``off`` none."""
     with deferred_weights("gguf", int8_activations="on"):
         q4, q8 = RowParallelLinear(96, 40), RowParallelLinear(96, 40)
     with deferred_weights("gguf", int8_activations="auto"):
-        auto_q4 = RowParallelLinear(96, 40)
+        auto_q4, auto_q8 = RowParallelLinear(96, 40), RowParallelLinear(96, 40)
     with deferred_weights("gguf", int8_activations="off"):
         exact_q4 = RowParallelLinear(96, 40)
-    for layer, seed in ((q4, 14), (q8, 15), (auto_q4, 14), (exact_q4, 14)):
-        load(layer, blocks("q8" if layer is q8 else "q4", 40, 96, seed))
+    for layer, seed in ((q4, 14), (q8, 15), (auto_q4, 14), (auto_q8, 15), (exact_q4, 14)):
+        load(layer, blocks("q8" if layer in (q8, auto_q8) else "q4", 40, 96, seed))
     from sgl_kernels_cpu import isa
 
     vnni = kernel_isa != "avx2" and (cpu.isa_emulated() or isa.has_feature("avx512_vnni"))
@@ -162,18 +161,16 @@ def test_quantized_matmuls_round_x_in_decode_steps_where_the_kernels_are_faster(
         x = inputs(rows, 96)
         many = vnni and rows >= 8
         assert cpu.round_x_faster(rows) == (rows <= 3 or many), rows
-        with decode_step():
-            for layer, op, round_x in ((q4, ops.linear_q4, rows <= 3 or many),
-                                       (auto_q4, ops.linear_q4, many),
-                                       (q8, ops.linear_q8, many),
-                                       (exact_q4, ops.linear_q4, False)):
-                want = op(x, layer.weight, layer.weight_scales, None, round_x)
-                torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
-                if round_x:  # it did round
-                    assert (want - x @ dense_rows(layer).t()).abs().max() > 1e-4
-        for layer in (q4, q8, auto_q4):
-            torch.testing.assert_close(layer(x), x @ dense_rows(layer).t(), rtol=1e-5,
-                                       atol=1e-5)
+        for step in (True, False):
+            with decode_step(step):
+                for layer, op, round_x in ((q4, ops.linear_q4, True), (q8, ops.linear_q8, True),
+                                           (auto_q4, ops.linear_q4, many and step),
+                                           (auto_q8, ops.linear_q8, many and step),
+                                           (exact_q4, ops.linear_q4, False)):
+                    want = op(x, layer.weight, layer.weight_scales, None, round_x)
+                    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+                    if round_x:  # it did round
+                        assert (want - x @ dense_rows(layer).t()).abs().max() > 1e-4
 
 
 @pytest.mark.usefixtures("tp_rank_1_of_2")
@@ -462,10 +459,10 @@ def test_the_start_up_log_says_when_activations_are_rounded(
     auto, on = (r.getMessage() for r in caplog.records)
     if cpu.round_x_faster(8):
         assert auto.startswith("int8 activations auto: decode steps of 8 or more sequences")
-        assert "--int8-activations off keeps every product exact" in auto
+        assert "--int8-activations on rounds every matmul, off none" in auto
     else:
         assert auto.startswith("int8 activations auto: the CPU kernels are not faster so")
-    assert on.startswith("int8 activations on: decode steps round activations")
+    assert on.startswith("int8 activations on: every quantized matmul rounds")
 
 
 def test_int8_activations_names_its_values() -> None:

@@ -230,7 +230,7 @@ class ModelRunner:
         ``"float16"``.
     :param quantization: ``auto``, ``none``, ``gguf``, ``int8``, ``int4`` or a registered
         weight format's name (:func:`resolve_quantization`).
-    :param int8_activations: when the 4-bit matmuls of decode steps round activations to
+    :param int8_activations: when the quantized matmuls round activations to
         int8: ``auto``, ``on`` or ``off`` (:data:`sgl.layers.quantized.INT8_ACTIVATIONS`).
     :param attention_backend: a name registered by an attention plugin (``"torch"``).
     :param registries: the plugin manager's registries (models, attention backends).
@@ -390,24 +390,25 @@ class ModelRunner:
                 process()
 
     def _log_int8_activations(self, mode: str) -> None:
-        """Say whether decode steps round activations to int8 (``--int8-activations``), where
-        the model has 4-bit layers and the kernels run them."""
-        rows = {getattr(m, "round_x_rows", 0) for m in self.model.modules()
-                if getattr(m, "weight_layout", None) == "q4"}
-        rows.discard(0)
-        if not rows or self.device.type != "cpu":
+        """Say when the quantized matmuls round activations to int8 (``--int8-activations``),
+        where the model has quantized layers and the kernels run them."""
+        quantized = any(getattr(m, "weight_layout", None) in ("q4", "q8")
+                        for m in self.model.modules())
+        if not quantized or self.device.type != "cpu" or mode == "off":
             return
-        first = min(rows)
-        if not any(cpu.round_x_faster(n) for n in (first, max(first, AUTO_ROUND_X_ROWS))):
-            logger.info("int8 activations %s: the CPU kernels are not faster so at %s; every "
-                        "quantized product exact", mode, cpu.describe_isa())
-        elif first >= AUTO_ROUND_X_ROWS:
-            logger.info("int8 activations auto: decode steps of %d or more sequences round "
-                        "activations to int8 before 4-bit matmuls (faster than exact on this "
-                        "CPU); --int8-activations off keeps every product exact", first)
+        if mode == "on":
+            logger.info("int8 activations on: every quantized matmul rounds its activations to "
+                        "int8 per block of 32 and multiplies integers (llama.cpp's arithmetic; "
+                        "greedy output still the same alone, batched and after a prefix-cache "
+                        "hit)")
+        elif not cpu.round_x_faster(AUTO_ROUND_X_ROWS):
+            logger.info("int8 activations auto: the CPU kernels are not faster so at %s; every "
+                        "quantized product exact", cpu.describe_isa())
         else:
-            logger.info("int8 activations on: decode steps round activations to int8 before "
-                        "4-bit matmuls where the kernels are faster so")
+            logger.info("int8 activations auto: decode steps of %d or more sequences round "
+                        "activations to int8 before quantized matmuls (faster than exact on this "
+                        "CPU; the output then depends on the batch); --int8-activations on rounds "
+                        "every matmul, off none", AUTO_ROUND_X_ROWS)
 
     def _describe_weights(self) -> str:
         layouts = Counter(getattr(m, "weight_layout", None) or "dense"

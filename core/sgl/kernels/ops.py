@@ -139,10 +139,16 @@ def _linear_quantized(fmt: str, x: torch.Tensor, qweight: torch.Tensor, scales: 
         return (y if bias is None else y + bias).to(x.dtype)
     q, dx, xs = round_x_blocks(x)  # [M, KB, 32], [M, KB], [M, KB]
     w = quant.integers(fmt, qweight).to(torch.int32)  # [N, KB, 32]
-    s = scales.float()
+    d, m = scales[..., 0].float(), scales[..., 1].float()  # [N, KB]
     dots = torch.einsum("mbk,nbk->mnb", q.double(), w.double())  # exact integers
-    y = (dots.float() * (s[None, :, :, 0] * dx[:, None, :])).sum(-1) \
-        + (s[None, :, :, 1] * xs[:, None, :]).sum(-1)
+    # block by block, the kernels' sequence: acc = fma(sum, d * dx, acc); acc = fma(m, xs, acc)
+    # (each product exact in float64, so only the additions round; elementwise, so a row's
+    # result does not depend on the others)
+    y = torch.zeros(x.shape[0], qweight.shape[0], dtype=torch.float32, device=x.device)
+    for b in range(q.shape[1]):
+        scale = d[None, :, b] * dx[:, None, b]
+        y = (dots[:, :, b] * scale.double() + y.double()).float()
+        y = (m[None, :, b].double() * xs[:, None, b].double() + y.double()).float()
     return (y if bias is None else y + bias).to(x.dtype)
 
 
@@ -153,8 +159,10 @@ def linear_q4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     K/32, 2]``): the products summed in float32, the result in ``x``'s dtype (rounded once).
     ``bias``: float32 ``[N]``. ``round_x``: ``x`` is first rounded per block of 32 to int8
     (:func:`round_x_blocks`, llama.cpp's ``Q8_0`` activations) and each block's products are
-    integers, summed exactly, then scaled by ``d * dx``, plus ``m * dx * sum(q)``: faster for
-    few rows, at the cost of ``x``'s rounding (at most ``max|x| / 254`` per value)."""
+    integers, summed exactly, then block by block in K's order ``acc = fma(sum, d * dx, acc)``
+    and ``acc = fma(m, dx * sum(q), acc)`` in float32 from ``acc = 0`` (the kernels' sequence;
+    here each addition rounds through float64), plus the bias: a row's result does not depend on
+    the other rows, at the cost of ``x``'s rounding (at most ``max|x| / 254`` per value)."""
     return _linear_quantized("q4", x, qweight, scales, bias, round_x)
 
 

@@ -127,17 +127,16 @@ class QuantizedTensor:
 
 # -- building a model whose weights are decided by what arrives --------------------------------
 
-#: ``--int8-activations`` values: with ``on`` a 4-bit matmul in a :func:`decode_step` rounds
-#: ``x`` to int8 per block of 32 (``round_x`` of ``sgl::linear_q4``, what llama.cpp does with
-#: every matmul) and multiplies integers, at the numbers of rows where the kernels are faster so
-#: (:func:`sgl.kernels.cpu.round_x_faster`: few rows on every level, and from 8 rows on CPUs
-#: with AVX512-VNNI); ``auto`` (the default) only from :data:`AUTO_ROUND_X_ROWS` rows, where
-#: throughput is at stake (one sequence is fast enough exact); ``off`` never. Each value of
-#: ``x`` moves by at most ``max|x| / 254`` of its block, and since rounding is not continuous, a
-#: tiny difference upstream (a prefix-cache hit sums in another order) can become a visible
-#: one. The 8-bit layout (an embedding used as the LM head, Q8_0 and Q6_K weights) rounds only
-#: from :data:`AUTO_ROUND_X_ROWS` rows, under ``on`` too: with few rows it gains too little to
-#: give up exactness.
+#: ``--int8-activations`` values: with ``on`` every matmul of a quantized (``q4``/``q8``) layer,
+#: prefill and decode, the LM head included, rounds ``x`` to int8 per block of 32 (``round_x`` of
+#: ``sgl::linear_q4``/``linear_q8``, what llama.cpp does with every matmul) and multiplies
+#: integers. The kernels sum the integers exactly and scale them in one float sequence at any
+#: row count, and a row's rounding is its own, so a request's tokens stay independent of its
+#: batch and of the prefix cache. ``auto`` rounds only decode steps of
+#: :data:`AUTO_ROUND_X_ROWS` or more sequences, where the kernels are faster so
+#: (:func:`sgl.kernels.cpu.round_x_faster`): throughput where it is at stake, at the price of
+#: output that depends on the batch size; ``off`` never rounds. Each value of ``x`` moves by at
+#: most ``max|x| / 254`` of its block.
 INT8_ACTIVATIONS = ("auto", "on", "off")
 #: the fewest rows ``--int8-activations auto`` rounds: decode batches of 8 on Zen 4 went from
 #: 0.95x to 1.25x the bfloat16 weights' tokens/s, batches of 32 from 0.80x to 1.11x
@@ -146,7 +145,6 @@ AUTO_ROUND_X_ROWS = 8
 
 
 _deferred: tuple[str, str] | None = None  # (mode, int8 activations)
-_ROUND_X_ROWS = {"on": 1, "auto": AUTO_ROUND_X_ROWS, "off": 0}
 
 
 @contextlib.contextmanager
@@ -154,8 +152,8 @@ def deferred_weights(mode: str, *, int8_activations: str = "off") -> Iterator[No
     """Build models inside this to let their weights be held as they arrive (see the module
     docstring); ``mode``: ``int8``/``int4`` (:data:`QUANTIZE_MODES`), or the name of the
     format the weights arrive in (``gguf``, a weight format's name). ``int8_activations``: when the
-    layers' 4-bit matmuls round x to int8 in decode steps (:data:`INT8_ACTIVATIONS`); ``off``
-    keeps every product exact."""
+    layers' quantized matmuls round x to int8 (:data:`INT8_ACTIVATIONS`); ``off`` keeps every
+    product exact."""
     global _deferred
     if not mode or mode == "none":
         raise ValueError(f"quantization mode {mode!r}: a dense model needs no deferred weights")
@@ -270,9 +268,8 @@ def init_weight(module: nn.Module, rows: int, cols: int, dtype: torch.dtype | No
     module.weight_dtype = dtype or torch.get_default_dtype()
     module.weight_device = torch.device(device) if device is not None else torch.device("cpu")
     module.weight_mode = deferred_mode()
-    #: the fewest rows of a decode step its 4-bit matmuls round x at (--int8-activations;
-    #: where the kernels are faster so); 0: never
-    module.round_x_rows = 0 if _deferred is None else _ROUND_X_ROWS[_deferred[1]]
+    #: when its quantized matmuls round x to int8 (--int8-activations, INT8_ACTIVATIONS)
+    module.int8_activations = "off" if _deferred is None else _deferred[1]
     place = "meta" if module.weight_mode is not None else device
     module.weight = nn.Parameter(torch.empty((rows, cols), dtype=dtype, device=place),
                                  requires_grad=False)
@@ -299,9 +296,8 @@ _decode_step = False
 @contextlib.contextmanager
 def decode_step(active: bool = True) -> Iterator[None]:
     """Mark the forward pass run inside as a decode step (the model runner does). Only there
-    do the 4-bit matmuls of ``--int8-activations`` round x: a prefill (even of a few new tokens
-    of a prompt mostly in the prefix cache) stays exact, so a request's first token does not
-    depend on what the cache held."""
+    do the quantized matmuls of ``--int8-activations auto`` round x (``on`` rounds every
+    matmul)."""
     global _decode_step
     previous, _decode_step = _decode_step, active
     try:
@@ -321,11 +317,12 @@ def pack_channel_weight(module: nn.Module) -> None:
 
 def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
                      scales: torch.Tensor, bias32: torch.Tensor | None, *,
-                     round_x_rows: int = 0) -> torch.Tensor:
+                     int8_activations: str = "off") -> torch.Tensor:
     """``x @ W^T + bias`` for ``x [..., K]`` and a quantized ``W``: the kernel operator for
-    float32 and bfloat16 ``x`` on CPU (a 4-bit weight in a :func:`decode_step` rounds x from
-    ``round_x_rows`` rows, where :func:`sgl.kernels.cpu.round_x_faster` says it is faster; 0:
-    never), the reference (dequantize, then multiply) otherwise."""
+    float32 and bfloat16 ``x`` on CPU, the reference (dequantize, then multiply) otherwise.
+    ``int8_activations`` (:data:`INT8_ACTIVATIONS`): whether x is rounded to int8 per block
+    first (``on``: always; ``auto``: in a :func:`decode_step` of :data:`AUTO_ROUND_X_ROWS` or
+    more rows where :func:`sgl.kernels.cpu.round_x_faster` says so)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -336,14 +333,13 @@ def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
         out = (torch.ops.sgl.linear_w8a8 if cpu_kernel else ops.linear_w8a8)(
             x2, qweight, scales, bias32)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+    round_x = int8_activations == "on" or (
+        int8_activations == "auto" and _decode_step and rows >= AUTO_ROUND_X_ROWS
+        and cpu.round_x_faster(rows))
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-        # the 8-bit layout rounds only the many rows of the integer tiles (see INT8_ACTIVATIONS)
-        first = round_x_rows if layout == "q4" else max(round_x_rows, AUTO_ROUND_X_ROWS)
-        round_x = (_decode_step and 0 < round_x_rows and first <= rows
-                   and cpu.round_x_faster(rows))
         op = torch.ops.sgl.linear_q4 if layout == "q4" else torch.ops.sgl.linear_q8
         out = op(x2, qweight, scales, bias32, round_x)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
     op: Any = ops.linear_q4 if layout == "q4" else ops.linear_q8
-    out = op(x2, qweight, scales, bias32)
+    out = op(x2, qweight, scales, bias32, round_x)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])

@@ -7,8 +7,9 @@ the quantized matmul of one row rounding its weights differently from the matmul
 
 Drawn with hypothesis at every kernel level (emulated ones included): the operator, its
 weight layout, the activations' dtype, the shape, the rows of the full call and the slice
-taken from it. ``round_x`` (``--int8-activations``) is left out: it rounds activations by
-design and its paths differ by row count.
+taken from it. ``q4x`` and ``q8x`` are the quantized operators with ``round_x``
+(``--int8-activations on``): each row rounded to int8 per block on its own, the integer sums
+exact, then one float sequence in every tile, so they are held to the same bits too.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from hypothesis import strategies as st
 from sgl.kernels import cpu, ops, quant
 
 # rows on both sides of every threshold of the kernels (AVX2 and AVX-512 quantized: 12; the
-# direct one-row paths; the 8-row bfloat16 tiles; the float32 6-row tiles and their 2-row path)
-FULL_ROWS = (1, 2, 3, 5, 8, 11, 12, 13, 17, 40)
-OPERATORS = ("dense", "q4", "q8")
+# direct one-row paths; the 8-row bfloat16 tiles; the float32 6-row tiles and their 2-row path;
+# round_x: 4-row tiles, and the 16-column tiles from 8 rows)
+FULL_ROWS = (1, 2, 3, 4, 5, 8, 11, 12, 13, 17, 40)
+OPERATORS = ("dense", "q4", "q8", "q4x", "q8x")
 
 
 def _matmul(kind: str, dtype: torch.dtype, n: int, k: int, seed: int):
@@ -37,13 +39,14 @@ def _matmul(kind: str, dtype: torch.dtype, n: int, k: int, seed: int):
     if kind == "dense":
         packed = ops.pack_f32_weight(weight)
         return lambda x: torch.ops.sgl.linear_f32(x, packed, n, bias)
-    qweight, scales = quant.quantize(kind, weight)
-    op = torch.ops.sgl.linear_q4 if kind == "q4" else torch.ops.sgl.linear_q8
-    return lambda x: op(x, qweight, scales, bias, False)
+    qweight, scales = quant.quantize(kind[:2], weight)
+    op = torch.ops.sgl.linear_q4 if kind.startswith("q4") else torch.ops.sgl.linear_q8
+    round_x = kind.endswith("x")
+    return lambda x: op(x, qweight, scales, bias, round_x)
 
 
 @pytest.mark.usefixtures("kernel_isa", "restore_kernel_threads")
-@settings(max_examples=12, deadline=None, derandomize=True,
+@settings(max_examples=20, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(OPERATORS), bf16=st.booleans(),
        n=st.sampled_from([16, 40, 96]), k=st.sampled_from([64, 96, 576]),
@@ -83,8 +86,12 @@ def test_one_row_equals_its_row_of_a_prefill(kind: str, dtype: torch.dtype) -> N
         gen = torch.Generator().manual_seed(n * 3 + k)
         weight = torch.randn(n, k, generator=gen) * 0.05
         bias = torch.randn(n, generator=gen)
-        dense = quant.dequantize(kind, *quant.quantize(kind, weight))
-        expected = x.float() @ dense.T + bias
+        qweight, scales = quant.quantize(kind[:2], weight)
+        if kind.endswith("x"):  # round_x: the reference rounds x as the kernels do
+            reference = ops.linear_q4 if kind == "q4x" else ops.linear_q8
+            expected = reference(x.float(), qweight, scales, bias, True)
+        else:
+            expected = x.float() @ quant.dequantize(kind, qweight, scales).T + bias
         tol = {"rtol": 0.02, "atol": 0.05} if dtype == torch.bfloat16 else {"rtol": 1e-4,
                                                                             "atol": 1e-4}
         torch.testing.assert_close(prefill.float(), expected, **tol)

@@ -55,9 +55,9 @@ void sgl_bf16_panel_avx512(const uint16_t *x, int64_t ldx, const float *xf, int6
                            const uint16_t *panel, uint16_t *y, int64_t ldy, int64_t M,
                            int64_t cols, int64_t K, const float *bias, int dp);
 /* x [M, K] fp32 rounded per block of 32 to int8 (kernels_quant_avx2.c): xq [M, K], and per row
-   and block dx = max|x| / 127 and dx * sum(q) into xd, xs [M, K/32] */
+   and block dx = max|x| / 127, dx * sum(q) and sum(q) into xd, xs, xi [M, K/32] */
 void sgl_round_x_blocks(const float *xf, int64_t ldx, int64_t M, int64_t KB, int8_t *xq,
-                        float *xd, float *xs);
+                        float *xd, float *xs, int32_t *xi);
 int sgl_linear_quant_avx512(const void *x, int64_t ldx, const uint8_t *qw, const uint16_t *sc,
                             void *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                             const float *bias, int dtype, int bits, int round_x, int bf16_dot);

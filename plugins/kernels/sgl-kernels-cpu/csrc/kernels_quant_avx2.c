@@ -22,8 +22,8 @@
  *
  * With round_x (any M) each block of each row of x is first rounded to int8 (sgl_round_x_blocks,
  * llama.cpp's Q8 activations) and the products are integers: vpmaddubsw / vpmaddwd per block,
- * scaled by d * dx, plus m * dx * sum(q); 1-2 rows take 4 columns at a time, 3-4 rows 2, and
- * the columns are shared out in groups of 4.
+ * summed exactly, then scaled by d * dx, plus m * dx * sum(q), in quant_round_x.h's one float
+ * sequence; tiles of up to 4 rows x 8 columns, the columns shared out in groups of 8.
  *
  * The lookup of token embeddings in a quantized table (sgl::embedding_q) is here too: each row
  * widened block by block as the matmuls widen them, d q + m in float32 (exact: fp16 d times a
@@ -264,11 +264,11 @@ AVX2_TARGET static void linear_quant_small(void *ctx, int64_t g_begin, int64_t g
 /* -- x rounded to int8 per block (round_x) --------------------------------------------------- */
 
 /* Each block of 32 values of each row of x (fp32) rounded to int8: dx = max|x| / 127, q =
-   nearest-even(x * (127 / max|x|)), clamped to +-127 (all zero when max|x| is 0); xd = dx and
-   xs = dx * sum(q), per row and block. The reference (sgl.kernels.ops) computes the same
+   nearest-even(x * (127 / max|x|)), clamped to +-127 (all zero when max|x| is 0); xd = dx,
+   xs = dx * sum(q) and xi = sum(q), per row and block. The reference (sgl.kernels.ops) computes the same
    float32 operations in the same order, so the integers agree exactly. */
 AVX2_TARGET void sgl_round_x_blocks(const float *xf, int64_t ldx, int64_t M, int64_t KB,
-                                    int8_t *xq, float *xd, float *xs) {
+                                    int8_t *xq, float *xd, float *xs, int32_t *xi) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t r = 0; r < M; r++)
         for (int64_t kb = 0; kb < KB; kb++) {
@@ -307,6 +307,7 @@ AVX2_TARGET void sgl_round_x_blocks(const float *xf, int64_t ldx, int64_t M, int
             }
             xd[r * KB + kb] = amax / 127.0f;
             xs[r * KB + kb] = (amax / 127.0f) * (float)sum;
+            xi[r * KB + kb] = sum;
         }
 }
 
@@ -391,7 +392,7 @@ AVX2_TARGET int sgl_linear_quant_avx2(const void *x, int64_t ldx, const uint8_t 
     const int64_t KB = K / 32;
     /* fp32 copy of a bfloat16 x, then (round_x) the int8 blocks and their dx, dx * sum */
     const size_t copy_bytes = dtype ? (size_t)(M * K) * 4 : 0;
-    const size_t round_bytes = round_x ? (size_t)(M * K) + (size_t)(2 * M * KB) * 4 + 64 : 0;
+    const size_t round_bytes = round_x ? (size_t)(M * K) + (size_t)(3 * M * KB) * 4 + 64 : 0;
     char *buf = (dtype || round_x) ? sgl_scratch(1, copy_bytes + round_bytes) : NULL;
     if ((dtype || round_x) && !buf) return -1;
     if (dtype) {
@@ -404,11 +405,12 @@ AVX2_TARGET int sgl_linear_quant_avx2(const void *x, int64_t ldx, const uint8_t 
     }
     if (round_x) {
         float *xd = (float *)(buf + copy_bytes), *xs = xd + M * KB;
-        int8_t *xq = (int8_t *)(xs + M * KB);
-        sgl_round_x_blocks(xf, ldx, M, KB, xq, xd, xs);
-        quant_i8_job i8 = {qw, sc, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs};
-        const int64_t quads = (N + 3) / 4;
-        sgl_parallel_for(i8_quads, &i8, quads, chunk_of(quads));
+        int32_t *xi = (int32_t *)(xs + M * KB);
+        int8_t *xq = (int8_t *)(xi + M * KB);
+        sgl_round_x_blocks(xf, ldx, M, KB, xq, xd, xs, xi);
+        quant_i8_job i8 = {qw, sc, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs, xi};
+        const int64_t octets = (N + 7) / 8;
+        sgl_parallel_for(i8_octets, &i8, octets, chunk_of(octets));
         return 0;
     }
     linear_quant_job job = {xf, qw, sc, y, bias, ldx, ldy, M, N, KB, dtype, bits};

@@ -12,12 +12,10 @@
  * the float32 d q + m); the product is then the dense bfloat16 product of the rounded weight.
  *
  * With round_x, on a CPU with AVX512-VNNI: x is rounded per block to int8 as the AVX2 kernel
- * rounds it (sgl_round_x_blocks), and each block's products go through one 256-bit vpdpbusd (32
- * products of an unsigned and a signed byte, summed by fours into 8 int32 lanes, exact) where
- * the AVX2 kernel takes vpmaddubsw and vpmaddwd; the rest is the AVX2 kernel's: d * dx per block
- * in float32 plus m * dx * sum(q), its tiles (1-2 rows 4 columns side by side, 3-4 rows 2, more
- * rows 1). 256 bits, not 512: on Zen 4 a 512-bit vpdpbusd runs as two halves, and two blocks per
- * vector measured slower there (their scales must be spread over the lanes).
+ * rounds it (sgl_round_x_blocks), the products are summed exactly in int32 and scaled in
+ * quant_round_x.h's one float sequence: below I8G_ROWS rows its tiles (one 256-bit vpdpbusd per
+ * block and column where the AVX2 kernel takes vpmaddubsw and vpmaddwd), from I8G_ROWS rows 16
+ * columns in the lanes of 512-bit vpdpbusd (i8g_*). Both give a row the same bits.
  *
  * Decode shapes without round_x stay with the AVX2 kernel: a 16-lane version of its tiles, and
  * one multiplying the blocks' integers as bfloat16 with vdpbf16ps, both measured no faster on
@@ -202,10 +200,9 @@ PANEL512_TARGET Q512_INLINE void i8g_transpose16x4(const uint8_t *src, int64_t s
 
 /* The scales of every block of the 16 columns n0 .. n0 + cols (zero past them) as float32:
    d[kb * 16 + c], m[kb * 16 + c] (64-byte aligned), each column's (d, m) pairs of 16 blocks
-   read as dwords and transposed to a block's 16 columns. minus_128d: m - 128 d (q8 as unsigned
-   bytes in vpdpbusd; 128 d is exact, one rounding). */
+   read as dwords and transposed to a block's 16 columns. */
 PANEL512_TARGET static void q512_scales16(const uint16_t *sc, int64_t KB, int64_t n0,
-                                          int64_t cols, float *d, float *m, int minus_128d) {
+                                          int64_t cols, float *d, float *m) {
     for (int64_t kb0 = 0; kb0 < KB; kb0 += 16) {
         const int64_t n = KB - kb0 < 16 ? KB - kb0 : 16;
         const __mmask16 blocks = (__mmask16)((1u << n) - 1);
@@ -224,9 +221,8 @@ PANEL512_TARGET static void q512_scales16(const uint16_t *sc, int64_t KB, int64_
             for (int h = 0; h < 2; h++) {
                 const __m256 dv = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(dh, 1)
                                                     : _mm256_castsi256_si128(dh));
-                __m256 mv = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(mh, 1)
+                const __m256 mv = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(mh, 1)
                                               : _mm256_castsi256_si128(mh));
-                if (minus_128d) mv = _mm256_fnmadd_ps(_mm256_set1_ps(128.0f), dv, mv);
                 _mm256_store_ps(db + 8 * h, dv);
                 _mm256_store_ps(mb + 8 * h, mv);
             }
@@ -451,7 +447,7 @@ Q512S_DIRECT(q512s_direct_widen, PANEL512_TARGET, q512s_pair, 0)
             const int64_t n0 = 32 * g, cols = j->N - n0 < 32 ? j->N - n0 : 32;                 \
             for (int64_t h = 0; h < 2 && 16 * h < cols; h++)                                   \
                 q512_scales16(j->sc, j->KB, n0 + 16 * h, cols - 16 * h, sc + h * 32 * j->KB,   \
-                              sc + (h * 32 + 16) * j->KB, 0);                                  \
+                              sc + (h * 32 + 16) * j->KB);                                  \
             if (M == 1) {                                                                      \
                 if (j->bits == 4) DIRECT(j, n0, cols, sc, acc, 4);                             \
                 else DIRECT(j, n0, cols, sc, acc, 8);                                          \
@@ -522,7 +518,7 @@ PANEL512_TARGET static int q512_linear_small(const uint16_t *x, int64_t ldx, con
 
 /* -- round_x, many rows: 16 columns in the lanes of 512-bit vpdpbusd ------------------------ */
 
-#define I8G_ROWS 8 /* from this many rows; also the tile's rows */
+#define I8G_ROWS 8 /* the tile's rows */
 
 typedef struct {
     const uint8_t *qw;
@@ -533,12 +529,13 @@ typedef struct {
     int dtype, bits;
     const int8_t *xq;     /* x rounded per block: int8 [M, K] */
     const float *xd, *xs; /* per row and block: dx, dx * sum(q) */
+    const int32_t *xi;    /* per row and block: sum(q) */
     atomic_int no_memory;
 } i8g_job;
 
 /* the 16 columns n0 .. n0 + cols of every block, in vpdpbusd's layout: w[kb][i], lane c holds
-   the block's values 4i .. 4i + 3 of column n0 + c as unsigned bytes (q4: 0..15; q8: q + 128),
-   d[kb] and m[kb] the columns' float32 scales (q8: m - 128 d, which takes the 128 back) */
+   the block's values 4i .. 4i + 3 of column n0 + c as unsigned bytes (q4: 0..15; q8: q + 128,
+   128 sum(q) taken off the sums), d[kb] and m[kb] the columns' float32 scales */
 VNNI512_TARGET static void i8g_pack(const i8g_job *j, int64_t n0, int64_t cols, __m512i *w,
                                     float *d, float *m) {
     const int64_t KB = j->KB, qb = j->bits == 4 ? 16 : 32;
@@ -562,12 +559,11 @@ VNNI512_TARGET static void i8g_pack(const i8g_job *j, int64_t n0, int64_t cols, 
             for (int i = 0; i < 4; i++) dst[4 + i] = _mm512_xor_si512(t[i], flip);
         }
     }
-    q512_scales16(j->sc, KB, n0, cols, d, m, j->bits == 8);
+    q512_scales16(j->sc, KB, n0, cols, d, m);
 }
 
 /* y[r0 .. r0 + ROWS, n0 .. n0 + cols]: per block, each row's 4-byte groups broadcast into
-   vpdpbusd with the 8 weight vectors (exact int32 sums), then scaled by d dx in float32, and
-   m dx sum(q) added */
+   vpdpbusd with the 8 weight vectors (exact int32 sums), then quant_round_x.h's float sequence */
 VNNI512_TARGET Q512_INLINE void i8g_tile(const i8g_job *j, const __m512i *w, const float *d,
                                          const float *m, int64_t r0, int64_t n0, int64_t cols,
                                          const char *next, int64_t next_lines, const int ROWS) {
@@ -575,6 +571,7 @@ VNNI512_TARGET Q512_INLINE void i8g_tile(const i8g_job *j, const __m512i *w, con
     const int64_t KB = j->KB, K = KB * 32;
     const int8_t *xq = j->xq + r0 * K;
     const float *xd = j->xd + r0 * KB, *xs = j->xs + r0 * KB;
+    const int32_t *xi = j->xi + r0 * KB;
     __m512 acc[I8G_ROWS];
     #pragma GCC unroll 8
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
@@ -598,6 +595,8 @@ VNNI512_TARGET Q512_INLINE void i8g_tile(const i8g_job *j, const __m512i *w, con
         const __m512 dv = _mm512_load_ps(d + kb * 16), mv = _mm512_load_ps(m + kb * 16);
         #pragma GCC unroll 8
         for (int r = 0; r < ROWS; r++) {
+            if (j->bits == 8) /* the 128 added to every weight */
+                sum[r] = _mm512_sub_epi32(sum[r], _mm512_set1_epi32(128 * xi[r * KB + kb]));
             const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * KB + kb]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), scale, acc[r]);
             acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * KB + kb]), acc[r]);
@@ -667,6 +666,7 @@ typedef struct {
     int dtype;
     int8_t *xq;
     float *xd, *xs;
+    int32_t *xi;
 } i8_round_job;
 
 /* rows r_begin .. r_end of x rounded per block (sgl_round_x_blocks), a bfloat16 row widened to
@@ -677,8 +677,9 @@ VNNI512_TARGET static void i8_round_rows(void *ctx, int64_t r_begin, int64_t r_e
     for (int64_t r = r_begin; r < r_end; r++) {
         int8_t *xq = j->xq + r * KB * 32;
         float *xd = j->xd + r * KB, *xs = j->xs + r * KB;
+        int32_t *xi = j->xi + r * KB;
         if (!j->dtype) {
-            sgl_round_x_blocks((const float *)j->x + r * j->ldx, KB * 32, 1, KB, xq, xd, xs);
+            sgl_round_x_blocks((const float *)j->x + r * j->ldx, KB * 32, 1, KB, xq, xd, xs, xi);
             continue;
         }
         const uint16_t *row = (const uint16_t *)j->x + r * j->ldx;
@@ -690,7 +691,7 @@ VNNI512_TARGET static void i8_round_rows(void *ctx, int64_t r_begin, int64_t r_e
                     _mm256_loadu_si256((const __m256i *)(row + kb * 32 + k)));
                 _mm512_storeu_ps(wide + k, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
             }
-            sgl_round_x_blocks(wide, n * 32, 1, n, xq + kb * 32, xd + kb, xs + kb);
+            sgl_round_x_blocks(wide, n * 32, 1, n, xq + kb * 32, xd + kb, xs + kb, xi + kb);
         }
     }
 }
@@ -702,22 +703,23 @@ VNNI512_TARGET static int q512_linear_i8(const void *x, int64_t ldx, const uint8
                                          int64_t N, int64_t K, const float *bias, int dtype,
                                          int bits) {
     const int64_t KB = K / 32;
-    char *buf = sgl_scratch(1, (size_t)(M * K) + (size_t)(2 * M * KB) * 4 + 64);
+    char *buf = sgl_scratch(1, (size_t)(M * K) + (size_t)(3 * M * KB) * 4 + 64);
     if (!buf) return -1;
     float *xd = (float *)buf, *xs = xd + M * KB;
-    int8_t *xq = (int8_t *)(xs + M * KB);
-    i8_round_job round = {x, ldx, KB, dtype, xq, xd, xs};
+    int32_t *xi = (int32_t *)(xs + M * KB);
+    int8_t *xq = (int8_t *)(xi + M * KB);
+    i8_round_job round = {x, ldx, KB, dtype, xq, xd, xs, xi};
     if (M >= I8G_ROWS) {
         sgl_parallel_for(i8_round_rows, &round, M, chunk_of(M));
-        i8g_job job = {qw, sc, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs, 0};
+        i8g_job job = {qw, sc, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs, xi, 0};
         const int64_t groups = (N + 15) / 16;
         sgl_parallel_for(i8g_groups, &job, groups, panels_per_thread(groups));
         return atomic_load(&job.no_memory) ? -1 : 0;
     }
     i8_round_rows(&round, 0, M);
-    quant_i8_job job = {qw, sc, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs};
-    const int64_t quads = (N + 3) / 4;
-    sgl_parallel_for(i8_quads, &job, quads, panels_per_thread(quads));
+    quant_i8_job job = {qw, sc, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs, xi};
+    const int64_t octets = (N + 7) / 8;
+    sgl_parallel_for(i8_octets, &job, octets, panels_per_thread(octets));
     return 0;
 }
 
