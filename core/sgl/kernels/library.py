@@ -201,9 +201,10 @@ class KernelLibrary(abc.ABC):
         return False
 
     def round_x_faster(self, rows: int) -> bool:
-        """Whether a 4-bit quantized matmul of ``rows`` rows is faster with ``round_x`` (x
-        rounded to int8 per block, integer products) than exact, at the level in use: where it
-        is, ``--int8-activations`` rounds decode steps of that many sequences."""
+        """Whether a quantized matmul of ``rows`` rows is faster with ``round_x`` (x rounded to
+        int8 per block, integer products) than exact, at the level in use: where it is,
+        ``--int8-activations auto`` rounds decode steps of that many sequences (``on`` rounds
+        every matmul regardless)."""
         return False
 
     def bfloat16_faster(self, level: str) -> bool:

@@ -238,7 +238,8 @@ def _fail(exc: BenchError) -> click.ClickException:
 _SERVER_ONLY = {"host", "port", "served_model_name", "frontends", "api_key",
                 "max_request_body_size", "graceful_shutdown_timeout"}
 #: the fields ``one-batch`` uses (it has no scheduler, cache or sampler settings)
-_ONE_BATCH_FIELDS = ("model_path", "dtype", "quantization", "num_threads", "attention_backend",
+_ONE_BATCH_FIELDS = ("model_path", "dtype", "quantization", "int8_activations", "num_threads",
+                     "attention_backend",
                      "page_size", "context_length", "load_plugins", "disable_plugins")
 
 
@@ -557,6 +558,7 @@ def _one_batch(p: dict[str, Any], settings: dict[str, Any]) -> None:
         runner = load_runner(
             model_path=settings.get("model_path"), dtype=settings.get("dtype", "auto"),
             quantization=settings.get("quantization", "auto"),
+            int8_activations=settings.get("int8_activations", "off"),
             attention_backend=settings.get("attention_backend", "torch"),
             num_threads=settings.get("num_threads"), page_size=settings.get("page_size", 1),
             context_length=settings.get("context_length"), max_batch=max(sizes),

@@ -18,7 +18,7 @@ __all__ = ["load_runner", "run_one_batch"]
 
 
 def load_runner(*, model_path: str | None, dtype: str, quantization: str = "auto",
-                attention_backend: str,
+                int8_activations: str = "off", attention_backend: str,
                 num_threads: int | None, page_size: int, context_length: int | None,
                 max_batch: int, max_tokens: int, load_plugins: tuple[str, ...] = (),
                 disable_plugins: tuple[str, ...] = ()) -> Any:
@@ -32,7 +32,7 @@ def load_runner(*, model_path: str | None, dtype: str, quantization: str = "auto
     pm = create_plugin_manager(PluginSelection.from_args(list(load_plugins),
                                                          list(disable_plugins)))
     return ModelRunner(model_path=model_path, dtype=dtype, quantization=quantization,
-                       attention_backend=attention_backend,
+                       int8_activations=int8_activations, attention_backend=attention_backend,
                        registries=pm.registries, plugin_manager=pm, max_total_tokens=max_tokens,
                        max_running_requests=max_batch, context_length=context_length,
                        page_size=page_size, show_progress=False)
