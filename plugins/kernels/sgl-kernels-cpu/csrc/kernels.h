@@ -60,7 +60,7 @@ void sgl_round_x_blocks(const float *xf, int64_t ldx, int64_t M, int64_t KB, int
                         float *xd, float *xs, int32_t *xi);
 int sgl_linear_quant_avx512(const void *x, int64_t ldx, const uint8_t *qw, const uint16_t *sc,
                             void *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
-                            const float *bias, int dtype, int bits, int round_x, int bf16_dot);
+                            const float *bias, int dtype, int bits, int round_x, int level);
 /* sgl::linear_w8a8 (kernels_w8a8.c, kernels_w8a8_avx512.c): x's rows rounded to int8 (shared
    by every level), the AVX2 product, and the AVX-512 one (AMX tiles from W8A8_AMX_ROWS rows
    where `amx`, else AVX512-VNNI, else the AVX2 one) */

@@ -27,6 +27,7 @@
 #define VNNI512_TARGET
 #define PANEL512_TARGET
 #define BF16_512_TARGET
+#define QAMX_TARGET
 #define HAS_VNNI() 1
 #elif defined(__x86_64__)
 #include <immintrin.h>
@@ -36,6 +37,9 @@
 #define PANEL512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 #define BF16_512_TARGET \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
+#define QAMX_TARGET                                                                        \
+    __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni," \
+                          "avx2,fma,f16c")))
 #define HAS_VNNI() __builtin_cpu_supports("avx512vnni")
 #endif
 
@@ -660,6 +664,88 @@ VNNI512_TARGET static void i8g_groups(void *ctx, int64_t g_begin, int64_t g_end)
     }
 }
 
+/* -- round_x, many rows at the amx level: the 16-column groups on AMX int8 tiles ------------
+ * The packed group (i8g_pack) is, block by block, an 8-row B tile as it lies in memory (row i:
+ * the 16 columns' values 4i .. 4i + 3, unsigned); x's rounded rows are the A tiles (16 rows x
+ * one block of 32 signed values). Per block one TDPBSUD into a zeroed C tile gives 16 rows x 16
+ * columns of exact block sums, which the rows then scale in quant_round_x.h's float sequence,
+ * as i8g_tile does: the same bits. */
+
+#define I8G_AMX_ROWS 16 /* from this many rows at the amx level */
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} q512_tilecfg;
+
+/* y[m0 .. m0 + 16 (those below M), n0 .. n0 + cols] of the packed group (w, d, m); x's rounded
+   rows are padded to a multiple of 16 with zero rows */
+QAMX_TARGET Q512_INLINE void i8g_tile_amx(const i8g_job *j, const __m512i *w, const float *d,
+                                          const float *m, int64_t m0, int64_t n0, int64_t cols) {
+    const int64_t KB = j->KB, K = KB * 32;
+    const float *xd = j->xd + m0 * KB, *xs = j->xs + m0 * KB;
+    const int32_t *xi = j->xi + m0 * KB;
+    int32_t c[256] __attribute__((aligned(64)));
+    __m512 acc[16];
+    #pragma GCC unroll 16
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < KB; kb++) {
+        _tile_zero(0);
+        _tile_loadd(1, j->xq + m0 * K + kb * 32, K);
+        _tile_loadd(2, w + kb * 8, 64);
+        _tile_dpbsud(0, 1, 2);
+        _tile_stored(0, c, 64);
+        const __m512 dv = _mm512_load_ps(d + kb * 16), mv = _mm512_load_ps(m + kb * 16);
+        #pragma GCC unroll 16
+        for (int r = 0; r < 16; r++) {
+            __m512i sum = _mm512_load_si512((const void *)(c + 16 * r));
+            if (j->bits == 8) /* the 128 added to every weight */
+                sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * xi[r * KB + kb]));
+            const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * KB + kb]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * KB + kb]), acc[r]);
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+    const __m512 bias = j->bias ? _mm512_maskz_loadu_ps(keep, j->bias + n0) : _mm512_setzero_ps();
+    #pragma GCC unroll 16
+    for (int r = 0; r < 16; r++) {
+        if (m0 + r >= j->M) break;
+        const __m512 v = _mm512_add_ps(acc[r], bias);
+        const int64_t at = (m0 + r) * j->ldy + n0;
+        if (!j->dtype) _mm512_mask_storeu_ps((float *)j->y + at, keep, v);
+        else q512s_store((uint16_t *)j->y + at, v, keep);
+    }
+}
+
+/* the groups of 16 columns g_begin .. g_end on AMX: each packed into this thread's scratch, then
+   multiplied by all the rows, 16 at a time */
+QAMX_TARGET static void i8g_groups_amx(void *ctx, int64_t g_begin, int64_t g_end) {
+    i8g_job *j = ctx;
+    const int64_t KB = j->KB;
+    char *buf = sgl_scratch(0, (size_t)(KB * 8) * 64 + (size_t)(KB * 32) * 4 + 64);
+    if (!buf) {
+        atomic_store(&j->no_memory, 1);
+        return;
+    }
+    __m512i *w = (__m512i *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
+    float *d = (float *)(w + KB * 8), *m = d + KB * 16;
+    q512_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    cfg.rows[0] = 16; cfg.colsb[0] = 64; /* C: 16 rows x 16 int32 */
+    cfg.rows[1] = 16; cfg.colsb[1] = 32; /* A: 16 rows x one block of x */
+    cfg.rows[2] = 8; cfg.colsb[2] = 64;  /* B: one block of the 16 columns */
+    _tile_loadconfig(&cfg);
+    for (int64_t g = g_begin; g < g_end; g++) {
+        const int64_t n0 = 16 * g, cols = j->N - n0 < 16 ? j->N - n0 : 16;
+        i8g_pack(j, n0, cols, w, d, m);
+        for (int64_t m0 = 0; m0 < j->M; m0 += 16) i8g_tile_amx(j, w, d, m, m0, n0, cols);
+    }
+    _tile_release();
+}
+
 typedef struct {
     const void *x; /* float32 or bfloat16 rows */
     int64_t ldx, KB;
@@ -701,19 +787,28 @@ VNNI512_TARGET static void i8_round_rows(void *ctx, int64_t r_begin, int64_t r_e
 VNNI512_TARGET static int q512_linear_i8(const void *x, int64_t ldx, const uint8_t *qw,
                                          const uint16_t *sc, void *y, int64_t ldy, int64_t M,
                                          int64_t N, int64_t K, const float *bias, int dtype,
-                                         int bits) {
+                                         int bits, int amx) {
     const int64_t KB = K / 32;
-    char *buf = sgl_scratch(1, (size_t)(M * K) + (size_t)(3 * M * KB) * 4 + 64);
+    amx = amx && M >= I8G_AMX_ROWS;
+    const int64_t Mp = amx ? (M + 15) & ~(int64_t)15 : M; /* the AMX tiles' zero rows */
+    char *buf = sgl_scratch(1, (size_t)(Mp * K) + (size_t)(3 * Mp * KB) * 4 + 64);
     if (!buf) return -1;
-    float *xd = (float *)buf, *xs = xd + M * KB;
-    int32_t *xi = (int32_t *)(xs + M * KB);
-    int8_t *xq = (int8_t *)(xi + M * KB);
+    float *xd = (float *)buf, *xs = xd + Mp * KB;
+    int32_t *xi = (int32_t *)(xs + Mp * KB);
+    int8_t *xq = (int8_t *)(xi + Mp * KB);
+    if (Mp > M) {
+        memset(xq + M * K, 0, (size_t)((Mp - M) * K));
+        memset(xd + M * KB, 0, (size_t)((Mp - M) * KB) * 4);
+        memset(xs + M * KB, 0, (size_t)((Mp - M) * KB) * 4);
+        memset(xi + M * KB, 0, (size_t)((Mp - M) * KB) * 4);
+    }
     i8_round_job round = {x, ldx, KB, dtype, xq, xd, xs, xi};
     if (M >= I8G_ROWS) {
         sgl_parallel_for(i8_round_rows, &round, M, chunk_of(M));
         i8g_job job = {qw, sc, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs, xi, 0};
         const int64_t groups = (N + 15) / 16;
-        sgl_parallel_for(i8g_groups, &job, groups, panels_per_thread(groups));
+        sgl_parallel_for(amx ? i8g_groups_amx : i8g_groups, &job, groups,
+                         panels_per_thread(groups));
         return atomic_load(&job.no_memory) ? -1 : 0;
     }
     i8_round_rows(&round, 0, M);
@@ -723,13 +818,14 @@ VNNI512_TARGET static int q512_linear_i8(const void *x, int64_t ldx, const uint8
     return 0;
 }
 
-/* The arguments and return codes of sgl_linear_quant_avx2 (kernels_quant_avx2.c), and bf16_dot:
-   the level has AVX512-BF16 (vdpbf16ps). */
+/* The arguments and return codes of sgl_linear_quant_avx2 (kernels_quant_avx2.c), and level:
+   bit 0, the level has AVX512-BF16 (vdpbf16ps); bit 1, it has AMX (int8 tiles for round_x). */
 PANEL512_TARGET int sgl_linear_quant_avx512(const void *x, int64_t ldx, const uint8_t *qw,
                                             const uint16_t *sc, void *y, int64_t ldy, int64_t M,
                                             int64_t N, int64_t K, const float *bias, int dtype,
-                                            int bits, int round_x, int bf16_dot) {
+                                            int bits, int round_x, int level) {
     if (bits != 4 && bits != 8) return -2;
+    const int bf16_dot = level & 1;
     if (!round_x && dtype && M >= Q512_PANEL_ROWS)
         return q512_linear_panels(x, ldx, qw, sc, y, ldy, M, N, K, bias, bits, bf16_dot);
     if (!round_x && dtype)
@@ -737,7 +833,7 @@ PANEL512_TARGET int sgl_linear_quant_avx512(const void *x, int64_t ldx, const ui
     if (!round_x || !HAS_VNNI())
         return sgl_linear_quant_avx2(x, ldx, qw, sc, y, ldy, M, N, K, bias, dtype, bits,
                                      round_x);
-    return q512_linear_i8(x, ldx, qw, sc, y, ldy, M, N, K, bias, dtype, bits);
+    return q512_linear_i8(x, ldx, qw, sc, y, ldy, M, N, K, bias, dtype, bits, (level >> 1) & 1);
 }
 
 #endif

@@ -134,7 +134,8 @@ ROUND_X_TARGET I8_INLINE void i8_scales_cols8(const uint16_t *const sc[8], int64
     for (int i = 0; i < 4; i++)
         #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
-            const __m256i pairs = _mm256_permute2x128_si256(r[i], r[4 + i], h ? 0x31 : 0x20);
+            const __m256i pairs = h ? _mm256_permute2x128_si256(r[i], r[4 + i], 0x31)
+                                    : _mm256_permute2x128_si256(r[i], r[4 + i], 0x20);
             /* the low words (d) to the low 64 bits of each 128-bit lane, the high (m) above */
             const __m256i split = _mm256_shuffle_epi8(pairs, _mm256_setr_epi8(
                 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,

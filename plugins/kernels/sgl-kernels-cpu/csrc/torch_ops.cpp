@@ -292,10 +292,11 @@ Tensor linear_quant(const char* op, const Tensor& x, const Tensor& qweight, cons
   Tensor y = new_output({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   Call call(at_level(SGL_OP_LINEAR_QUANT_AVX512, SGL_OP_LINEAR_QUANT_AVX2));
-  // the AVX-512 kernel's last argument: the level has AVX512-BF16 (vdpbf16ps for bfloat16 rows)
+  // the AVX-512 kernel's last argument: bit 0, the level has AVX512-BF16 (vdpbf16ps for
+  // bfloat16 rows); bit 1, AMX (int8 tiles for round_x)
   call << ptr(x) << x.stride(0) << ptr(qweight) << ptr(scales) << ptr(y) << n << m << n << k
        << ptr(bias) << dtype_code(x) << bits << (round_x ? 1 : 0)
-       << (g_level == AMX || g_level == AVX512_BF16 ? 1 : 0);
+       << (g_level == AMX ? 3 : g_level == AVX512_BF16 ? 1 : 0);
   TORCH_CHECK(run(call, {x, qweight, scales, bias}, {y}) == 0, op,
               ": no memory for its buffers (the input's copy, a widened panel)");
   return y;
