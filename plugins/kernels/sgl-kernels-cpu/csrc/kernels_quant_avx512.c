@@ -523,6 +523,7 @@ PANEL512_TARGET static int q512_linear_small(const uint16_t *x, int64_t ldx, con
 /* -- round_x, many rows: 16 columns in the lanes of 512-bit vpdpbusd ------------------------ */
 
 #define I8G_ROWS 8 /* the tile's rows */
+#define I8G_FROM 8 /* from this many rows the 16-column tiles */
 
 typedef struct {
     const uint8_t *qw;
@@ -803,7 +804,7 @@ VNNI512_TARGET static int q512_linear_i8(const void *x, int64_t ldx, const uint8
         memset(xi + M * KB, 0, (size_t)((Mp - M) * KB) * 4);
     }
     i8_round_job round = {x, ldx, KB, dtype, xq, xd, xs, xi};
-    if (M >= I8G_ROWS) {
+    if (M >= I8G_FROM) {
         sgl_parallel_for(i8_round_rows, &round, M, chunk_of(M));
         i8g_job job = {qw, sc, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs, xi, 0};
         const int64_t groups = (N + 15) / 16;

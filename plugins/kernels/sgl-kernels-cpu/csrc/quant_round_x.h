@@ -13,7 +13,7 @@
  * Included by kernels_quant_avx2.c (ROUND_X_VNNI 0: vpmaddubsw + vpmaddwd) and
  * kernels_quant_avx512.c (ROUND_X_VNNI 1: one 256-bit vpdpbusd per block and column, AVX512-VNNI),
  * each of which defines ROUND_X_TARGET, the target attribute of these functions, and gets its
- * own static copies. Tiles of up to 4 rows x 8 columns: per block two columns share a vector
+ * own static copies. Tiles of up to I8_TILE_ROWS rows x 8 columns: per block two columns share a vector
  * (one in each 128-bit half, x's half-block broadcast to both), their products summed by fours
  * into int32 lanes, then two rounds of horizontal adds give the 8 columns' sums in one vector
  * (exact), and the float sequence runs with the columns in the lanes. The groups of 8 columns are shared out over the
@@ -26,6 +26,12 @@
 
 #define I8_INLINE static inline __attribute__((always_inline))
 #define I8_AHEAD_BLOCKS 16 /* each column's blocks this far ahead are asked for */
+/* rows per tile: 8 where AVX-512 gives 32 vector registers, 4 with AVX2's 16 */
+#if ROUND_X_VNNI
+#define I8_TILE_ROWS 8
+#else
+#define I8_TILE_ROWS 4
+#endif
 
 typedef struct {
     const uint8_t *qw;
@@ -161,8 +167,8 @@ ROUND_X_TARGET I8_INLINE void i8_tile(const quant_i8_job *j, int64_t r0, int64_t
         const int64_t lane_col = n + (I8_LANE_COLUMN[c] < cols ? I8_LANE_COLUMN[c] : cols - 1);
         sc[c] = j->sc + lane_col * KB * 2;
     }
-    __m256 acc[4];
-    #pragma GCC unroll 4
+    __m256 acc[I8_TILE_ROWS];
+    #pragma GCC unroll 8
     for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
     const int8_t *xq = j->xq + r0 * K;
     const float *xd = j->xd + r0 * KB, *xs = j->xs + r0 * KB;
@@ -190,7 +196,7 @@ ROUND_X_TARGET I8_INLINE void i8_tile(const quant_i8_job *j, int64_t r0, int64_t
                     u[p][h] = i8_unsigned(w[p][h], BITS);
                 }
             const __m256 d = _mm256_load_ps(ds + b * 8), m = _mm256_load_ps(ms + b * 8);
-            #pragma GCC unroll 4
+            #pragma GCC unroll 8
             for (int r = 0; r < ROWS; r++) {
                 const int8_t *xb = xq + r * K + kb * 32;
                 const __m256i x0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
@@ -211,7 +217,7 @@ ROUND_X_TARGET I8_INLINE void i8_tile(const quant_i8_job *j, int64_t r0, int64_t
         }
     }
     (void)xi;
-    #pragma GCC unroll 4
+    #pragma GCC unroll 8
     for (int r = 0; r < ROWS; r++) {
         float v[8];
         _mm256_storeu_ps(v, acc[r]);
@@ -226,12 +232,18 @@ ROUND_X_TARGET I8_INLINE void i8_tile(const quant_i8_job *j, int64_t r0, int64_t
     }
 }
 
-/* y[:, n .. n + cols] (cols 8, or the last 1-7): tiles of up to 4 rows */
+/* y[:, n .. n + cols] (cols 8, or the last 1-7): tiles of up to I8_TILE_ROWS rows */
 ROUND_X_TARGET I8_INLINE void i8_columns(const quant_i8_job *j, int64_t n, int64_t cols,
                                          const int BITS) {
     int64_t r = 0;
-    for (; j->M - r >= 4; r += 4) i8_tile(j, r, n, cols, BITS, 4);
+    for (; j->M - r >= I8_TILE_ROWS; r += I8_TILE_ROWS) i8_tile(j, r, n, cols, BITS, I8_TILE_ROWS);
     switch (j->M - r) {
+#if I8_TILE_ROWS > 4
+    case 7: i8_tile(j, r, n, cols, BITS, 7); break;
+    case 6: i8_tile(j, r, n, cols, BITS, 6); break;
+    case 5: i8_tile(j, r, n, cols, BITS, 5); break;
+    case 4: i8_tile(j, r, n, cols, BITS, 4); break;
+#endif
     case 3: i8_tile(j, r, n, cols, BITS, 3); break;
     case 2: i8_tile(j, r, n, cols, BITS, 2); break;
     case 1: i8_tile(j, r, n, cols, BITS, 1); break;
