@@ -140,8 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sgl serve --dtype (default bfloat16, the peers' dtype; auto: sgl's "
                         "default on this CPU)")
     p.add_argument("--sgl-int8-activations", choices=["auto", "on", "off"], default=None,
-                   help="sgl serve --int8-activations for sgl-gguf-* (activations rounded to "
-                        "int8 in decode steps, as llama.cpp; default: sgl's, auto)")
+                   help="sgl serve --int8-activations for sgl-gguf-* (on: activations rounded "
+                        "to int8 in every matmul, as llama.cpp; default: sgl's, off)")
     p.add_argument("--vllm-cpus", default="0-1",
                    help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default 0-1: both cores)")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
