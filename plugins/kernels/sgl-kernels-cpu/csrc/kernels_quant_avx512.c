@@ -621,18 +621,28 @@ VNNI512_TARGET Q512_INLINE void i8g_tile(const i8g_job *j, const __m512i *w, con
     }
 }
 
+/* this thread's scratch for one packed group (i8g_pack's w, d, m); -1 (and the job told): none */
+VNNI512_TARGET static int i8g_scratch(i8g_job *j, __m512i **w, float **d, float **m) {
+    const int64_t KB = j->KB;
+    char *buf = sgl_scratch(0, (size_t)(KB * 8) * 64 + (size_t)(KB * 32) * 4 + 64);
+    if (!buf) {
+        atomic_store(&j->no_memory, 1);
+        return -1;
+    }
+    *w = (__m512i *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
+    *d = (float *)(*w + KB * 8);
+    *m = *d + KB * 16;
+    return 0;
+}
+
 /* the groups of 16 columns g_begin .. g_end: each packed into this thread's scratch, then
    multiplied by all the rows, 8 at a time */
 VNNI512_TARGET static void i8g_groups(void *ctx, int64_t g_begin, int64_t g_end) {
     i8g_job *j = ctx;
     const int64_t KB = j->KB;
-    char *buf = sgl_scratch(0, (size_t)(KB * 8) * 64 + (size_t)(KB * 32) * 4 + 64);
-    if (!buf) {
-        atomic_store(&j->no_memory, 1);
-        return;
-    }
-    __m512i *w = (__m512i *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
-    float *d = (float *)(w + KB * 8), *m = d + KB * 16;
+    __m512i *w;
+    float *d, *m;
+    if (i8g_scratch(j, &w, &d, &m)) return;
     const int64_t qb = j->bits == 4 ? 16 : 32;
     for (int64_t g = g_begin; g < g_end; g++) {
         const int64_t n0 = 16 * g, cols = j->N - n0 < 16 ? j->N - n0 : 16;
@@ -725,13 +735,9 @@ QAMX_TARGET Q512_INLINE void i8g_tile_amx(const i8g_job *j, const __m512i *w, co
 QAMX_TARGET static void i8g_groups_amx(void *ctx, int64_t g_begin, int64_t g_end) {
     i8g_job *j = ctx;
     const int64_t KB = j->KB;
-    char *buf = sgl_scratch(0, (size_t)(KB * 8) * 64 + (size_t)(KB * 32) * 4 + 64);
-    if (!buf) {
-        atomic_store(&j->no_memory, 1);
-        return;
-    }
-    __m512i *w = (__m512i *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
-    float *d = (float *)(w + KB * 8), *m = d + KB * 16;
+    __m512i *w;
+    float *d, *m;
+    if (i8g_scratch(j, &w, &d, &m)) return;
     q512_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
