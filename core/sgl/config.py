@@ -90,8 +90,9 @@ class ServerSettings:
         registry="weight_formats", keywords=("auto", "none", "gguf", "int8", "int4", "w8a8_int8"))
     int8_activations: Literal["auto", "on", "off"] = _opt(
         "off", "Round the activations to int8 per block of 32 before the matmuls of quantized "
-        "weights (GGUF blocks, --quantization int8/int4, GPTQ/AWQ) and multiply integers, as "
-        "llama.cpp does with every matmul. off (default): every product exact. on: every such "
+        "weights (a GGUF file's blocks, --quantization int8/int4, packed checkpoints) and "
+        "multiply integers, as llama.cpp does with every matmul. off (default): every product "
+        "exact. on: every such "
         "matmul, prefill and decode: faster at every batch size on CPUs with integer dot "
         "products, the logits moved by about 0.5, and greedy output still the same alone, in "
         "any batch and after a prefix-cache hit. auto: only decode steps of 8 or more "
