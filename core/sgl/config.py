@@ -92,11 +92,11 @@ class ServerSettings:
         "off", "Round the activations to int8 per block of 32 before the matmuls of quantized "
         "weights (a GGUF file's blocks, --quantization int8/int4, packed checkpoints) and "
         "multiply integers, as llama.cpp does with every matmul. off (default): every product "
-        "exact. on: every such "
-        "matmul, prefill and decode: faster at every batch size on CPUs with integer dot "
-        "products, the logits moved by about 0.5, and greedy output still the same alone, in "
-        "any batch and after a prefix-cache hit. auto: only decode steps of 8 or more "
-        "sequences, where the kernels are faster so; the output then depends on the load.")
+        "exact. on: every such matmul, prefill and decode: faster at every batch size on CPUs "
+        "with integer dot products, the logits moved by about 0.5, and greedy output still the "
+        "same alone, in any batch and after a prefix-cache hit. auto: only decode steps of 8 "
+        "or more sequences, where the kernels are faster so; the output then depends on the "
+        "load.")
     enable_deterministic_inference: bool = _opt(
         False, "Refuse the settings under which greedy output depends on the batch (SGLang's "
         "flag): --int8-activations auto, and a GPU device (its attention kernels are not "

@@ -124,7 +124,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """``[n, hidden] -> [n, vocab]`` float32 logits over the full vocabulary."""
         if self.weight_layout is not None:
             logits = quantized_linear(hidden, self.weight_layout, self.weight,
-                                      self.weight_scales, None, int8_activations=self.int8_activations)
+                                      self.weight_scales, None,
+                                      int8_activations=self.int8_activations)
         else:
             logits = linear(hidden, self.weight, None, self.packed)
         logits = tp_all_gather(logits, dim=-1)[..., :self.num_embeddings]

@@ -23,8 +23,8 @@ from sgl.kernels import cpu, ops, quant
 
 # rows on both sides of every threshold of the kernels (AVX2 and AVX-512 quantized: 12; the
 # direct one-row paths; the 8-row bfloat16 tiles; the float32 6-row tiles and their 2-row path;
-# round_x: 4-row tiles, and the 16-column tiles from 8 rows)
-FULL_ROWS = (1, 2, 3, 4, 5, 8, 11, 12, 13, 17, 40)
+# round_x: 4- and 8-row tiles, the 16-column tiles from 8 rows, AMX's from 16)
+FULL_ROWS = (1, 2, 3, 4, 5, 8, 11, 12, 13, 16, 17, 40)
 OPERATORS = ("dense", "q4", "q8", "q4x", "q8x")
 
 

@@ -567,6 +567,32 @@ VNNI512_TARGET static void i8g_pack(const i8g_job *j, int64_t n0, int64_t cols, 
     q512_scales16(j->sc, KB, n0, cols, d, m);
 }
 
+/* one block of one row: its 16 columns' exact sums (for q8 with the 128 added to every weight
+   in them) through quant_round_x.h's float sequence into acc; at = the row's index of the block
+   in xd, xs and xi */
+VNNI512_TARGET Q512_INLINE __m512 i8g_block_step(const i8g_job *j, __m512 acc, __m512i sum,
+                                                 __m512 dv, __m512 mv, int64_t at) {
+    if (j->bits == 8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * j->xi[at]));
+    const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(j->xd[at]));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
+    return _mm512_fmadd_ps(mv, _mm512_set1_ps(j->xs[at]), acc);
+}
+
+/* acc[r] (+ bias) into y[r0 + r, n0 .. n0 + cols] for the rows r < ROWS below M, rounded to
+   x's dtype */
+VNNI512_TARGET Q512_INLINE void i8g_store_rows(const i8g_job *j, const __m512 *acc, int64_t r0,
+                                               int64_t n0, int64_t cols, const int ROWS) {
+    const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+    const __m512 bias = j->bias ? _mm512_maskz_loadu_ps(keep, j->bias + n0) : _mm512_setzero_ps();
+    #pragma GCC unroll 16
+    for (int r = 0; r < ROWS && r0 + r < j->M; r++) {
+        const __m512 v = _mm512_add_ps(acc[r], bias);
+        const int64_t at = (r0 + r) * j->ldy + n0;
+        if (!j->dtype) _mm512_mask_storeu_ps((float *)j->y + at, keep, v);
+        else q512s_store((uint16_t *)j->y + at, v, keep);
+    }
+}
+
 /* y[r0 .. r0 + ROWS, n0 .. n0 + cols]: per block, each row's 4-byte groups broadcast into
    vpdpbusd with the 8 weight vectors (exact int32 sums), then quant_round_x.h's float sequence */
 VNNI512_TARGET Q512_INLINE void i8g_tile(const i8g_job *j, const __m512i *w, const float *d,
@@ -575,8 +601,6 @@ VNNI512_TARGET Q512_INLINE void i8g_tile(const i8g_job *j, const __m512i *w, con
     const int64_t per_block = (next_lines + j->KB - 1) / j->KB; /* lines of next to fetch */
     const int64_t KB = j->KB, K = KB * 32;
     const int8_t *xq = j->xq + r0 * K;
-    const float *xd = j->xd + r0 * KB, *xs = j->xs + r0 * KB;
-    const int32_t *xi = j->xi + r0 * KB;
     __m512 acc[I8G_ROWS];
     #pragma GCC unroll 8
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
@@ -599,26 +623,10 @@ VNNI512_TARGET Q512_INLINE void i8g_tile(const i8g_job *j, const __m512i *w, con
                 _mm_prefetch(next + l * 64, _MM_HINT_T1);
         const __m512 dv = _mm512_load_ps(d + kb * 16), mv = _mm512_load_ps(m + kb * 16);
         #pragma GCC unroll 8
-        for (int r = 0; r < ROWS; r++) {
-            if (j->bits == 8) /* the 128 added to every weight */
-                sum[r] = _mm512_sub_epi32(sum[r], _mm512_set1_epi32(128 * xi[r * KB + kb]));
-            const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * KB + kb]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), scale, acc[r]);
-            acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * KB + kb]), acc[r]);
-        }
+        for (int r = 0; r < ROWS; r++)
+            acc[r] = i8g_block_step(j, acc[r], sum[r], dv, mv, (r0 + r) * KB + kb);
     }
-    const __mmask16 keep = (__mmask16)((1u << cols) - 1);
-    const __m512 bias = j->bias ? _mm512_maskz_loadu_ps(keep, j->bias + n0) : _mm512_setzero_ps();
-    #pragma GCC unroll 8
-    for (int r = 0; r < ROWS; r++) {
-        const __m512 v = _mm512_add_ps(acc[r], bias);
-        const int64_t at = (r0 + r) * j->ldy + n0;
-        if (!j->dtype) {
-            _mm512_mask_storeu_ps((float *)j->y + at, keep, v);
-            continue;
-        }
-        q512s_store((uint16_t *)j->y + at, v, keep);
-    }
+    i8g_store_rows(j, acc, r0, n0, cols, ROWS);
 }
 
 /* this thread's scratch for one packed group (i8g_pack's w, d, m); -1 (and the job told): none */
@@ -695,8 +703,6 @@ typedef struct {
 QAMX_TARGET Q512_INLINE void i8g_tile_amx(const i8g_job *j, const __m512i *w, const float *d,
                                           const float *m, int64_t m0, int64_t n0, int64_t cols) {
     const int64_t KB = j->KB, K = KB * 32;
-    const float *xd = j->xd + m0 * KB, *xs = j->xs + m0 * KB;
-    const int32_t *xi = j->xi + m0 * KB;
     int32_t c[256] __attribute__((aligned(64)));
     __m512 acc[16];
     #pragma GCC unroll 16
@@ -709,25 +715,11 @@ QAMX_TARGET Q512_INLINE void i8g_tile_amx(const i8g_job *j, const __m512i *w, co
         _tile_stored(0, c, 64);
         const __m512 dv = _mm512_load_ps(d + kb * 16), mv = _mm512_load_ps(m + kb * 16);
         #pragma GCC unroll 16
-        for (int r = 0; r < 16; r++) {
-            __m512i sum = _mm512_load_si512((const void *)(c + 16 * r));
-            if (j->bits == 8) /* the 128 added to every weight */
-                sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * xi[r * KB + kb]));
-            const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * KB + kb]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
-            acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * KB + kb]), acc[r]);
-        }
+        for (int r = 0; r < 16; r++)
+            acc[r] = i8g_block_step(j, acc[r], _mm512_load_si512((const void *)(c + 16 * r)), dv,
+                                    mv, (m0 + r) * KB + kb);
     }
-    const __mmask16 keep = (__mmask16)((1u << cols) - 1);
-    const __m512 bias = j->bias ? _mm512_maskz_loadu_ps(keep, j->bias + n0) : _mm512_setzero_ps();
-    #pragma GCC unroll 16
-    for (int r = 0; r < 16; r++) {
-        if (m0 + r >= j->M) break;
-        const __m512 v = _mm512_add_ps(acc[r], bias);
-        const int64_t at = (m0 + r) * j->ldy + n0;
-        if (!j->dtype) _mm512_mask_storeu_ps((float *)j->y + at, keep, v);
-        else q512s_store((uint16_t *)j->y + at, v, keep);
-    }
+    i8g_store_rows(j, acc, m0, n0, cols, 16);
 }
 
 /* the groups of 16 columns g_begin .. g_end on AMX: each packed into this thread's scratch, then

@@ -11,13 +11,13 @@
  * the prefix cache (prefill rounds as decode does).
  *
  * Included by kernels_quant_avx2.c (ROUND_X_VNNI 0: vpmaddubsw + vpmaddwd) and
- * kernels_quant_avx512.c (ROUND_X_VNNI 1: one 256-bit vpdpbusd per block and column, AVX512-VNNI),
- * each of which defines ROUND_X_TARGET, the target attribute of these functions, and gets its
- * own static copies. Tiles of up to I8_TILE_ROWS rows x 8 columns: per block two columns share a vector
- * (one in each 128-bit half, x's half-block broadcast to both), their products summed by fours
- * into int32 lanes, then two rounds of horizontal adds give the 8 columns' sums in one vector
- * (exact), and the float sequence runs with the columns in the lanes. The groups of 8 columns are shared out over the
- * pool's threads. */
+ * kernels_quant_avx512.c (ROUND_X_VNNI 1: 256-bit vpdpbusd, AVX512-VNNI), each of which defines
+ * ROUND_X_TARGET, the target attribute of these functions, and gets its own static copies.
+ * Tiles of up to I8_TILE_ROWS rows x 8 columns: per block two columns share a vector (one in
+ * each 128-bit half, x's half-block broadcast to both), their products summed by fours into
+ * int32 lanes, then two rounds of horizontal adds give the 8 columns' sums in one vector
+ * (exact), and the float sequence runs with the columns in the lanes. The groups of 8 columns
+ * are shared out over the pool's threads. */
 #ifndef SGL_QUANT_ROUND_X_H
 #define SGL_QUANT_ROUND_X_H
 
@@ -199,7 +199,8 @@ ROUND_X_TARGET I8_INLINE void i8_tile(const quant_i8_job *j, int64_t r0, int64_t
             #pragma GCC unroll 8
             for (int r = 0; r < ROWS; r++) {
                 const int8_t *xb = xq + r * K + kb * 32;
-                const __m256i x0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
+                const __m256i x0 = _mm256_broadcastsi128_si256(
+                    _mm_loadu_si128((const __m128i *)xb));
                 const __m256i x1 = _mm256_broadcastsi128_si256(
                     _mm_loadu_si128((const __m128i *)(xb + 16)));
                 __m256i dots[4];
