@@ -68,7 +68,6 @@ def _logits(runner, ids: list[int]) -> torch.Tensor:
 def _greedy(runner, prompt: list[int], new: int) -> list[int]:
     from sgl.engine.batch_builder import BatchSeq, make_forward_batch, release_sequence
     from sgl.forward_batch import ForwardMode
-    from sgl.layers.quantized import decode_step
 
     row = runner.req_to_token_pool.alloc()
     batch = make_forward_batch(runner, ForwardMode.EXTEND, [BatchSeq(row, 0, prompt)])
@@ -78,10 +77,9 @@ def _greedy(runner, prompt: list[int], new: int) -> list[int]:
         out.append(int(logits[0].argmax()))
         if step == new - 1:
             break
-        with decode_step():
-            batch = make_forward_batch(runner, ForwardMode.DECODE,
-                                       [BatchSeq(row, len(prompt) + step, [out[-1]])])
-            logits = runner.logits_at(runner.forward(batch), torch.tensor([0]))
+        batch = make_forward_batch(runner, ForwardMode.DECODE,
+                                   [BatchSeq(row, len(prompt) + step, [out[-1]])])
+        logits = runner.logits_at(runner.forward(batch), torch.tensor([0]))
     release_sequence(runner, row, len(prompt) + new - 1)
     return out
 

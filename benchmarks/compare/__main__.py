@@ -141,7 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "default on this CPU)")
     p.add_argument("--sgl-int8-activations", choices=["auto", "on", "off"], default=None,
                    help="sgl serve --int8-activations for sgl-gguf-* (on: activations rounded "
-                        "to int8 in every matmul, as llama.cpp; default: sgl's, off)")
+                        "to int8 in every matmul, as llama.cpp; default: sgl's, auto: on for "
+                        "a GGUF file)")
     p.add_argument("--vllm-cpus", default="0-1",
                    help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default 0-1: both cores)")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")

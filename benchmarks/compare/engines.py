@@ -131,7 +131,7 @@ def sgl_spec(model: Path, port: int, *, threads: int | None, max_running: int,
         command += ["--quantization", quantization]
     if threads:
         command += ["--num-threads", str(threads)]
-    if int8_activations:  # else sgl's default (off)
+    if int8_activations:  # else sgl's default (auto: on for a GGUF file)
         command += ["--int8-activations", int8_activations]
     rounding = f"int8 activations {int8_activations}, " if int8_activations else ""
     weights = f"{kind.upper()} GGUF weights, " if kind else (

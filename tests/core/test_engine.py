@@ -13,6 +13,7 @@ import sgl
 from sgl.config import ConfigError
 from sgl.entrypoints.engine import EngineClosedError
 from sgl.server.io_struct import BadRequestError
+from sgl_testing import CAPITAL_QUESTION
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 META_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
@@ -92,7 +93,7 @@ def test_async_generate(engine: sgl.Engine) -> None:
 
 
 def test_chat(engine: sgl.Engine) -> None:
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages = [{"role": "user", "content": CAPITAL_QUESTION}]
     out = engine.chat(messages, {"temperature": 0, "max_new_tokens": 16})
     assert "Paris" in out["text"]
     ids = engine.apply_chat_template(messages)

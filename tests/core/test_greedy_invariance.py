@@ -1,5 +1,5 @@
 """What users run, held to what temperature 0 promises: the bundled SmolLM2 GGUF with the
-default settings (dtype auto, its quantized weights, int8 activations off, the radix cache on)
+default settings (dtype auto, its quantized weights, int8 activations auto, the radix cache on)
 gives each prompt the same greedy tokens cold, after a full or partial prefix-cache hit, alone,
 in batches of any size and mix, and chunked -- at every instruction-set level this CPU runs
 (``model_isa``), and, for four prompts, at each kernel level above it, emulated in software
@@ -22,7 +22,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sgl_testing import emulated_levels_to_test
+from sgl_testing import CAPITAL_QUESTION, emulated_levels_to_test
 from test_scheduler import Harness  # same folder
 
 from sgl.kernels import cpu
@@ -41,8 +41,8 @@ class Invariance:
     """A harness at one level and each prompt's cold, alone greedy tokens."""
 
     def __init__(self, tmp: Path, level: str) -> None:
-        self.harness = Harness(tmp, cpu_isa=level, dtype="auto", int8_activations="off",
-                               max_total_tokens=8192, max_running_requests=64)
+        self.harness = Harness(tmp, cpu_isa=level, dtype="auto", max_total_tokens=8192,
+                               max_running_requests=64)
         self.cold: dict[tuple[int, ...], list[int]] = {}
 
     def ids(self, text: str, chat: bool) -> list[int]:
@@ -110,7 +110,7 @@ def test_tokens_do_not_depend_on_cache_or_batch(check: Invariance, batch: list,
 
 def test_repeated_chat_request(check: Invariance) -> None:
     """Issue 54 as reported: the same chat request twice, the second from the cache."""
-    prompt = check.ids("What is the capital of France?", chat=True)
+    prompt = check.ids(CAPITAL_QUESTION, chat=True)
     check.flush()
     first, again = check.run([prompt]), check.run([prompt])
     assert again == first
@@ -190,37 +190,25 @@ def test_prompt_continuing_an_answer(check: Invariance, text: tuple, cut: int) -
         assert result.cached_tokens == len(longer) - 1
 
 
-@pytest.mark.parametrize("dtype,quantization", [("float32", "auto"), ("bfloat16", "auto"),
-                                                ("float32", "none"), ("bfloat16", "none")])
+@pytest.mark.parametrize("dtype,quantization,int8_activations", [
+    ("float32", "auto", "auto"), ("bfloat16", "auto", "auto"), ("bfloat16", "auto", "off"),
+    ("float32", "none", "auto"), ("bfloat16", "none", "auto")])
 def test_every_dtype_and_quantization(request: pytest.FixtureRequest, tmp_path: Path,
-                                      model_isa: str, dtype: str, quantization: str) -> None:
+                                      model_isa: str, dtype: str, quantization: str,
+                                      int8_activations: str) -> None:
     """The same properties, one fixed case each, in float32 and bfloat16 with the GGUF's blocks
+    (their matmuls' activations rounded to int8 where the kernels run, the default, and exact)
     and dequantized: four prompts cold and alone, together, and again from the cache."""
     if model_isa == "none" and dtype == "bfloat16":  # known, and the test says so if it ends
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
             "without sgl's kernels torch's bfloat16 operators run, which pick their kernels "
             "(and sum orders) by shape; --dtype auto is float32 there")))
     harness = Harness(tmp_path, cpu_isa=model_isa, dtype=dtype, quantization=quantization,
-                      int8_activations="off", max_total_tokens=4096)
+                      int8_activations=int8_activations, max_total_tokens=4096)
     try:
-        _four_prompts_hold(harness)
-    finally:
-        harness.close()
-
-
-def test_int8_activations_on(request: pytest.FixtureRequest, tmp_path: Path,
-                             model_isa: str) -> None:
-    """``--int8-activations on``: every quantized matmul, prefill and decode, rounds its
-    activations to int8 per block (llama.cpp's arithmetic); a row's rounding is its own and the
-    kernels sum the integers exactly, so the four prompts' property holds as it does exact."""
-    if model_isa == "none":  # known, and the test says so if it ends
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "without sgl's kernels torch's attention and norms can differ in the last bit by "
-            "batch shape; exact products leave the tokens alone, but rounding the next "
-            "matmul's activations turns such a bit into a step of the int8 grid")))
-    harness = Harness(tmp_path, cpu_isa=model_isa, dtype="auto", int8_activations="on",
-                      max_total_tokens=4096)
-    try:
+        runner = harness.scheduler.runner
+        assert runner.round_x == (quantization == "auto" and int8_activations == "auto"
+                                  and model_isa != "none")
         _four_prompts_hold(harness)
     finally:
         harness.close()
@@ -262,8 +250,7 @@ def test_levels_above_the_cpu_emulated(tmp_path: Path, monkeypatch: pytest.Monke
     a CPU without AMX or AVX-512 still tests the arithmetic those users' CPUs run."""
     monkeypatch.setenv("SGL_CPU_EMULATE", "1")
     before = cpu.cpu_isa()
-    harness = Harness(tmp_path, cpu_isa=level, dtype="auto", int8_activations="off",
-                      max_total_tokens=4096)
+    harness = Harness(tmp_path, cpu_isa=level, dtype="auto", max_total_tokens=4096)
     try:
         assert cpu.cpu_isa() == level and cpu.isa_emulated()
         assert harness.scheduler.runner.decode_matches_prefill
@@ -284,8 +271,8 @@ def test_kernel_threads(check: Invariance, tmp_path: Path, kernel_threads: int) 
         pytest.skip(f"--kernel-threads {kernel_threads} is more than this process's cores")
     prompts = [check.ids(TEXTS[i], chat=i % 2 == 0) for i in range(4)]
     expected = [check.alone_cold(p) for p in prompts]
-    other = Harness(tmp_path, cpu_isa=level, dtype="auto", int8_activations="off",
-                    kernel_threads=kernel_threads, max_total_tokens=4096)
+    other = Harness(tmp_path, cpu_isa=level, dtype="auto", kernel_threads=kernel_threads,
+                    max_total_tokens=4096)
     try:
         with torch.inference_mode():
             rids = [other.submit(p, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)

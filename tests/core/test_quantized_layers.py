@@ -30,9 +30,9 @@ from sgl.layers import (
 )
 from sgl.layers.quantized import (
     QuantizedTensor,
-    decode_step,
     deferred_weights,
     dense_rows,
+    resolve_int8_activations,
 )
 from sgl.plugins import create_plugin_manager
 
@@ -140,37 +140,42 @@ def test_int8_and_int4_round_dense_weights_at_load(mode: str, layout: str) -> No
     torch.testing.assert_close(layer(x), x @ expected.t(), rtol=1e-5, atol=1e-5)
 
 
-def test_quantized_matmuls_round_x_as_int8_activations_says(kernel_isa: str) -> None:
-    """Layers multiply x rounded to int8 per block (the round_x reference): under
-    ``--int8-activations on`` every matmul, q4 and q8, at any number of rows, in a decode step
-    and outside one (prefill); under ``auto`` only decode steps of 8 or more rows where the
-    kernels say that is faster (from 8 at the AVX-512 levels on a CPU with AVX512-VNNI, or
-    emulated); under ``off`` none."""
-    with deferred_weights("gguf", int8_activations="on"):
+def test_quantized_matmuls_round_x_as_their_layers_say(kernel_isa: str) -> None:
+    """Layers built with ``round_x`` multiply x rounded to int8 per block (the round_x
+    reference) in every matmul, q4 and q8, at any number of rows; layers built without it never
+    round."""
+    with deferred_weights("gguf", round_x=True):
         q4, q8 = RowParallelLinear(96, 40), RowParallelLinear(96, 40)
-    with deferred_weights("gguf", int8_activations="auto"):
-        auto_q4, auto_q8 = RowParallelLinear(96, 40), RowParallelLinear(96, 40)
-    with deferred_weights("gguf", int8_activations="off"):
-        exact_q4 = RowParallelLinear(96, 40)
-    for layer, seed in ((q4, 14), (q8, 15), (auto_q4, 14), (auto_q8, 15), (exact_q4, 14)):
-        load(layer, blocks("q8" if layer in (q8, auto_q8) else "q4", 40, 96, seed))
-    from sgl_kernels_cpu import isa
-
-    vnni = kernel_isa != "avx2" and (cpu.isa_emulated() or isa.has_feature("avx512_vnni"))
-    for rows in (1, 2, 3, 4, 7, 8, 9, 32):
+    with deferred_weights("gguf", round_x=False):
+        exact_q4, exact_q8 = RowParallelLinear(96, 40), RowParallelLinear(96, 40)
+    for layer, seed in ((q4, 14), (q8, 15), (exact_q4, 14), (exact_q8, 15)):
+        load(layer, blocks("q8" if layer in (q8, exact_q8) else "q4", 40, 96, seed))
+    assert q4.round_x and not exact_q4.round_x
+    for rows in (1, 2, 3, 4, 7, 8, 9, 16, 32):
         x = inputs(rows, 96)
-        many = vnni and rows >= 8
-        assert cpu.round_x_faster(rows) == (rows <= 3 or many), rows
-        for step in (True, False):
-            with decode_step(step):
-                for layer, op, round_x in ((q4, ops.linear_q4, True), (q8, ops.linear_q8, True),
-                                           (auto_q4, ops.linear_q4, many and step),
-                                           (auto_q8, ops.linear_q8, many and step),
-                                           (exact_q4, ops.linear_q4, False)):
-                    want = op(x, layer.weight, layer.weight_scales, None, round_x)
-                    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
-                    if round_x:  # it did round
-                        assert (want - x @ dense_rows(layer).t()).abs().max() > 1e-4
+        for layer, op, round_x in ((q4, ops.linear_q4, True), (q8, ops.linear_q8, True),
+                                   (exact_q4, ops.linear_q4, False),
+                                   (exact_q8, ops.linear_q8, False)):
+            want = op(x, layer.weight, layer.weight_scales, None, round_x)
+            torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+            if round_x:  # it did round
+                assert (want - x @ dense_rows(layer).t()).abs().max() > 1e-4
+
+
+def test_int8_activations_auto_rounds_gguf_files_where_the_kernels_are_faster(
+        cpu_isa: str) -> None:
+    """``auto`` rounds a GGUF file's matmuls on CPU at every kernel level (each level's integer
+    tiles beat its exact ones, docs/benchmarks.md) and nowhere else: not without the kernels,
+    not off the CPU, not a dense checkpoint rounded at load; ``on`` and ``off`` are what they
+    say."""
+    assert cpu.round_x_faster() == (cpu_isa != "none")
+    assert resolve_int8_activations("auto", "gguf", "cpu") == (cpu_isa != "none")
+    for quantization in ("int4", "int8", "none"):
+        assert not resolve_int8_activations("auto", quantization, "cpu")
+    assert not resolve_int8_activations("auto", "gguf", torch.device("meta"))
+    for quantization in ("gguf", "int4"):
+        assert resolve_int8_activations("on", quantization, "cpu")
+        assert not resolve_int8_activations("off", quantization, "cpu")
 
 
 @pytest.mark.usefixtures("tp_rank_1_of_2")
@@ -266,7 +271,7 @@ def runner(quantization: str, dtype: str = "float32", **kwargs: Any) -> ModelRun
 
 @pytest.fixture(scope="module")
 def smollm2() -> dict[str, ModelRunner]:
-    return {"gguf": runner("auto", int8_activations="auto"), "none": runner("none"),
+    return {"gguf": runner("auto"), "none": runner("none"),
             "int8x": runner("auto", int8_activations="on"),
             "exact": runner("auto", int8_activations="off")}
 
@@ -364,15 +369,16 @@ def test_quantized_weights_take_at_most_40_percent_of_bfloat16(
 
 def test_quantized_greedy_text_and_logits_match_dequantized(
         smollm2: dict[str, ModelRunner]) -> None:
-    """float32 activations on the same values (Q4_1/Q8_0 dequantize exactly in float32): only
-    the order of the sums differs, so the first-token logits (range about -11..30) agree to
-    1e-3 and greedy text is the same token for token, batched and decoded alone."""
+    """``--int8-activations off``, float32 activations on the same values (Q4_1/Q8_0 dequantize
+    exactly in float32): only the order of the sums differs, so the first-token logits (range
+    about -11..30) agree to 1e-3 and greedy text is the same token for token, batched and
+    decoded alone."""
     prompts = chat_prompts()
-    got_logits, got = greedy(smollm2["gguf"], prompts, 24)
+    got_logits, got = greedy(smollm2["exact"], prompts, 24)
     want_logits, want = greedy(smollm2["none"], prompts, 24)
     torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-3)
     assert got == want
-    assert greedy(smollm2["gguf"], prompts[:1], 24)[1] == want[:1]
+    assert greedy(smollm2["exact"], prompts[:1], 24)[1] == want[:1]
 
 
 def test_int8_activations_round_x_within_a_stated_tolerance(
@@ -397,58 +403,60 @@ def test_int8_activations_round_x_within_a_stated_tolerance(
 @pytest.mark.parametrize("served", ["int8x", "gguf", "exact"])
 def test_int8_activations_in_a_batch_of_8_within_the_same_tolerance(
         smollm2: dict[str, ModelRunner], served: str) -> None:
-    """Eight sequences decoded together: from 8 rows, on a CPU with AVX512-VNNI, the 4-bit
-    matmuls of ``on`` and of the default ``auto`` round x through the 16-column vpdpbusd tiles
-    (elsewhere they stay exact at 8 rows, see :func:`sgl.kernels.cpu.round_x_faster`), those of
-    ``off`` never; the logits stay within the one-sequence test's 3.0 of none's, and the greedy
-    picks agree where none's best two are 0.25 apart. Four sequences: ``auto`` stays exact."""
+    """Eight sequences prefilled and decoded together: the matmuls of ``on``, and of the default
+    ``auto`` wherever the kernels run, round x at every step; the logits stay within the
+    one-sequence test's 3.0 of none's, and the greedy picks agree where none's best two are
+    0.25 apart. ``off`` stays exact but for the order of the sums."""
     prompts = chat_prompts() * 2
     _, tokens = greedy(smollm2["none"], prompts, 12)
     got, want = forced_batch(smollm2[served], prompts, tokens), forced_batch(
         smollm2["none"], prompts, tokens)
     assert (got - want).abs().max() <= 3.0
-    decode_steps = (got[1:] - want[1:]).abs().max()
-    if served != "exact" and cpu.round_x_faster(len(prompts)):
-        assert decode_steps > 1e-3  # x was rounded
-    else:
-        assert decode_steps < 1e-2  # exact: only the order of the sums differs
+    assert smollm2[served].round_x == (served == "int8x" or (
+        served == "gguf" and cpu.round_x_faster()))
+    for error in (got[:1] - want[:1], got[1:] - want[1:]):  # the prefill's, the decode steps'
+        if smollm2[served].round_x:
+            assert error.abs().max() > 1e-3  # x was rounded
+        else:
+            assert error.abs().max() < 1e-2  # exact: only the order of the sums differs
     top2 = want.topk(2, dim=-1).values
     clear = (top2[..., 0] - top2[..., 1]) >= 0.25
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
-    if served == "gguf":
-        half = [t[:6] for t in tokens[:4]]
-        assert (forced_batch(smollm2["gguf"], prompts[:4], half)
-                - forced_batch(smollm2["none"], prompts[:4], half)).abs().max() < 1e-2
 
 
-@pytest.mark.parametrize("served", ["gguf", "exact"])
-def test_the_lm_head_of_a_decode_step_rounds_as_its_layers_do(
-        smollm2: dict[str, ModelRunner], served: str) -> None:
-    """The logits of a decode step are part of it: the tied 8-bit LM head rounds x from 8 rows
-    under ``auto`` where the kernels are faster so, as the layers do; after a prefill, and
-    always under ``off``, its product is exact (the same rows outside a decode step)."""
+@pytest.mark.parametrize("served", ["int8x", "exact"])
+def test_the_lm_head_rounds_as_its_layers_do(smollm2: dict[str, ModelRunner],
+                                              served: str) -> None:
+    """The tied 8-bit LM head rounds x where the layers do, after a prefill and in a decode
+    step alike; under ``off`` its product is exact. ``logits_at`` (the scheduler's reusable
+    buffer) gives the model's own logits."""
     r = smollm2[served]
     prompts = chat_prompts() * 2
     rows = [r.req_to_token_pool.alloc() for _ in prompts]
     last = torch.arange(len(prompts))
+    head = dense_rows(r.model.get_output_embeddings()).float()
     try:
         prefill = make_forward_batch(r, ForwardMode.EXTEND,
                                      [BatchSeq(row, 0, p) for row, p in zip(rows, prompts)])
         ends = torch.cumsum(prefill.extend_seq_lens, dim=0) - 1
         hidden = r.forward(prefill)
-        assert torch.equal(r.logits_at(hidden, ends),
-                           r.model.compute_logits(hidden.index_select(0, ends)))
+        got = [r.logits_at(hidden, ends, reuse=True).clone()]
+        exact = [hidden.index_select(0, ends).float() @ head.t()]
+        assert torch.equal(got[0], r.model.compute_logits(hidden.index_select(0, ends)))
         step = make_forward_batch(r, ForwardMode.DECODE, [
             BatchSeq(row, len(p), [p[-1]]) for row, p in zip(rows, prompts)])
         hidden = r.forward(step)
-        got, exact = r.logits_at(hidden, last), r.model.compute_logits(hidden)
+        got.append(r.logits_at(hidden, last))
+        exact.append(hidden.float() @ head.t())
     finally:
         for row, p in zip(rows, prompts):
             release_sequence(r, row, len(p) + 1)
-    if served == "gguf" and cpu.round_x_faster(len(prompts)):
-        assert 1e-3 < (got - exact).abs().max() <= 3.0
-    else:
-        assert torch.equal(got, exact)
+    for logits, want in zip(got, exact):
+        error = (logits - want).abs().max()
+        if served == "int8x":
+            assert 1e-3 < error <= 3.0
+        else:
+            assert error < 1e-3
 
 
 def test_the_start_up_log_says_when_activations_are_rounded(
@@ -456,19 +464,19 @@ def test_the_start_up_log_says_when_activations_are_rounded(
     with caplog.at_level(logging.INFO, logger="sgl.engine.model_runner"):
         smollm2["gguf"]._log_int8_activations("auto")
         smollm2["int8x"]._log_int8_activations("on")
-    auto, on = (r.getMessage() for r in caplog.records)
-    if cpu.round_x_faster(8):
-        assert auto.startswith("int8 activations auto: decode steps of 8 or more sequences")
-        assert "--int8-activations on rounds every matmul, off none" in auto
+        smollm2["exact"]._log_int8_activations("off")
+    auto, on, off = (r.getMessage() for r in caplog.records)
+    if cpu.round_x_faster():
+        assert auto.startswith("int8 activations on (auto: a GGUF file, multiplied as llama.cpp")
     else:
-        assert auto.startswith("int8 activations auto: the CPU kernels are not faster so")
+        assert auto.startswith("int8 activations off (auto: no faster with the CPU kernels")
     assert on.startswith("int8 activations on: every quantized matmul rounds")
+    assert off == "int8 activations off: every quantized product exact"
 
 
 def test_int8_activations_names_its_values() -> None:
     with pytest.raises(ValueError, match="unknown int8_activations 'yes'.*auto, on, off"):
-        with deferred_weights("gguf", int8_activations="yes"):
-            pass
+        resolve_int8_activations("yes", "gguf", "cpu")
 
 
 # -- --quantization int8 / int4 on a Hugging Face checkpoint ----------------------------------
@@ -617,9 +625,8 @@ def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[l
             out[i].append(token)
         seqs = [BatchSeq(r, n, [o[-1]]) for r, n, o in zip(rows, lengths, out)]
         lengths = [n + 1 for n in lengths]
-        with decode_step():
-            batch = make_forward_batch(runner, ForwardMode.DECODE, seqs)
-            logits = runner.logits_at(runner.forward(batch), torch.arange(len(prompts)))
+        batch = make_forward_batch(runner, ForwardMode.DECODE, seqs)
+        logits = runner.logits_at(runner.forward(batch), torch.arange(len(prompts)))
     for r, n in zip(rows, lengths):
         release_sequence(runner, r, n)
     return out

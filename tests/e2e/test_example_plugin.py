@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sgl_testing import ServerProcess, run_cli
+from sgl_testing import CAPITAL_QUESTION, ServerProcess, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,7 +63,8 @@ def test_example_plugin_is_used(hello_server: ServerProcess) -> None:
                      "attention_backend": "toy"}
     response = httpx.post(f"{hello_server.base_url}/v1/chat/completions", timeout=120, json={
         "model": "default", "temperature": 0, "max_tokens": 16,
-        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        "messages": [{"role": "user",
+                      "content": CAPITAL_QUESTION}]})
     assert response.status_code == 200
     assert "Paris" in response.json()["choices"][0]["message"]["content"]
     assert "toy attention backend: first batch" in hello_server.log()

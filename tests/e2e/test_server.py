@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sgl_testing import ServerProcess
+from sgl_testing import CAPITAL_QUESTION, ServerProcess
 
 
 def chat(server: ServerProcess, content: str, **extra) -> httpx.Response:
@@ -17,7 +17,7 @@ def chat(server: ServerProcess, content: str, **extra) -> httpx.Response:
 
 
 def test_capital_of_france(server: ServerProcess) -> None:
-    response = chat(server, "What is the capital of France?")
+    response = chat(server, CAPITAL_QUESTION)
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["object"] == "chat.completion"

@@ -25,7 +25,7 @@ from sgl.kernels import cpu
 from sgl.kvcache.pool import KVPool, ReqToTokenPool
 from sgl.layers.attention import Attention
 from sgl.layers.embedding import ParallelLMHead
-from sgl.layers.quantized import AUTO_ROUND_X_ROWS, decode_step, deferred_weights
+from sgl.layers.quantized import deferred_weights, resolve_int8_activations
 from sgl.layers.tp import get_tp_group, tp_min
 from sgl.model_loader.gguf_archs import gguf_archs_of
 from sgl.model_loader import (
@@ -230,8 +230,8 @@ class ModelRunner:
         ``"float16"``.
     :param quantization: ``auto``, ``none``, ``gguf``, ``int8``, ``int4`` or a registered
         weight format's name (:func:`resolve_quantization`).
-    :param int8_activations: when the quantized matmuls round activations to
-        int8: ``auto``, ``on`` or ``off`` (:data:`sgl.layers.quantized.INT8_ACTIVATIONS`).
+    :param int8_activations: whether the quantized matmuls round activations to int8:
+        ``auto``, ``on`` or ``off`` (:func:`sgl.layers.quantized.resolve_int8_activations`).
     :param attention_backend: a name registered by an attention plugin (``"torch"``).
     :param registries: the plugin manager's registries (models, attention backends).
     :param plugin_manager: asked through ``sgl_resolve_model_arch`` when no registered class
@@ -257,7 +257,7 @@ class ModelRunner:
     """
 
     def __init__(self, *, model_path: str | None = None, dtype: str = "auto",
-                 quantization: str = "auto", int8_activations: str = "off",
+                 quantization: str = "auto", int8_activations: str = "auto",
                  attention_backend: str = "torch",
                  registries: Registries,
                  plugin_manager: Any = None, max_total_tokens: int | None = None,
@@ -289,10 +289,12 @@ class ModelRunner:
         self.architecture = resolve_architecture(self.hf_config, registries, plugin_manager)
         model_cls = _import_model_class(self.architecture, registries)
         backend_cls = registries.attention.load(attention_backend)  # fail before loading weights
+        #: whether the quantized matmuls round x to int8 (--int8-activations resolved)
+        self.round_x = resolve_int8_activations(int8_activations, self.quantization,
+                                                self.device)
         with contextlib.ExitStack() as stack:
             if self.quantization != "none":
-                stack.enter_context(deferred_weights(self.quantization,
-                                                     int8_activations=int8_activations))
+                stack.enter_context(deferred_weights(self.quantization, round_x=self.round_x))
             self.model: BaseCausalLM = model_cls(self.hf_config, dtype=self.dtype,
                                                  device=self.device)
         self.model.eval()
@@ -325,9 +327,6 @@ class ModelRunner:
         #: the leader by the parallel strategy); None in a single process
         self.mirror: RunnerMirror | None = None
         self._last_hidden: torch.Tensor | None = None
-        #: whether the last forward was a decode step: its logits are one too (the LM head's
-        #: quantized matmul may then round x, as the layers' did)
-        self._last_decoding = False
         #: the LM head whose logits ``logits_at(reuse=True)`` writes into ``_logits_buffer``
         self._lm_head = _lm_head(self.model)
         self._logits_buffer: torch.Tensor | None = None
@@ -390,25 +389,28 @@ class ModelRunner:
                 process()
 
     def _log_int8_activations(self, mode: str) -> None:
-        """Say when the quantized matmuls round activations to int8 (``--int8-activations``),
-        where the model has quantized layers and the kernels run them."""
-        quantized = any(getattr(m, "weight_layout", None) in ("q4", "q8")
-                        for m in self.model.modules())
-        if not quantized or self.device.type != "cpu" or mode == "off":
+        """Say whether the quantized matmuls round activations to int8 (``--int8-activations``),
+        where the model has quantized layers."""
+        layouts = {getattr(m, "weight_layout", None) for m in self.model.modules()}
+        layouts.update(layout for m in self.model.modules()
+                       if isinstance(getattr(m, "layouts", None), dict)
+                       for layout in m.layouts.values())
+        quantized = bool(layouts & {"q4", "q8"})
+        if not quantized:
             return
-        if mode == "on":
-            logger.info("int8 activations on: every quantized matmul rounds its activations to "
-                        "int8 per block of 32 and multiplies integers (llama.cpp's arithmetic; "
-                        "greedy output still the same alone, batched and after a prefix-cache "
-                        "hit)")
-        elif not cpu.round_x_faster(AUTO_ROUND_X_ROWS):
-            logger.info("int8 activations auto: the CPU kernels are not faster so at %s; every "
-                        "quantized product exact", cpu.describe_isa())
+        if self.round_x:
+            why = "" if mode == "on" else " (auto: a GGUF file, multiplied as llama.cpp does)"
+            logger.info("int8 activations on%s: every quantized matmul rounds its activations to "
+                        "int8 per block of 32 and multiplies integers; greedy output is the same "
+                        "alone, batched and after a prefix-cache hit; --int8-activations off "
+                        "keeps every product exact", why)
+        elif mode == "auto" and self.quantization == "gguf" and self.device.type == "cpu":
+            logger.info("int8 activations off (auto: no faster with the CPU kernels at %s); "
+                        "every quantized product exact", cpu.describe_isa())
         else:
-            logger.info("int8 activations auto: decode steps of %d or more sequences round "
-                        "activations to int8 before quantized matmuls (faster than exact on this "
-                        "CPU; the output then depends on the batch); --int8-activations on rounds "
-                        "every matmul, off none", AUTO_ROUND_X_ROWS)
+            logger.info("int8 activations off: every quantized product exact%s",
+                        "" if mode == "off" else "; --int8-activations on rounds them to int8 "
+                        "as llama.cpp does")
 
     def _describe_weights(self) -> str:
         layouts = Counter(getattr(m, "weight_layout", None) or "dense"
@@ -455,13 +457,12 @@ class ModelRunner:
         return self._last_hidden
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        decoding = self._last_decoding = batch.mode == ForwardMode.DECODE
-        with decode_step(decoding):  # where 4-bit matmuls of few rows may round activations
-            graphs = self.decode_graphs
-            if decoding and graphs is not None and graphs.can_run(batch):
-                return graphs.forward(batch)  # (plans what it replays)
-            self.attn_backend.init_forward_metadata(batch)
-            return self.model(batch)
+        decoding = batch.mode == ForwardMode.DECODE
+        graphs = self.decode_graphs
+        if decoding and graphs is not None and graphs.can_run(batch):
+            return graphs.forward(batch)  # (plans what it replays)
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch)
 
     @torch.inference_mode()
     def logits_at(self, hidden: torch.Tensor, indices: torch.Tensor, *,
@@ -486,8 +487,7 @@ class ModelRunner:
         if head is not None:
             head.logits_scratch = self._logits_scratch(rows.shape[0], head.num_embeddings)
         try:
-            with decode_step(self._last_decoding):
-                return self.model.compute_logits(rows)
+            return self.model.compute_logits(rows)
         except Exception as exc:
             if self.mirror is None:
                 raise

@@ -318,11 +318,11 @@ def bfloat16_faster() -> bool:
     return library is not None and library.bfloat16_faster(cpu_isa())
 
 
-def round_x_faster(rows: int) -> bool:
-    """Whether the kernels multiply a 4-bit weight by ``rows`` rows faster with ``round_x``
-    (see :meth:`KernelLibrary.round_x_faster`); False without the kernels."""
+def round_x_faster() -> bool:
+    """Whether the kernels, at the level in use, multiply quantized weights faster with
+    ``round_x`` (see :meth:`KernelLibrary.round_x_faster`); False without the kernels."""
     library = load()
-    return library is not None and library.round_x_faster(rows)
+    return library is not None and library.round_x_faster()
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -200,11 +200,11 @@ class KernelLibrary(abc.ABC):
         """Whether the attention kernels take heads of this shape."""
         return False
 
-    def round_x_faster(self, rows: int) -> bool:
-        """Whether a quantized matmul of ``rows`` rows is faster with ``round_x`` (x rounded to
-        int8 per block, integer products) than exact, at the level in use: where it is,
-        ``--int8-activations auto`` rounds decode steps of that many sequences (``on`` rounds
-        every matmul regardless)."""
+    def round_x_faster(self) -> bool:
+        """Whether, at the level in use, the quantized matmuls (``linear_q4``/``linear_q8``)
+        are at least as fast with ``round_x`` (x rounded to int8 per block, integer products)
+        as exact at every row count: where they are, ``--int8-activations auto`` rounds a GGUF
+        file's matmuls as llama.cpp does (``on`` rounds them regardless)."""
         return False
 
     def bfloat16_faster(self, level: str) -> bool:

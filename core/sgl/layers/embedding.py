@@ -125,7 +125,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.weight_layout is not None:
             logits = quantized_linear(hidden, self.weight_layout, self.weight,
                                       self.weight_scales, None,
-                                      int8_activations=self.int8_activations)
+                                      round_x=self.round_x)
         else:
             logits = linear(hidden, self.weight, None, self.packed)
         logits = tp_all_gather(logits, dim=-1)[..., :self.num_embeddings]

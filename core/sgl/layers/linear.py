@@ -109,7 +109,7 @@ class _ParallelLinear(nn.Module):
             bias32 = None if bias is None else (
                 self.bias32 if self.bias32 is not None else bias.float())
             return quantized_linear(x, self.weight_layout, self.weight, self.weight_scales,
-                                    bias32, int8_activations=self.int8_activations)
+                                    bias32, round_x=self.round_x)
         return linear(x, self.weight, bias, self.packed)
 
 

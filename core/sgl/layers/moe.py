@@ -31,8 +31,9 @@ from torch import nn
 
 from sgl.kernels import quant
 from sgl.layers.activation import GatedActivation
-from sgl.layers.quantized import (QUANTIZE_MODES, QuantizedTensor, deferred_mode, init_weight,
-                                  quantized_linear, store_weight_rows)
+from sgl.layers.quantized import (QUANTIZE_MODES, QuantizedTensor, deferred_mode,
+                                  deferred_round_x, init_weight, quantized_linear,
+                                  store_weight_rows)
 from sgl.layers.tp import divide, get_tp_group, tp_all_reduce
 
 __all__ = ["PROJECTIONS", "SUPPORTED_MOE_SHARDS", "FusedMoE", "select_experts"]
@@ -120,6 +121,8 @@ class FusedMoE(nn.Module):
         #: ``{"gate_up": layout, "down": layout}``: ``"q4"``, ``"q8"`` or None (dense)
         self.layouts: dict[str, str | None] = dict.fromkeys(PROJECTIONS)
         self.mode = deferred_mode()
+        #: whether the experts' quantized matmuls round x to int8 (--int8-activations)
+        self.round_x = deferred_round_x()
         #: quantizing modes: each local expert's projections until they are stacked (a plain
         #: dict, so that the holders are no submodules and never loaded by name)
         self.pending: dict[str, list[_ExpertWeight]] | None = None
@@ -220,7 +223,7 @@ class FusedMoE(nn.Module):
         if layout is None:
             return F.linear(x, weight)
         return quantized_linear(x, layout, weight, getattr(self, f"{which}_scales")[expert],
-                                None)
+                                None, round_x=self.round_x)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """``hidden [T, hidden]``, ``router_logits [T, num_experts]`` -> ``[T, hidden]``."""

@@ -36,11 +36,10 @@ from torch import nn
 
 from sgl.kernels import cpu, ops, quant
 
-__all__ = ["AUTO_ROUND_X_ROWS", "INT8_ACTIVATIONS", "QUANTIZE_MODES",
-           "QuantizedTensor",
-           "decode_step", "deferred_weights", "embedding_layout",
-           "deferred_mode", "dense_rows", "pack_channel_weight", "quantized_linear",
-           "store_weight_rows"]
+__all__ = ["INT8_ACTIVATIONS", "QUANTIZE_MODES", "QuantizedTensor",
+           "deferred_mode", "deferred_round_x", "deferred_weights", "dense_rows",
+           "embedding_layout", "pack_channel_weight", "quantized_linear",
+           "resolve_int8_activations", "store_weight_rows"]
 
 #: the modes that quantize dense weights at load (to 8-/4-bit blocks), and the layout of linear
 #: layers under each; under any other mode (``gguf``, a checkpoint weight format's name) the
@@ -127,44 +126,57 @@ class QuantizedTensor:
 
 # -- building a model whose weights are decided by what arrives --------------------------------
 
-#: ``--int8-activations`` values: with ``on`` every matmul of a quantized (``q4``/``q8``) layer,
-#: prefill and decode, the LM head included, rounds ``x`` to int8 per block of 32 (``round_x`` of
-#: ``sgl::linear_q4``/``linear_q8``, what llama.cpp does with every matmul) and multiplies
-#: integers. The kernels sum the integers exactly and scale them in one float sequence at any
-#: row count, and a row's rounding is its own, so a request's tokens stay independent of its
-#: batch and of the prefix cache. ``auto`` rounds only decode steps of
-#: :data:`AUTO_ROUND_X_ROWS` or more sequences, where the kernels are faster so
-#: (:func:`sgl.kernels.cpu.round_x_faster`): throughput where it is at stake, at the price of
-#: output that depends on the batch size; ``off`` never rounds. Each value of ``x`` moves by at
-#: most ``max|x| / 254`` of its block.
+#: ``--int8-activations`` values. Where a quantized (``q4``/``q8``) layer rounds, every matmul of
+#: it, prefill and decode, the LM head and the experts included, rounds ``x`` to int8 per block
+#: of 32 (``round_x`` of ``sgl::linear_q4``/``linear_q8``, what llama.cpp does with every
+#: matmul) and multiplies integers. The kernels sum the integers exactly and scale them in one
+#: float sequence at any row count, and a row's rounding is its own, so a request's tokens stay
+#: independent of its batch and of the prefix cache. ``on`` rounds, ``off`` never does,
+#: ``auto`` (:func:`resolve_int8_activations`) rounds a GGUF file's blocks on CPU where the
+#: kernels are faster so: those files are made for llama.cpp, which multiplies them this way.
+#: Each value of ``x`` moves by at most ``max|x| / 254`` of its block.
 INT8_ACTIVATIONS = ("auto", "on", "off")
-#: the fewest rows ``--int8-activations auto`` rounds: decode batches of 8 on Zen 4 went from
-#: 0.95x to 1.25x the bfloat16 weights' tokens/s, batches of 32 from 0.80x to 1.11x
-#: (docs/benchmarks.md, "Quantized matmuls on AVX-512")
-AUTO_ROUND_X_ROWS = 8
 
 
-_deferred: tuple[str, str] | None = None  # (mode, int8 activations)
+def resolve_int8_activations(mode: str, quantization: str, device: torch.device | str) -> bool:
+    """Whether quantized matmuls round ``x`` to int8 under ``--int8-activations mode``
+    (:data:`INT8_ACTIVATIONS`) for weights held as ``quantization`` says
+    (:func:`sgl.engine.weights.resolve_quantization`'s answer) on ``device``. ``auto`` rounds
+    a GGUF file's blocks on CPU where :func:`sgl.kernels.cpu.round_x_faster` says the kernels
+    are faster so; a dense checkpoint rounded at load (``int8``/``int4``) stays weight-only."""
+    if mode not in INT8_ACTIVATIONS:
+        raise ValueError(f"unknown int8_activations {mode!r} "
+                         f"(expected one of {', '.join(INT8_ACTIVATIONS)})")
+    if mode != "auto":
+        return mode == "on"
+    return (quantization == "gguf" and torch.device(device).type == "cpu"
+            and cpu.round_x_faster())
+
+
+_deferred: tuple[str, bool] | None = None  # (mode, round x)
 
 
 @contextlib.contextmanager
-def deferred_weights(mode: str, *, int8_activations: str = "off") -> Iterator[None]:
+def deferred_weights(mode: str, *, round_x: bool = False) -> Iterator[None]:
     """Build models inside this to let their weights be held as they arrive (see the module
     docstring); ``mode``: ``int8``/``int4`` (:data:`QUANTIZE_MODES`), or the name of the
-    format the weights arrive in (``gguf``, a weight format's name). ``int8_activations``: when the
-    layers' quantized matmuls round x to int8 (:data:`INT8_ACTIVATIONS`); ``off`` keeps every
-    product exact."""
+    format the weights arrive in (``gguf``, a weight format's name). ``round_x``: whether the
+    layers' quantized matmuls round x to int8 (:func:`resolve_int8_activations`); False keeps
+    every product exact."""
     global _deferred
     if not mode or mode == "none":
         raise ValueError(f"quantization mode {mode!r}: a dense model needs no deferred weights")
-    if int8_activations not in INT8_ACTIVATIONS:
-        raise ValueError(f"unknown int8_activations {int8_activations!r} "
-                         f"(expected one of {', '.join(INT8_ACTIVATIONS)})")
-    previous, _deferred = _deferred, (mode, int8_activations)
+    previous, _deferred = _deferred, (mode, bool(round_x))
     try:
         yield
     finally:
         _deferred = previous
+
+
+def deferred_round_x() -> bool:
+    """Whether the layers built now round x to int8 in their quantized matmuls (the
+    ``round_x`` of :func:`deferred_weights`; False outside it)."""
+    return _deferred is not None and _deferred[1]
 
 
 def deferred_mode() -> str | None:
@@ -268,8 +280,8 @@ def init_weight(module: nn.Module, rows: int, cols: int, dtype: torch.dtype | No
     module.weight_dtype = dtype or torch.get_default_dtype()
     module.weight_device = torch.device(device) if device is not None else torch.device("cpu")
     module.weight_mode = deferred_mode()
-    #: when its quantized matmuls round x to int8 (--int8-activations, INT8_ACTIVATIONS)
-    module.int8_activations = "off" if _deferred is None else _deferred[1]
+    #: whether its quantized matmuls round x to int8 (--int8-activations, INT8_ACTIVATIONS)
+    module.round_x = deferred_round_x()
     place = "meta" if module.weight_mode is not None else device
     module.weight = nn.Parameter(torch.empty((rows, cols), dtype=dtype, device=place),
                                  requires_grad=False)
@@ -290,22 +302,6 @@ def dense_rows(module: nn.Module, index: torch.Tensor | None = None) -> torch.Te
 
 
 
-_decode_step = False
-
-
-@contextlib.contextmanager
-def decode_step(active: bool = True) -> Iterator[None]:
-    """Mark the forward pass run inside as a decode step (the model runner does). Only there
-    do the quantized matmuls of ``--int8-activations auto`` round x (``on`` rounds every
-    matmul)."""
-    global _decode_step
-    previous, _decode_step = _decode_step, active
-    try:
-        yield
-    finally:
-        _decode_step = previous
-
-
 def pack_channel_weight(module: nn.Module) -> None:
     """Replace a loaded ``w8`` weight (int8 ``[N, K]``, scales ``[N, 1]``) by what
     ``sgl::linear_w8a8`` takes: its packed copy and the scales as float32 ``[N]``."""
@@ -317,12 +313,11 @@ def pack_channel_weight(module: nn.Module) -> None:
 
 def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
                      scales: torch.Tensor, bias32: torch.Tensor | None, *,
-                     int8_activations: str = "off") -> torch.Tensor:
+                     round_x: bool = False) -> torch.Tensor:
     """``x @ W^T + bias`` for ``x [..., K]`` and a quantized ``W``: the kernel operator for
     float32 and bfloat16 ``x`` on CPU, the reference (dequantize, then multiply) otherwise.
-    ``int8_activations`` (:data:`INT8_ACTIVATIONS`): whether x is rounded to int8 per block
-    first (``on``: always; ``auto``: in a :func:`decode_step` of :data:`AUTO_ROUND_X_ROWS` or
-    more rows where :func:`sgl.kernels.cpu.round_x_faster` says so)."""
+    ``round_x``: round x to int8 per block first and multiply integers
+    (:data:`INT8_ACTIVATIONS`)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -333,9 +328,6 @@ def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
         out = (torch.ops.sgl.linear_w8a8 if cpu_kernel else ops.linear_w8a8)(
             x2, qweight, scales, bias32)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
-    round_x = int8_activations == "on" or (
-        int8_activations == "auto" and _decode_step and rows >= AUTO_ROUND_X_ROWS
-        and cpu.round_x_faster(rows))
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
         op = torch.ops.sgl.linear_q4 if layout == "q4" else torch.ops.sgl.linear_q8
         out = op(x2, qweight, scales, bias32, round_x)

@@ -12,11 +12,11 @@ import openai
 import pytest
 
 from sgl.plugins import create_plugin_manager
-from sgl_testing import ServerProcess
+from sgl_testing import CAPITAL_QUESTION, ServerProcess
 
 pytestmark = pytest.mark.slow
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": CAPITAL_QUESTION}]
 GREEDY = {"temperature": 0}
 
 

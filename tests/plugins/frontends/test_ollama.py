@@ -11,11 +11,11 @@ import openai
 import pytest
 
 from sgl.plugins import create_plugin_manager
-from sgl_testing import ServerProcess
+from sgl_testing import CAPITAL_QUESTION, ServerProcess
 
 pytestmark = pytest.mark.slow
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": CAPITAL_QUESTION}]
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 
@@ -62,17 +62,17 @@ def test_stream_is_the_default_and_ndjson(server: ServerProcess) -> None:
 
 def test_generate_options_and_context(client: ollama.Client) -> None:
     options = {"temperature": 0, "num_predict": 24, "seed": 3, "top_k": 10, "top_p": 0.9}
-    r = client.generate(model=MODEL, prompt="What is the capital of France?", options=options)
+    r = client.generate(model=MODEL, prompt=CAPITAL_QUESTION, options=options)
     assert r.done and "Paris" in r.response
     assert r.context[-r.eval_count:] and len(r.context) == r.prompt_eval_count + r.eval_count
-    streamed = list(client.generate(model=MODEL, prompt="What is the capital of France?",
+    streamed = list(client.generate(model=MODEL, prompt=CAPITAL_QUESTION,
                                     options=options, stream=True))
     assert "".join(p.response for p in streamed) == r.response
     assert streamed[-1].context == r.context
-    cut = client.generate(model=MODEL, prompt="What is the capital of France?",
+    cut = client.generate(model=MODEL, prompt=CAPITAL_QUESTION,
                           options={**options, "stop": ["Paris"]})
     assert "Paris" not in cut.response and r.response.startswith(cut.response)
-    short = client.generate(model=MODEL, prompt="What is the capital of France?",
+    short = client.generate(model=MODEL, prompt=CAPITAL_QUESTION,
                             options={**options, "num_predict": 2})
     assert short.eval_count == 2 and short.done_reason == "length"
 

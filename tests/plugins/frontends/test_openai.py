@@ -10,11 +10,11 @@ import openai
 import pytest
 
 from sgl.plugins import create_plugin_manager
-from sgl_testing import ServerProcess
+from sgl_testing import CAPITAL_QUESTION, ServerProcess
 
 pytestmark = pytest.mark.slow
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": CAPITAL_QUESTION}]
 
 
 @pytest.fixture(scope="module")
@@ -197,13 +197,13 @@ def test_logit_bias_and_penalties_change_the_output(client: openai.OpenAI,
 
 
 def test_penalties_break_repetition(client: openai.OpenAI) -> None:
-    """Greedy " a canvas of colors, a canvas of" repeats itself; either penalty changes that."""
+    """Greedy " apple, apple, apple," repeats itself; either penalty changes that."""
     def text(**extra: float) -> str:
-        return client.completions.create(model="default", prompt="The sky is", temperature=0,
-                                         max_tokens=10, **extra).choices[0].text
+        return client.completions.create(model="default", prompt="apple, apple, apple, apple,",
+                                         temperature=0, max_tokens=10, **extra).choices[0].text
 
     base = text()
-    assert base.count(" canvas") == 2
+    assert base.count(" apple") >= 3
     assert text(frequency_penalty=2.0) != base and text(presence_penalty=2.0) != base
 
 

@@ -82,8 +82,11 @@ def run_engine(path: Path | None, tp_size: int, vocab: int) -> list[dict[str, An
     """Greedy outputs of PROMPTS, with every output position's whole log-distribution."""
     import sgl
 
+    # exact products: the ranks' partial sums of a row-parallel layer add in another order, and
+    # int8 activations (the GGUF's default) would turn such last bits into steps of their grid
     engine = sgl.Engine(str(path) if path else None, dtype="float32", tp_size=tp_size,
-                        max_total_tokens=2048, context_length=256, log_level="warning",
+                        int8_activations="off", max_total_tokens=2048, context_length=256,
+                        log_level="warning",
                         max_logprobs=vocab)  # the whole distribution at each position
     try:
         assert engine.alive

@@ -85,7 +85,6 @@ class CpuKernelLibrary(KernelLibrary):
         self.path = _load()
         self._ops = torch.ops.sgl_cpu
         self.isa = "none"  # set_level's
-        self._int8_gemm = False
 
     def detect_isa(self) -> str:
         return isa.detect_isa()
@@ -99,9 +98,6 @@ class CpuKernelLibrary(KernelLibrary):
             dot_products = self.bf16_dot_matmul(level)
         self._ops.set_level(level, dot_products, emulated)
         self.isa = level
-        # the 16-column vpdpbusd tiles of kernels_quant_avx512.c (emulated: in software too)
-        self._int8_gemm = level in ("amx", "avx512_bf16", "avx512") and (
-            emulated or isa.has_feature("avx512_vnni"))
 
     def emulated_levels(self) -> tuple[str, ...]:
         """The levels above the CPU's, where the build has them in software
@@ -170,18 +166,11 @@ class CpuKernelLibrary(KernelLibrary):
         the same row as in the cold prefill, and greedy output would depend on the cache."""
         return dtype in (torch.float32, torch.bfloat16)
 
-    #: up to this many rows the AVX2 kernel's integer tiles beat its exact ones (measured:
-    #: docs/benchmarks.md, "Quantized matmuls")
-    ROUND_X_FEW_ROWS = 3
-    #: from this many rows, with AVX512-VNNI, the 16-column vpdpbusd tiles beat the exact
-    #: kernel (docs/benchmarks.md, "Quantized matmuls on AVX-512")
-    ROUND_X_MANY_ROWS = 8
-
-    def round_x_faster(self, rows: int) -> bool:
-        if self.isa == "none" or rows < 1:
-            return False
-        return rows <= self.ROUND_X_FEW_ROWS or (self._int8_gemm
-                                                 and rows >= self.ROUND_X_MANY_ROWS)
+    def round_x_faster(self) -> bool:
+        # every level's integer tiles (vpdpbusd with VNNI, vpmaddubsw + vpmaddwd without, AMX
+        # tiles from 16 rows) measured at least as fast as the exact ones from 1 row to 128
+        # (docs/benchmarks.md, "Int8 activations in every matmul")
+        return self.isa != "none"
 
     def decode_attention_fits(self, num_heads: int, num_kv_heads: int, head_dim: int,
                               v_dim: int) -> bool:

@@ -558,7 +558,7 @@ def _one_batch(p: dict[str, Any], settings: dict[str, Any]) -> None:
         runner = load_runner(
             model_path=settings.get("model_path"), dtype=settings.get("dtype", "auto"),
             quantization=settings.get("quantization", "auto"),
-            int8_activations=settings.get("int8_activations", "off"),
+            int8_activations=settings.get("int8_activations", "auto"),
             attention_backend=settings.get("attention_backend", "torch"),
             num_threads=settings.get("num_threads"), page_size=settings.get("page_size", 1),
             context_length=settings.get("context_length"), max_batch=max(sizes),

@@ -18,7 +18,7 @@ __all__ = ["load_runner", "run_one_batch"]
 
 
 def load_runner(*, model_path: str | None, dtype: str, quantization: str = "auto",
-                int8_activations: str = "off", attention_backend: str,
+                int8_activations: str = "auto", attention_backend: str,
                 num_threads: int | None, page_size: int, context_length: int | None,
                 max_batch: int, max_tokens: int, load_plugins: tuple[str, ...] = (),
                 disable_plugins: tuple[str, ...] = ()) -> Any:

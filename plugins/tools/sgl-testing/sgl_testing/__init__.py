@@ -45,7 +45,14 @@ if TYPE_CHECKING:
 
     from sgl.plugins import SglPluginManager
 
-__all__ = ["ServerProcess", "free_port", "write_tiny_llama"]
+__all__ = ["CAPITAL_QUESTION", "ServerProcess", "free_port", "write_tiny_llama"]
+
+#: a chat question the bundled SmolLM2 answers "The capital of France is Paris." (then its end
+#: of turn) greedily at every kernel level, in float32 and bfloat16, with int8 activations on
+#: and off, and under Ollama's default repeat penalty. The bare "What is the capital of
+#: France?" is a near tie between "The" and "L'" for this 135M model: llama.cpp's arithmetic
+#: on the same file (int8 activations) answers "L'Étoile, la Marseillaise, ...".
+CAPITAL_QUESTION = "What is the capital of France? Answer with the city name only."
 
 
 def write_tiny_llama(path: Path, **overrides: Any) -> Path:
