@@ -25,7 +25,9 @@
 #include <string.h>
 
 #define I8_INLINE static inline __attribute__((always_inline))
-#define I8_AHEAD_BLOCKS 16 /* each column's blocks this far ahead are asked for */
+/* each column's blocks this far ahead are asked for: 8 columns' 32 blocks are 4 KiB (q4) or
+   8 KiB (q8) in flight per thread, more than a core's bandwidth times memory latency */
+#define I8_AHEAD_BLOCKS 32
 /* rows per tile: 8 where AVX-512 gives 32 vector registers, 4 with AVX2's 16 */
 #if ROUND_X_VNNI
 #define I8_TILE_ROWS 8
@@ -177,14 +179,17 @@ ROUND_X_TARGET I8_INLINE void i8_tile(const quant_i8_job *j, int64_t r0, int64_t
         const int64_t nb = KB - kb0 < 8 ? KB - kb0 : 8;
         float ds[64] __attribute__((aligned(32))), ms[64] __attribute__((aligned(32)));
         i8_scales_cols8(sc, kb0, nb, ds, ms);
-        if (kb0 + I8_AHEAD_BLOCKS < KB) /* the columns are read across their rows, which the
-                                           hardware's prefetchers do not follow */
-            #pragma GCC unroll 8
-            for (int c = 0; c < 8; c++) {
-                const char *next = (const char *)(q[c] + (kb0 + I8_AHEAD_BLOCKS) * qb);
-                for (int l = 0; l < 8 * qb; l += 64) _mm_prefetch(next + l, _MM_HINT_T0);
-                _mm_prefetch((const char *)(sc[c] + (kb0 + I8_AHEAD_BLOCKS) * 2), _MM_HINT_T0);
-            }
+        /* the columns are read across their rows, which the hardware's prefetchers do not
+           follow: each column's blocks I8_AHEAD_BLOCKS ahead are asked for, and past its end
+           the same blocks of the next 8 columns (the next octet, laid out after these) */
+        const int64_t ahead = kb0 + I8_AHEAD_BLOCKS;
+        const int64_t skip = ahead < KB ? ahead : ahead + 7 * KB; /* blocks from q[c] */
+        #pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+            const char *next = (const char *)(q[c] + skip * qb);
+            for (int l = 0; l < 8 * qb; l += 64) _mm_prefetch(next + l, _MM_HINT_T0);
+            _mm_prefetch((const char *)(sc[c] + skip * 2), _MM_HINT_T0);
+        }
         for (int64_t b = 0; b < nb; b++) {
             const int64_t kb = kb0 + b;
             __m256i w[4][2], u[4][2];
