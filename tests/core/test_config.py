@@ -137,7 +137,8 @@ def test_plugin_options_in_help_flags_and_file(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "--knobs-depth" in bad.stderr
 
 
-def test_deterministic_inference_refuses_what_depends_on_the_batch() -> None:
+def test_deterministic_inference_refuses_what_depends_on_the_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """SGLang's --enable-deterministic-inference: accepted with every --int8-activations value
     (a row's rounding is its own, so none depends on the batch), and a clear error, naming the
     flag, off the CPU."""
@@ -153,3 +154,10 @@ def test_deterministic_inference_refuses_what_depends_on_the_batch() -> None:
     else:  # refused first for the missing device
         assert "--device" in result.stderr
     assert "Traceback" not in result.stderr
+    # a stand-in for a GPU where there is none (a fake: the refusal cannot be caused otherwise)
+    import sgl.devices
+
+    monkeypatch.setattr(sgl.devices, "resolve_device", lambda name: torch.device("cuda"))
+    with pytest.raises(ConfigError, match="enable_deterministic_inference.*on cuda the "
+                                          "attention backends' sums depend on the batch"):
+        load_settings(env={}, cli={"enable_deterministic_inference": True, "device": "cuda"})

@@ -141,8 +141,8 @@ INT8_ACTIVATIONS = ("auto", "on", "off")
 def resolve_int8_activations(mode: str, quantization: str, device: torch.device | str) -> bool:
     """Whether quantized matmuls round ``x`` to int8 under ``--int8-activations mode``
     (:data:`INT8_ACTIVATIONS`) for weights held as ``quantization`` says
-    (:func:`sgl.engine.weights.resolve_quantization`'s answer) on ``device``. ``auto`` rounds
-    a GGUF file's blocks on CPU where :func:`sgl.kernels.cpu.round_x_faster` says the kernels
+    (:func:`sgl.engine.model_runner.resolve_quantization`'s answer) on ``device``. ``auto``
+    rounds a GGUF file's blocks on CPU where :func:`sgl.kernels.cpu.round_x_faster` says the kernels
     are faster so; a dense checkpoint rounded at load (``int8``/``int4``) stays weight-only."""
     if mode not in INT8_ACTIVATIONS:
         raise ValueError(f"unknown int8_activations {mode!r} "
