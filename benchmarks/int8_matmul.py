@@ -6,7 +6,8 @@ The kinds (``--kinds``): ``bf16`` (``sgl::linear_bf16``, the baseline), ``w8a8``
 (``sgl::linear_w8a8``: int8 weights per channel, int8 activations per token), ``q4`` and ``q8``
 (``sgl::linear_q4`` / ``linear_q8``: GGUF-style blocks of 32 with bfloat16 activations, exact),
 ``q4x`` and ``q8x`` (the same with ``round_x``: activations rounded per block to int8, as
-llama.cpp multiplies).
+llama.cpp multiplies), ``q4x16`` and ``q8x16`` (``round_x`` on the weight packed in the x16
+layout, ``sgl::linear_qx16``: what a GGUF model's layers hold where the CPU has AVX512-VNNI).
 
 Two measurements, at the level this process runs (``SGL_CPU_ISA``), on ``--threads`` kernel
 threads:
@@ -31,7 +32,7 @@ from collections.abc import Callable
 import torch
 from roofline import _best_seconds as _best  # benchmarks/ is on the path when run
 
-KINDS = ("bf16", "w8a8", "q4", "q8", "q4x", "q8x")
+KINDS = ("bf16", "w8a8", "q4", "q8", "q4x", "q8x", "q4x16", "q8x16")
 
 
 def _layer(kind: str, shapes: list[tuple[int, int]]) -> list[tuple[Callable, int]]:
@@ -49,6 +50,11 @@ def _layer(kind: str, shapes: list[tuple[int, int]]) -> list[tuple[Callable, int
             packed = ops.pack_int8_weight(torch.randint(-127, 128, (n, k), dtype=torch.int8))
             scale = torch.rand(n) * 0.01
             out.append((lambda x, p=packed, s=scale: torch.ops.sgl.linear_w8a8(x, p, s, None),
+                        packed.numel()))
+        elif kind.endswith("x16"):
+            fmt = kind[:2]
+            packed = quant.pack_x16(fmt, *quant.quantize(fmt, w))
+            out.append((lambda x, p=packed, b=int(fmt[1]): torch.ops.sgl.linear_qx16(x, p, b, None),
                         packed.numel()))
         else:
             fmt, round_x = kind[:2], kind.endswith("x")

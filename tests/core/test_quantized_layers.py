@@ -162,6 +162,57 @@ def test_quantized_matmuls_round_x_as_their_layers_say(kernel_isa: str) -> None:
                 assert (want - x @ dense_rows(layer).t()).abs().max() > 1e-4
 
 
+def test_round_x_layers_hold_the_packed_layout_where_the_kernels_take_it(kernel_isa: str) -> None:
+    """Once loaded, a q4 or q8 layer that rounds x holds its blocks in the x16 layout where the
+    kernels multiply it (a multiple of 16 rows), and computes the same bits as on the blocks;
+    its dense rows are the blocks' values. A layer that does not round, or whose rows are not
+    whole groups, keeps the blocks."""
+    packs = cpu.packs_x16()
+    assert packs == (kernel_isa in ("amx", "avx512_bf16", "avx512"))  # this CPU has VNNI or
+    # emulates it (the levels above avx2 that the tests run)
+    for layout, seed in (("q4", 21), ("q8", 22)):
+        with deferred_weights("gguf", round_x=True):
+            layer, ragged = RowParallelLinear(96, 48), RowParallelLinear(96, 40)
+        with deferred_weights("gguf", round_x=False):
+            exact = RowParallelLinear(96, 48)
+        full = blocks(layout, 48, 96, seed)
+        for each in (layer, exact):
+            load(each, full)
+        load(ragged, blocks(layout, 40, 96, seed))
+        assert layer.weight_layout == (f"{layout}x16" if packs else layout)
+        assert (layer.weight_scales is None) == packs
+        assert (ragged.weight_layout, exact.weight_layout) == (layout, layout)
+        assert torch.equal(dense_rows(layer), full.dequantize())
+        assert torch.equal(dense_rows(layer, torch.tensor([47, 3])), full.dequantize()[[47, 3]])
+        op = torch.ops.sgl.linear_q4 if layout == "q4" else torch.ops.sgl.linear_q8
+        for rows in (1, 3, 8, 17):
+            x = inputs(rows, 96, torch.bfloat16)
+            assert torch.equal(layer(x), op(x, full.qweight, full.scales, None, True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tied_table_that_rounds_is_packed_once_for_both(kernel_isa: str,
+                                                          dtype: torch.dtype) -> None:
+    """An embedding tied to an LM head that rounds x holds one packed table (no copy): rows are
+    looked up in it, and the head multiplies it."""
+    with deferred_weights("gguf", round_x=True):
+        embed = VocabParallelEmbedding(96, 64, dtype=dtype)
+        head = ParallelLMHead(96, 64, dtype=dtype)
+        head.tie_to(embed)
+    table = blocks("q8", 96, 64, 23)
+    embed.weight.weight_loader(embed.weight, table)
+    embed.process_weights_after_loading()
+    head.process_weights_after_loading()
+    assert head.weight is embed.weight
+    assert embed.weight_layout == head.weight_layout == ("q8x16" if cpu.packs_x16() else "q8")
+    ids = torch.tensor([3, 95, 0, 3])
+    assert torch.equal(embed(ids), table.dequantize()[ids].to(dtype))
+    hidden = inputs(3, 64, dtype)
+    want = ops.linear_q8(hidden, table.qweight, table.scales, None, True).float()
+    torch.testing.assert_close(head(hidden), want, rtol=1e-5, atol=1e-5 if dtype == torch.float32
+                               else 2e-2)
+
+
 def test_int8_activations_auto_rounds_gguf_files_where_the_kernels_are_faster(
         cpu_isa: str) -> None:
     """``auto`` rounds a GGUF file's matmuls on CPU at every kernel level (each level's integer
@@ -331,9 +382,11 @@ def test_bundled_model_is_held_quantized(smollm2: dict[str, ModelRunner]) -> Non
     model = smollm2["gguf"].model
     layer = model.model.layers[0]
     assert smollm2["gguf"].quantization == "gguf" and smollm2["none"].quantization == "none"
+    packed = "x16" if smollm2["gguf"].round_x and cpu.packs_x16() else ""
     assert (layer.self_attn.qkv_proj.weight_layout, layer.mlp.down_proj.weight_layout) == (
-        "q4", "q4")
-    assert model.get_input_embeddings().weight_layout == "q8"  # the file's Q8_0 token_embd
+        f"q4{packed}", f"q4{packed}")
+    # the file's Q8_0 token_embd
+    assert model.get_input_embeddings().weight_layout == f"q8{packed}"
     assert model.lm_head.weight is model.get_input_embeddings().weight  # tied, not copied
 
 

@@ -46,7 +46,7 @@ __all__ = ["DTYPES", "argmax_rows", "bfloat16_faster", "check_level", "cpu_isa",
            "describe_isa", "detected_isa", "effective_isa", "emulated_isa_levels",
            "emulation_requested", "fits", "isa_at_least", "isa_emulated", "isa_levels",
            "kernel_levels", "kernel_threads", "load", "pack_bf16_weight", "pack_f32_weight",
-           "recording", "requested_isa", "set_isa", "set_threads", "use_plugins"]
+           "packs_x16", "recording", "requested_isa", "set_isa", "set_threads", "use_plugins"]
 
 logger = logging.getLogger(__name__)
 
@@ -323,6 +323,13 @@ def round_x_faster() -> bool:
     ``round_x`` (see :meth:`KernelLibrary.round_x_faster`); False without the kernels."""
     library = load()
     return library is not None and library.round_x_faster()
+
+
+def packs_x16() -> bool:
+    """Whether the kernels, at the level in use, take ``round_x`` weights in the x16 layouts
+    (see :meth:`KernelLibrary.packs_x16`); False without the kernels."""
+    library = load()
+    return library is not None and library.packs_x16()
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -207,6 +207,13 @@ class KernelLibrary(abc.ABC):
         file's matmuls as llama.cpp does (``on`` rounds them regardless)."""
         return False
 
+    def packs_x16(self) -> bool:
+        """Whether, at the level in use, the library multiplies ``round_x`` weights packed in
+        the x16 layouts (:func:`sgl.kernels.quant.pack_x16`, ``sgl::linear_qx16``, rows of
+        ``sgl::embedding_q``): a quantized layer that rounds its activations then holds its
+        weight so once loaded (:func:`sgl.layers.quantized.pack_round_x_weight`)."""
+        return False
+
     def bfloat16_faster(self, level: str) -> bool:
         """Whether at ``level`` bfloat16 weights decode faster than float32 (the level has
         bfloat16 instructions, and its matmuls read half the bytes): ``--dtype auto`` picks

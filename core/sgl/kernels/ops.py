@@ -41,6 +41,7 @@ SCHEMAS = {
                  "bool round_x=False) -> Tensor",
     "linear_q8": "linear_q8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, "
                  "bool round_x=False) -> Tensor",
+    "linear_qx16": "linear_qx16(Tensor x, Tensor packed, int bits, Tensor? bias) -> Tensor",
     "linear_w8a8": "linear_w8a8(Tensor x, Tensor packed, Tensor scales, Tensor? bias) -> Tensor",
     "rmsnorm": "rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor",
     "add_rmsnorm": "add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) "
@@ -172,6 +173,18 @@ def linear_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return _linear_quantized("q8", x, qweight, scales, bias, round_x)
 
 
+def linear_qx16(x: torch.Tensor, packed: torch.Tensor, bits: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`linear_q4` (``bits`` 4) or :func:`linear_q8` (8) with ``round_x`` for the weight
+    packed in the layout ``q4x16`` or ``q8x16`` (:func:`sgl.kernels.quant.pack_x16`; N a
+    multiple of 16): the same bits."""
+    if bits not in (4, 8):
+        raise ValueError(f"linear_qx16: bits must be 4 or 8, got {bits}")
+    fmt = f"q{bits}"
+    qweight, scales = quant.unpack_x16(f"{fmt}x16", packed)
+    return _linear_quantized(fmt, x, qweight, scales, bias, True)
+
+
 #: channels per group and values per step of :func:`pack_int8_weight`'s layout, and the step K
 #: is padded to
 INT8_GROUP, INT8_STEP, INT8_K_ALIGN = 16, 4, 64
@@ -287,10 +300,16 @@ def embedding_q(qweight: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
     """Rows ``ids`` (int64 ``[T]``) of a quantized table ``W [N, K]`` (:mod:`sgl.kernels.quant`,
     the layout told by ``qweight``: uint8 ``[N, K/32, 16]`` is q4, int8 ``[N, K/32, 32]`` q8) as
-    ``[T, K]`` in ``dtype``: each value ``d q + m`` in float32, rounded to ``dtype`` once. Only
+    ``[T, K]`` in ``dtype``: each value ``d q + m`` in float32, rounded to ``dtype`` once. A table
+    in a packed layout (``q4x16``/``q8x16``, uint8 ``[N/16, K/32, 320 or 576]``) comes with an
+    empty ``scales``. Only
     the selected rows are dequantized. ValueError naming the argument that is not of this form;
     IndexError for an id outside ``[0, N)``. (Kernels may take float32 and bfloat16 alone, as the
     CPU plugin's does; this takes any floating-point ``dtype``.)"""
+    packed = {size: layout for layout, (_, size) in quant.X16_LAYOUTS.items()}
+    if (qweight.dim() == 3 and qweight.dtype == torch.uint8 and scales.numel() == 0
+            and qweight.shape[2] in packed):  # a packed layout: unpacked, then as below
+        qweight, scales = quant.unpack_x16(packed[qweight.shape[2]], qweight)
     if qweight.dim() == 3 and (qweight.dtype, qweight.shape[2]) == (torch.uint8, 16):
         fmt = "q4"
     elif qweight.dim() == 3 and (qweight.dtype, qweight.shape[2]) == (torch.int8, 32):
@@ -404,7 +423,8 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 #: operator name -> its reference implementation
 REFERENCES: dict[str, Callable[..., Any]] = {
     "linear_bf16": linear_bf16, "linear_f32": linear_f32, "linear_q4": linear_q4,
-    "linear_q8": linear_q8, "linear_w8a8": linear_w8a8, "rmsnorm": rmsnorm,
+    "linear_q8": linear_q8, "linear_qx16": linear_qx16, "linear_w8a8": linear_w8a8,
+    "rmsnorm": rmsnorm,
     "add_rmsnorm": add_rmsnorm, "rmsnorm_heads": rmsnorm_heads, "silu_mul": silu_mul,
     "rotary": rotary, "embedding": embedding, "embedding_q": embedding_q,
     "argmax": argmax,

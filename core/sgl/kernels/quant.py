@@ -25,14 +25,27 @@ One layout has a scale per output channel instead of per block, SGLang's ``w8a8_
 
 :func:`quantize` makes these from a float weight (round to nearest per block, ``d`` and ``m``
 from the block's range); :func:`dequantize` gives the float32 weight back.
+
+Two layouts hold q4 and q8 weights packed for the integer products of ``round_x``
+(``sgl::linear_qx16``), where the CPU kernel library packs them once loaded
+(:meth:`~sgl.kernels.library.KernelLibrary.packs_x16`):
+
+* **q4x16**, **q8x16**: uint8 ``[N/16, K/32, B]`` (N a multiple of 16): for each group of 16
+  rows of W, block after block, the block's integers in the order of AVX512-VNNI's ``vpdpbusd``
+  with the 16 rows in its 32-bit lanes (q4: 4 vectors of 64 bytes, lane ``c`` of vector ``i``
+  holding bytes ``4i .. 4i + 3`` of row ``c``'s 16; q8: 8 vectors, lane ``c`` of vector ``i``
+  values ``4i .. 4i + 3`` of row ``c`` plus 128, as unsigned bytes), then the 16 rows' ``d``
+  and their ``m`` as float16: ``B`` = 320 (q4) or 576 (q8). A thread's share of the groups is
+  then one sequential stream of memory, every byte of it used (:func:`pack_x16`,
+  :func:`unpack_x16`).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK", "CHANNEL_LAYOUT", "FORMATS", "LAYOUTS", "check", "dequantize", "integers",
-           "quantize"]
+__all__ = ["BLOCK", "CHANNEL_LAYOUT", "FORMATS", "LAYOUTS", "X16_GROUP", "X16_LAYOUTS", "check",
+           "dequantize", "integers", "pack_x16", "quantize", "unpack_x16"]
 
 #: values per block along K
 BLOCK = 32
@@ -42,6 +55,10 @@ FORMATS = {"q4": 16, "q8": 32}
 CHANNEL_LAYOUT = "w8"
 #: every layout
 LAYOUTS = (*FORMATS, CHANNEL_LAYOUT)
+#: the packed layouts of round_x's matmuls -> (the layout they pack, bytes per group and block)
+X16_LAYOUTS = {"q4x16": ("q4", 4 * 64 + 64), "q8x16": ("q8", 8 * 64 + 64)}
+#: rows of W per group of a packed layout
+X16_GROUP = 16
 
 
 def check(fmt: str, qweight: torch.Tensor, scales: torch.Tensor) -> None:
@@ -78,8 +95,11 @@ def _values(fmt: str, qweight: torch.Tensor) -> torch.Tensor:
     return integers(fmt, qweight).float()
 
 
-def dequantize(fmt: str, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The float32 ``W [N, K]`` of a quantized weight (``fmt``: one of :data:`LAYOUTS`)."""
+def dequantize(fmt: str, qweight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """The float32 ``W [N, K]`` of a quantized weight (``fmt``: one of :data:`LAYOUTS`, or of
+    :data:`X16_LAYOUTS` with ``scales`` None)."""
+    if fmt in X16_LAYOUTS:
+        fmt, (qweight, scales) = X16_LAYOUTS[fmt][0], unpack_x16(fmt, qweight)
     check(fmt, qweight, scales)
     if fmt == CHANNEL_LAYOUT:
         return qweight.float() * scales
@@ -118,3 +138,39 @@ def quantize(fmt: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     q = torch.where(d > 0, (w - m) / d.clamp_min(1e-30), 0).round().clamp(0, 15).to(torch.uint8)
     packed = q[..., :16] | (q[..., 16:] << 4)
     return packed.contiguous(), torch.cat([d, m], -1).half().contiguous()
+
+
+def pack_x16(fmt: str, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A ``q4`` or ``q8`` weight (N a multiple of :data:`X16_GROUP`) in its packed layout
+    ``fmt + "x16"`` (see the module docstring)."""
+    check(fmt, qweight, scales)
+    n, kb, qb = qweight.shape
+    if fmt not in FORMATS or n % X16_GROUP:
+        raise ValueError(f"only q4 and q8 weights of a multiple of {X16_GROUP} rows pack, got "
+                         f"{fmt} with {n} rows")
+    g = n // X16_GROUP
+    # [group, row c, block, vector i, byte] -> [group, block, vector i, row c, byte]
+    ints = qweight.view(torch.uint8).reshape(g, X16_GROUP, kb, qb // 4, 4)
+    ints = ints.permute(0, 2, 3, 1, 4).reshape(g, kb, X16_GROUP * qb)
+    if fmt == "q8":
+        ints = ints ^ 0x80
+    halves = scales.reshape(g, X16_GROUP, kb, 2).permute(0, 2, 3, 1).contiguous()
+    return torch.cat([ints, halves.view(torch.uint8).reshape(g, kb, 64)], -1).contiguous()
+
+
+def unpack_x16(layout: str, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(qweight, scales)`` of a weight in a packed layout (the inverse of :func:`pack_x16`)."""
+    fmt, size = X16_LAYOUTS[layout]
+    if packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[2] != size:
+        raise ValueError(f"{layout} must be uint8 [N/16, K/32, {size}], got {packed.dtype} "
+                         f"{list(packed.shape)}")
+    g, kb, _ = packed.shape
+    qb = FORMATS[fmt]
+    ints = packed[..., :X16_GROUP * qb].reshape(g, kb, qb // 4, X16_GROUP, 4)
+    ints = ints.permute(0, 3, 1, 2, 4).reshape(g * X16_GROUP, kb, qb)
+    if fmt == "q8":
+        ints = (ints ^ 0x80).view(torch.int8)
+    halves = packed[..., X16_GROUP * qb:].contiguous().view(torch.float16)
+    halves = halves.reshape(g, kb, 2, X16_GROUP)
+    scales = halves.permute(0, 3, 1, 2).reshape(g * X16_GROUP, kb, 2)
+    return ints.contiguous(), scales.contiguous()

@@ -16,6 +16,7 @@ from sgl.layers.packed_linear import linear, pack_weight
 from sgl.layers.quantized import (
     embedding_layout,
     init_weight,
+    pack_round_x_weight,
     quantized_linear,
     store_weight_rows,
     zero_weight_rows,
@@ -23,6 +24,10 @@ from sgl.layers.quantized import (
 from sgl.layers.tp import get_tp_group, tp_all_gather, tp_all_reduce
 
 __all__ = ["ParallelLMHead", "VocabParallelEmbedding"]
+
+
+#: the ``scales`` argument of ``sgl::embedding_q`` for a table in a packed layout
+_NO_SCALES = torch.empty(0, dtype=torch.float16)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -61,16 +66,23 @@ class VocabParallelEmbedding(nn.Module):
                           quantize_as=quantize_as)
         zero_weight_rows(self, rows)
 
+    def process_weights_after_loading(self) -> None:
+        """A table shared with LM heads that round x to int8 takes their packed layout
+        (:func:`~sgl.layers.quantized.pack_round_x_weight`; rows are looked up in it)."""
+        if self.tied_heads:
+            pack_round_x_weight(self)
+
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight_layout is None:
             out = _cpu_embedding(ids, self.weight)
             return F.embedding(ids, self.weight) if out is None else out
         dtype = self.weight_dtype
+        # a packed layout (on CPU) has its scales in its blocks
+        scales = self.weight_scales if self.weight_scales is not None else _NO_SCALES
         if ids.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-            return torch.ops.sgl.embedding_q(self.weight, self.weight_scales, ids.reshape(-1),
+            return torch.ops.sgl.embedding_q(self.weight, scales, ids.reshape(-1),
                                              dtype).view(*ids.shape, -1)
-        return ops.embedding_q(self.weight, self.weight_scales, ids.reshape(-1),
-                               dtype).view(*ids.shape, -1)
+        return ops.embedding_q(self.weight, scales, ids.reshape(-1), dtype).view(*ids.shape, -1)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -104,6 +116,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, dtype=dtype, device=device)
         self.logit_softcap = logit_softcap or None  # 0 means none, as in some configs
         self.packed: PackedWeight | None = None
+        #: whether the weight is an embedding's (:meth:`tie_to`)
+        self.tied = False
         #: float32 ``[rows, vocab]``: while set, :meth:`forward` writes its logits into the
         #: first rows and returns them, instead of a new tensor (``ModelRunner.logits_at`` with
         #: ``reuse``)
@@ -111,11 +125,19 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def process_weights_after_loading(self) -> None:
         """Pack the (possibly tied) weight for the CPU matmul (:mod:`sgl.layers.packed_linear`);
-        a quantized one is multiplied as it is."""
-        self.packed = None if self.weight_layout is not None else pack_weight(self.weight)
+        a quantized one is multiplied as it is, or in the packed layout of its integer products
+        (:func:`~sgl.layers.quantized.pack_round_x_weight`; a tied table is packed by its
+        embedding, which this head follows)."""
+        if self.weight_layout is None:
+            self.packed = pack_weight(self.weight)
+            return
+        self.packed = None
+        if not self.tied:
+            pack_round_x_weight(self)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Use ``embedding``'s weight (tied input and output embeddings)."""
+        self.tied = True
         self.weight = embedding.weight
         self.weight_scales, self.weight_layout = embedding.weight_scales, embedding.weight_layout
         embedding.tied_heads.append(self)

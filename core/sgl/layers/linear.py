@@ -26,6 +26,7 @@ from sgl.layers.quantized import (
     QuantizedTensor,
     init_weight,
     pack_channel_weight,
+    pack_round_x_weight,
     quantized_linear,
     store_weight_rows,
 )
@@ -95,12 +96,16 @@ class _ParallelLinear(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Pack the loaded weight for the CPU matmul (see :mod:`sgl.layers.packed_linear`);
-        a quantized weight needs no copy, only its bias in float32."""
+        a quantized weight needs no copy, only its bias in float32 (and is reordered in place
+        where the kernels take it so: :func:`~sgl.layers.quantized.pack_channel_weight`,
+        :func:`~sgl.layers.quantized.pack_round_x_weight`)."""
         if self.weight_layout is not None:
             self.packed = None
             self.bias32 = None if self.bias is None else self.bias.detach().float()
             if self.weight_layout == CHANNEL_LAYOUT:
                 pack_channel_weight(self)
+            else:
+                pack_round_x_weight(self)
         else:
             self.packed = pack_weight(self.weight, self.bias)
 

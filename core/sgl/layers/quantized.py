@@ -15,7 +15,11 @@ arrives. That tensor decides how the weight is held:
 
 Once loaded, a ``w8`` linear layer holds its weight packed for the matmul
 (:func:`sgl.kernels.ops.pack_int8_weight`) in place of the ``[N, K]`` integers, and its scales as
-float32 ``[N]`` (:func:`pack_channel_weight`).
+float32 ``[N]`` (:func:`pack_channel_weight`). A ``q4``/``q8`` linear layer, LM head or
+embedding whose matmuls round x to int8, on a CPU whose kernel library takes it
+(:meth:`~sgl.kernels.library.KernelLibrary.packs_x16`), holds its blocks in the packed layout
+``q4x16``/``q8x16`` (:func:`sgl.kernels.quant.pack_x16`: the same bytes, ordered for the
+integer products of 16 rows at once), ``weight_scales`` None (:func:`pack_round_x_weight`).
 
 Fused layers take their shards one by one and the shards may differ: a ``q4`` weight that
 receives a ``q8`` shard becomes ``q8`` (every 4-bit value is an 8-bit value: nothing changes),
@@ -38,7 +42,7 @@ from sgl.kernels import cpu, ops, quant
 
 __all__ = ["INT8_ACTIVATIONS", "QUANTIZE_MODES", "QuantizedTensor",
            "deferred_mode", "deferred_round_x", "deferred_weights", "dense_rows",
-           "embedding_layout", "pack_channel_weight", "quantized_linear",
+           "embedding_layout", "pack_channel_weight", "pack_round_x_weight", "quantized_linear",
            "resolve_int8_activations", "store_weight_rows"]
 
 #: the modes that quantize dense weights at load (to 8-/4-bit blocks), and the layout of linear
@@ -293,6 +297,12 @@ def init_weight(module: nn.Module, rows: int, cols: int, dtype: torch.dtype | No
 
 def dense_rows(module: nn.Module, index: torch.Tensor | None = None) -> torch.Tensor:
     """``module.weight`` (rows ``index`` of it) as a dense tensor of the module's dtype."""
+    if module.weight_layout in quant.X16_LAYOUTS:
+        qweight, scales = quant.unpack_x16(module.weight_layout, module.weight.data)
+        layout = quant.X16_LAYOUTS[module.weight_layout][0]
+        if index is not None:
+            qweight, scales = qweight[index], scales[index]
+        return QuantizedTensor(layout, qweight, scales).dequantize(module.weight_dtype)
     weight = module.weight if index is None else module.weight[index]
     if module.weight_layout is None:
         return weight
@@ -311,6 +321,21 @@ def pack_channel_weight(module: nn.Module) -> None:
     module.weight_scales = module.weight_scales.reshape(-1).contiguous()
 
 
+def pack_round_x_weight(module: nn.Module) -> None:
+    """Hold a loaded ``q4``/``q8`` weight of a module whose matmuls round x to int8
+    (``module.round_x``) in its packed layout, where the CPU kernel library multiplies that
+    layout (:func:`sgl.kernels.cpu.packs_x16`) and its rows are whole groups of 16; otherwise
+    leave it as it is. LM heads tied to the module follow it."""
+    if (module.weight_layout not in ("q4", "q8") or not module.round_x
+            or module.weight.device.type != "cpu"
+            or module.weight.shape[0] % quant.X16_GROUP or not cpu.packs_x16()):
+        return
+    layout = module.weight_layout
+    with torch.no_grad():
+        packed = quant.pack_x16(layout, module.weight.data, module.weight_scales)
+    _hold(module, f"{layout}x16", packed, None)
+
+
 def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
                      scales: torch.Tensor, bias32: torch.Tensor | None, *,
                      round_x: bool = False) -> torch.Tensor:
@@ -322,6 +347,14 @@ def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
     x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if layout in quant.X16_LAYOUTS:  # packed (pack_round_x_weight); every row rounded
+        if not round_x:
+            raise ValueError(f"a {layout} weight is multiplied with round_x only")
+        bits = 4 if layout == "q4x16" else 8
+        cpu_kernel = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+        out = (torch.ops.sgl.linear_qx16 if cpu_kernel else ops.linear_qx16)(
+            x2, qweight, bits, bias32)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
     if layout == quant.CHANNEL_LAYOUT:  # packed (pack_channel_weight); every row rounded
         n = scales.numel()
         cpu_kernel = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)

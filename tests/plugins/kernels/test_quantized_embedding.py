@@ -65,6 +65,23 @@ def test_quantized_embedding_equals_the_reference(kernels: KernelLibrary, fmt: s
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_table_in_the_x16_layout_gives_the_same_rows(kernels: KernelLibrary, fmt: str,
+                                                        dtype: torch.dtype) -> None:
+    """A table packed for round_x's matmuls (a tied LM head's, :func:`quant.pack_x16`) is
+    looked up with an empty ``scales``: the same rows, bit for bit, kernel and reference."""
+    qweight, scales = _table(fmt, 64, 544, seed=3)
+    packed = quant.pack_x16(fmt, qweight, scales)
+    ids = _ids(64, 70, seed=2)
+    no_scales = torch.empty(0, dtype=torch.float16)
+    want = torch.ops.sgl.embedding_q(qweight, scales, ids, dtype)
+    assert torch.equal(torch.ops.sgl.embedding_q(packed, no_scales, ids, dtype), want)
+    assert torch.equal(ops.REFERENCES["embedding_q"](packed, no_scales, ids, dtype), want)
+    with pytest.raises(IndexError, match="outside the embedding table of 64 rows"):
+        torch.ops.sgl.embedding_q(packed, no_scales, torch.tensor([64]), dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_the_reference_is_the_dequantized_rows(fmt: str, monkeypatch) -> None:
     """The reference is :func:`quant.dequantize`'s rows rounded once, and dequantizes only the
     rows it returns."""

@@ -4,7 +4,9 @@ The layouts (:mod:`sgl.kernels.quant`) are checked against llama.cpp's own block
 quantized by the ``gguf`` package, and the bundled SmolLM2 file, repacked and dequantized here,
 equal ``gguf``'s dequantization. The kernels are checked against the core's reference (the
 dequantized weight through a float32 matmul) at every kernel level this CPU has, on ragged
-shapes, both activation dtypes, a row-strided input, two threads, and a recorded replay.
+shapes, both activation dtypes, a row-strided input, two threads, and a recorded replay. The
+packed x16 layouts (``sgl::linear_qx16``) hold the same blocks, and their matmul gives the bits
+of ``round_x`` on the blocks at every row count.
 """
 
 from __future__ import annotations
@@ -214,3 +216,92 @@ def test_quantized_matmul_names_bad_arguments(kernels: KernelLibrary, args, mess
     qweight, scales = quant.quantize("q4", torch.randn(4, 64))
     with pytest.raises(ValueError, match=message):
         sgl_ops.linear_q4(*args(qweight, scales))
+
+
+# -- the x16 layouts (sgl::linear_qx16) ------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_x16_layout_holds_the_same_blocks_in_vpdpbusd_order(fmt: str) -> None:
+    """Packing is lossless, and lays block ``b`` of row ``16 g + c`` where the kernel reads it:
+    bytes ``4i .. 4i + 3`` in lane ``c`` of vector ``i`` (q8 plus 128), then the group's ``d``
+    and ``m`` as float16."""
+    torch.manual_seed(1)
+    qweight, scales = quant.quantize(fmt, torch.randn(48, 96))
+    packed = quant.pack_x16(fmt, qweight, scales)
+    assert packed.dtype == torch.uint8
+    assert packed.shape == (3, 3, quant.X16_LAYOUTS[f"{fmt}x16"][1])
+    back = quant.unpack_x16(f"{fmt}x16", packed)
+    assert torch.equal(back[0], qweight) and torch.equal(back[1], scales)
+    assert torch.equal(quant.dequantize(f"{fmt}x16", packed, None),
+                       quant.dequantize(fmt, qweight, scales))
+    row, block, g, c = 21, 2, 1, 5
+    stored = qweight[row, block].view(torch.uint8)
+    for i in range(stored.numel() // 4):
+        got = packed[g, block, 64 * i + 4 * c:64 * i + 4 * c + 4]
+        assert torch.equal(got ^ 0x80 if fmt == "q8" else got, stored[4 * i:4 * i + 4])
+    halves = packed[g, block, -64:].view(torch.float16)
+    assert halves[c] == scales[row, block, 0] and halves[16 + c] == scales[row, block, 1]
+    with pytest.raises(ValueError, match="multiple of 16 rows"):
+        quant.pack_x16(fmt, *quant.quantize(fmt, torch.randn(40, 96)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", [(96, 576), (16, 32), (48, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_x16_matmul_is_round_x_on_the_blocks_bit_for_bit(kernels: KernelLibrary, fmt: str, n: int,
+                                                        k: int, dtype: torch.dtype) -> None:
+    """Where the level takes the layout, every row count (the few-row tiles, 8-row tiles, AMX
+    tiles from 16 at amx) gives the bits of ``linear_q4``/``linear_q8`` with ``round_x``, and
+    the reference's values; elsewhere the operator says why it cannot."""
+    torch.manual_seed(n + k)
+    qweight, scales = quant.quantize(fmt, torch.randn(n, k) / k ** 0.5)
+    packed = quant.pack_x16(fmt, qweight, scales)
+    bits = int(fmt[1])
+    if not kernels.packs_x16():
+        with pytest.raises(ValueError, match="no kernel at the avx2 level|no AVX512-VNNI"):
+            sgl_ops.linear_qx16(torch.randn(1, k).to(dtype), packed, bits, None)
+        return
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 70):
+        bias = torch.randn(n) if rows % 2 else None
+        x = (torch.randn(rows, k + 32) * 3).to(dtype)[:, 16:16 + k]  # a row-strided view
+        with cpu.recording() as tape:
+            got = sgl_ops.linear_qx16(x, packed, bits, bias)
+        assert tape.names == ["sgl_linear_quant_avx512"]
+        assert torch.equal(got, _op(fmt)(x, qweight, scales, bias, True)), rows
+        expected = ops.REFERENCES["linear_qx16"](x, packed, bits, bias)
+        tol = 1e-5 if dtype == torch.float32 else 0.01
+        torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.usefixtures("restore_kernel_threads")
+def test_x16_matmul_on_two_threads_and_replayed(kernels: KernelLibrary, fmt: str) -> None:
+    torch.manual_seed(4)
+    packed = quant.pack_x16(fmt, *quant.quantize(fmt, torch.randn(1008, 576)))
+    bits = int(fmt[1])
+    x = torch.randn(9, 576)
+    if not kernels.packs_x16():
+        with pytest.raises(ValueError, match="no kernel at the avx2 level|no AVX512-VNNI"):
+            sgl_ops.linear_qx16(x, packed, bits, None)
+        return
+    assert cpu.set_threads(1) == 1
+    one = sgl_ops.linear_qx16(x, packed, bits, None)
+    assert cpu.set_threads(2) == 2
+    with cpu.recording() as tape:
+        two = sgl_ops.linear_qx16(x, packed, bits, None)
+    assert torch.equal(one, two)
+    x.copy_(torch.randn(9, 576))
+    tape.replay()
+    assert torch.equal(two, sgl_ops.linear_qx16(x, packed, bits, None))
+
+
+@pytest.mark.parametrize("args, message", [
+    (lambda p: (torch.randn(2, 64), p, 5, None), "bits must be 4 or 8"),
+    (lambda p: (torch.randn(2, 64), p, 8, None), r"packed must be uint8 \[N/16, K/32, 576\]"),
+    (lambda p: (torch.randn(2, 96), p, 4, None), "x has 96 columns, the weight 64"),
+    (lambda p: (torch.randn(2, 64), p, 4, torch.randn(5)), "bias has 5 values, not 16"),
+])
+def test_x16_matmul_names_bad_arguments(kernels: KernelLibrary, args, message: str) -> None:
+    packed = quant.pack_x16("q4", *quant.quantize("q4", torch.randn(16, 64)))
+    with pytest.raises(ValueError, match=message):
+        sgl_ops.linear_qx16(*args(packed))

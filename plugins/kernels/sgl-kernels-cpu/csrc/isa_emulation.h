@@ -194,7 +194,16 @@ static inline float emu_mm512_reduce_max_ps(simde__m512 v) {
     return t[0];
 }
 
+/* VCVTPH2PS: 16 float16 values widened to float32 (exact) */
+static inline simde__m512 emu_mm512_cvtph_ps(simde__m256i h) {
+    simde__m256i_private a = simde__m256i_to_private(h);
+    simde__m512_private r;
+    for (int i = 0; i < 16; i++) r.f32[i] = _cvtsh_ss(a.u16[i]);
+    return simde__m512_from_private(r);
+}
+
 /* gcc's headers make some of these macros when not optimizing */
+#undef _mm512_cvtph_ps
 #undef _mm512_cvtneps_pbh
 #undef _mm512_maskz_loadu_ps
 #undef _mm512_mask_storeu_ps
@@ -221,6 +230,7 @@ static inline float emu_mm512_reduce_max_ps(simde__m512 v) {
 #define _mm512_reduce_max_ps(v) emu_mm512_reduce_max_ps(v)
 #define _mm512_shuffle_f32x4(a, b, imm) simde_mm512_shuffle_f32x4((a), (b), (imm))
 #define _mm512_scalef_ps(a, b) emu_mm512_scalef_ps((a), (b))
+#define _mm512_cvtph_ps(h) emu_mm512_cvtph_ps(h)
 #undef _mm512_cvtepu8_epi32
 #undef _mm512_cvtepi8_epi32
 #undef _mm512_cvtepi32_ps

@@ -74,7 +74,7 @@ int sgl_linear_w8a8_avx512(const void *x, int64_t ldx, const uint8_t *wp, const 
                            const float *bias, int dtype, int amx);
 int sgl_embedding_quant(const uint8_t *qw, const uint16_t *sc, int64_t vocab, int64_t K,
                         const int64_t *ids, int64_t T, void *out, int64_t o_stride, int dtype,
-                        int bits);
+                        int bits, int x16);
 
 int sgl_rmsnorm(const void *x, int64_t x_stride, const void *residual, int64_t r_stride,
                 void *res_out, int64_t ro_stride, const void *weight, void *out,

@@ -434,7 +434,7 @@ typedef struct {
     const int64_t *ids;
     void *out;
     int64_t o_stride, KB;
-    int dtype, bits;
+    int dtype, bits, x16; /* x16: the table in the x16 layout (sc unused) */
 } embedding_quant_job;
 
 /* out row t = row ids[t] of the table, block by block */
@@ -443,9 +443,23 @@ AVX2_TARGET INLINE void embed_row(const embedding_quant_job *j, int64_t t, const
     const uint8_t *q = j->qw + j->ids[t] * KB * qb;
     const uint16_t *s = j->sc + j->ids[t] * KB * 2;
     char *row = (char *)j->out + t * j->o_stride * es;
+    /* in the x16 layout: group id / 16, lane id % 16 of each block's vectors and scales */
+    const int64_t group = j->ids[t] / 16, lane = j->ids[t] % 16, bb = 16 * qb + 64;
     for (int64_t kb = 0; kb < KB; kb++) {
         __m256 w[4];
-        dequant_block(q + kb * qb, s + kb * 2, BITS, w);
+        if (j->x16) {
+            const uint8_t *blk = j->qw + (group * KB + kb) * bb;
+            uint8_t ints[32];
+            uint16_t ds[2];
+            for (int64_t i = 0; i < qb / 4; i++) memcpy(ints + 4 * i, blk + 64 * i + 4 * lane, 4);
+            if (BITS == 8)
+                for (int i = 0; i < 32; i++) ints[i] ^= 0x80; /* stored plus 128 */
+            memcpy(ds, blk + 16 * qb + 2 * lane, 2);
+            memcpy(ds + 1, blk + 16 * qb + 32 + 2 * lane, 2);
+            dequant_block(ints, ds, BITS, w);
+        } else {
+            dequant_block(q + kb * qb, s + kb * 2, BITS, w);
+        }
         #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) store8(row + (kb * 32 + 8 * i) * es, w[i], j->dtype);
     }
@@ -462,15 +476,16 @@ AVX2_TARGET static void embedding_quant_rows(void *ctx, int64_t t_begin, int64_t
 /* Row t of out [T, K] (row stride o_stride; dtype 1: bfloat16, 0: float32) = row ids[t] of the
    q4 (bits 4) or q8 (bits 8) table qw [vocab, K/32, 16 or 32] with its float16 (d, m) sc [vocab,
    K/32, 2], each value d q + m; K a multiple of 32. Large lookups share the rows out over the
-   pool's threads. -1 (nothing written) when an id is outside [0, vocab); -2: bits is neither 4
-   nor 8. */
+   pool's threads. x16: qw is the table in the x16 layout (sgl/kernels/quant.py; vocab a multiple
+   of 16, sc unused). -1 (nothing written) when an id is outside [0, vocab); -2: bits is neither
+   4 nor 8. */
 AVX2_TARGET int sgl_embedding_quant(const uint8_t *qw, const uint16_t *sc, int64_t vocab,
                                     int64_t K, const int64_t *ids, int64_t T, void *out,
-                                    int64_t o_stride, int dtype, int bits) {
+                                    int64_t o_stride, int dtype, int bits, int x16) {
     if (bits != 4 && bits != 8) return -2;
     for (int64_t t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= vocab) return -1;
-    embedding_quant_job job = {qw, sc, ids, out, o_stride, K / 32, dtype, bits};
+    embedding_quant_job job = {qw, sc, ids, out, o_stride, K / 32, dtype, bits, x16};
     if (T * K >= EMBED_PARALLEL_VALUES) sgl_parallel_for(embedding_quant_rows, &job, T,
                                                          sgl_row_chunk(T));
     else embedding_quant_rows(&job, 0, T);

@@ -745,6 +745,147 @@ QAMX_TARGET static void i8g_groups_amx(void *ctx, int64_t g_begin, int64_t g_end
     _tile_release();
 }
 
+/* -- round_x on the 16-column layout (x16) -----------------------------------------------------
+ * The weight packed once at load (sgl.kernels.quant.pack_x16) as i8g_pack lays out a group of
+ * 16 columns, so that no call transposes anything: for each group, block after block, the
+ * block's integers in vpdpbusd's layout (q4: 4 vectors of 64 bytes, lane c of vector i the
+ * bytes 4i .. 4i + 3 of column c's 16, low nibbles values 4i .. 4i + 3, high nibbles 16 + 4i ..;
+ * q8: 8 vectors, lane c of vector i column c's values 4i .. 4i + 3 plus 128), then the 16
+ * columns' d and m as float16. A thread's groups are one sequential stream, every byte of it
+ * used. The products and the float sequence are i8g_tile's: the same bits as every other
+ * round_x tile. */
+
+#define X16_AHEAD_BYTES 4096 /* how far ahead of the block being multiplied lines are asked for */
+
+static inline int64_t x16_block_bytes(int bits) { return bits == 4 ? 4 * 64 + 64 : 8 * 64 + 64; }
+
+/* y[r0 .. r0 + ROWS, the group's 16 columns] from group g's packed blocks; prefetch: whether to
+   ask for the lines ahead (the first row tile of a group, which reads it from memory) */
+VNNI512_TARGET Q512_INLINE void x16_tile(const i8g_job *j, int64_t g, int64_t r0, int prefetch,
+                                         const int BITS, const int ROWS) {
+    const int64_t KB = j->KB, K = KB * 32, bb = BITS == 4 ? 320 : 576, wb = bb - 64;
+    const uint8_t *blocks = j->qw + g * KB * bb;
+    const int8_t *xq = j->xq + r0 * K;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[I8G_ROWS];
+    #pragma GCC unroll 8
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < KB; kb++) {
+        const uint8_t *blk = blocks + kb * bb;
+        if (prefetch)
+            for (int64_t l = 0; l < bb; l += 64)
+                _mm_prefetch((const char *)blk + X16_AHEAD_BYTES + l, _MM_HINT_T0);
+        __m512i w[8];
+        if (BITS == 4) {
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(blk + 64 * i));
+                w[i] = _mm512_and_si512(raw, low);
+                w[4 + i] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            }
+        } else {
+            #pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) w[i] = _mm512_loadu_si512((const void *)(blk + 64 * i));
+        }
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + wb)));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + wb + 32)));
+        /* a row's 8 products in one chain where 4 or more rows interleave theirs, in two
+           (even and odd vectors) below, so that few rows do not wait on vpdpbusd's latency */
+        const int CH = ROWS >= 4 ? 1 : 2;
+        __m512i sum[I8G_ROWS][2];
+        #pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+        #pragma GCC unroll 8
+        for (int i = 0; i < 8; i++)
+            #pragma GCC unroll 8
+            for (int r = 0; r < ROWS; r++) {
+                int32_t four;
+                memcpy(&four, xq + r * K + kb * 32 + 4 * i, 4);
+                sum[r][i % CH] = _mm512_dpbusd_epi32(sum[r][i % CH], w[i], _mm512_set1_epi32(four));
+            }
+        #pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++)
+            acc[r] = i8g_block_step(j, acc[r],
+                                    CH == 2 ? _mm512_add_epi32(sum[r][0], sum[r][1]) : sum[r][0],
+                                    dv, mv, (r0 + r) * KB + kb);
+    }
+    i8g_store_rows(j, acc, r0, 16 * g, 16, ROWS);
+}
+
+/* the groups of 16 columns g_begin .. g_end, all the rows, 8 at a time */
+VNNI512_TARGET static void x16_groups(void *ctx, int64_t g_begin, int64_t g_end) {
+    i8g_job *j = ctx;
+    for (int64_t g = g_begin; g < g_end; g++) {
+        int64_t r = 0;
+        for (; j->M - r >= 8; r += 8)
+            if (j->bits == 4) x16_tile(j, g, r, r == 0, 4, 8);
+            else x16_tile(j, g, r, r == 0, 8, 8);
+#define X16_REST(ROWS)                                            \
+    case ROWS:                                                   \
+        if (j->bits == 4) x16_tile(j, g, r, r == 0, 4, ROWS);    \
+        else x16_tile(j, g, r, r == 0, 8, ROWS);                 \
+        break;
+        switch (j->M - r) {
+            X16_REST(7) X16_REST(6) X16_REST(5) X16_REST(4) X16_REST(3) X16_REST(2) X16_REST(1)
+        default: break;
+        }
+#undef X16_REST
+    }
+}
+
+/* the groups g_begin .. g_end on AMX int8 tiles, 16 rows at a time: block by block the integers
+   (q4 widened from its nibbles into the thread's stack) are the B tile, as in i8g_tile_amx */
+QAMX_TARGET static void x16_groups_amx(void *ctx, int64_t g_begin, int64_t g_end) {
+    i8g_job *j = ctx;
+    const int64_t KB = j->KB, K = KB * 32, bb = j->bits == 4 ? 320 : 576, wb = bb - 64;
+    q512_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    cfg.rows[0] = 16; cfg.colsb[0] = 64; /* C: 16 rows x 16 int32 */
+    cfg.rows[1] = 16; cfg.colsb[1] = 32; /* A: 16 rows x one block of x */
+    cfg.rows[2] = 8; cfg.colsb[2] = 64;  /* B: one block of the 16 columns */
+    _tile_loadconfig(&cfg);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512i wide[8];
+    int32_t c[256] __attribute__((aligned(64)));
+    for (int64_t g = g_begin; g < g_end; g++) {
+        const uint8_t *blocks = j->qw + g * KB * bb;
+        for (int64_t m0 = 0; m0 < j->M; m0 += 16) {
+            __m512 acc[16];
+            #pragma GCC unroll 16
+            for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+            for (int64_t kb = 0; kb < KB; kb++) {
+                const uint8_t *blk = blocks + kb * bb;
+                const void *b = blk;
+                if (j->bits == 4) {
+                    for (int i = 0; i < 4; i++) {
+                        const __m512i raw = _mm512_loadu_si512((const void *)(blk + 64 * i));
+                        wide[i] = _mm512_and_si512(raw, low);
+                        wide[4 + i] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                    }
+                    b = wide;
+                }
+                _tile_zero(0);
+                _tile_loadd(1, j->xq + m0 * K + kb * 32, K);
+                _tile_loadd(2, b, 64);
+                _tile_dpbsud(0, 1, 2);
+                _tile_stored(0, c, 64);
+                const __m512 dv =
+                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + wb)));
+                const __m512 mv =
+                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + wb + 32)));
+                #pragma GCC unroll 16
+                for (int r = 0; r < 16; r++)
+                    acc[r] = i8g_block_step(j, acc[r],
+                                            _mm512_load_si512((const void *)(c + 16 * r)), dv,
+                                            mv, (m0 + r) * KB + kb);
+            }
+            i8g_store_rows(j, acc, m0, 16 * g, 16, 16);
+        }
+    }
+    _tile_release();
+}
+
 typedef struct {
     const void *x; /* float32 or bfloat16 rows */
     int64_t ldx, KB;
@@ -782,11 +923,12 @@ VNNI512_TARGET static void i8_round_rows(void *ctx, int64_t r_begin, int64_t r_e
 }
 
 /* x rounded per block (over the pool's threads from I8G_ROWS rows) and multiplied with VNNI:
+   in the x16 layout (qw the packed weight, sc unused) by x16_groups at any number of rows, else
    few rows by quant_round_x.h's tiles, more by the 16-column groups; -1: no memory */
 VNNI512_TARGET static int q512_linear_i8(const void *x, int64_t ldx, const uint8_t *qw,
                                          const uint16_t *sc, void *y, int64_t ldy, int64_t M,
                                          int64_t N, int64_t K, const float *bias, int dtype,
-                                         int bits, int amx) {
+                                         int bits, int amx, int x16) {
     const int64_t KB = K / 32;
     amx = amx && M >= I8G_AMX_ROWS;
     const int64_t Mp = amx ? (M + 15) & ~(int64_t)15 : M; /* the AMX tiles' zero rows */
@@ -802,6 +944,15 @@ VNNI512_TARGET static int q512_linear_i8(const void *x, int64_t ldx, const uint8
         memset(xi + M * KB, 0, (size_t)((Mp - M) * KB) * 4);
     }
     i8_round_job round = {x, ldx, KB, dtype, xq, xd, xs, xi};
+    if (x16) {
+        if (M >= I8G_FROM) sgl_parallel_for(i8_round_rows, &round, M, chunk_of(M));
+        else i8_round_rows(&round, 0, M);
+        i8g_job job = {qw, NULL, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs, xi, 0};
+        const int64_t groups = N / 16;
+        sgl_parallel_for(amx ? x16_groups_amx : x16_groups, &job, groups,
+                         panels_per_thread(groups));
+        return 0;
+    }
     if (M >= I8G_FROM) {
         sgl_parallel_for(i8_round_rows, &round, M, chunk_of(M));
         i8g_job job = {qw, sc, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs, xi, 0};
@@ -818,13 +969,20 @@ VNNI512_TARGET static int q512_linear_i8(const void *x, int64_t ldx, const uint8
 }
 
 /* The arguments and return codes of sgl_linear_quant_avx2 (kernels_quant_avx2.c), and level:
-   bit 0, the level has AVX512-BF16 (vdpbf16ps); bit 1, it has AMX (int8 tiles for round_x). */
+   bit 0, the level has AVX512-BF16 (vdpbf16ps); bit 1, it has AMX (int8 tiles for round_x);
+   bit 2, qw is the weight in the x16 layout (N a multiple of 16, sc unused, round_x only, and
+   only where the CPU has AVX512-VNNI: -2 otherwise). */
 PANEL512_TARGET int sgl_linear_quant_avx512(const void *x, int64_t ldx, const uint8_t *qw,
                                             const uint16_t *sc, void *y, int64_t ldy, int64_t M,
                                             int64_t N, int64_t K, const float *bias, int dtype,
                                             int bits, int round_x, int level) {
     if (bits != 4 && bits != 8) return -2;
-    const int bf16_dot = level & 1;
+    const int bf16_dot = level & 1, x16 = (level >> 2) & 1;
+    if (x16)
+        return round_x && HAS_VNNI() && N % 16 == 0
+                   ? q512_linear_i8(x, ldx, qw, sc, y, ldy, M, N, K, bias, dtype, bits,
+                                    (level >> 1) & 1, 1)
+                   : -2;
     if (!round_x && dtype && M >= Q512_PANEL_ROWS)
         return q512_linear_panels(x, ldx, qw, sc, y, ldy, M, N, K, bias, bits, bf16_dot);
     if (!round_x && dtype)
@@ -832,7 +990,8 @@ PANEL512_TARGET int sgl_linear_quant_avx512(const void *x, int64_t ldx, const ui
     if (!round_x || !HAS_VNNI())
         return sgl_linear_quant_avx2(x, ldx, qw, sc, y, ldy, M, N, K, bias, dtype, bits,
                                      round_x);
-    return q512_linear_i8(x, ldx, qw, sc, y, ldy, M, N, K, bias, dtype, bits, (level >> 1) & 1);
+    return q512_linear_i8(x, ldx, qw, sc, y, ldy, M, N, K, bias, dtype, bits, (level >> 1) & 1,
+                          0);
 }
 
 #endif

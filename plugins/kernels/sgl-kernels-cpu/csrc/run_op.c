@@ -11,7 +11,7 @@
 
 #if defined(__x86_64__)
 
-int sgl_kernels_version(void) { return 13; }
+int sgl_kernels_version(void) { return 14; }
 
 /* the AVX-512 levels' kernels in use: compiled for the CPU, or emulated (sgl_set_emulation) */
 static const sgl_avx512_kernels *avx512 = &sgl_avx512_kernels_native;
@@ -107,7 +107,7 @@ int sgl_run_op(const sgl_op *op) {
                                    (int)a[10], (int)a[11]);
     case SGL_OP_EMBEDDING_QUANT:
         return sgl_embedding_quant(P(0), P(1), a[2], a[3], P(4), a[5], P(6), a[7], (int)a[8],
-                                   (int)a[9]);
+                                   (int)a[9], (int)a[10]);
     default:
         return -100;
     }

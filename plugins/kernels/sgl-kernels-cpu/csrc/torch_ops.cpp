@@ -312,6 +312,38 @@ Tensor linear_q8(const Tensor& x, const Tensor& qweight, const Tensor& scales,
   return linear_quant("sgl::linear_q8", x, qweight, scales, bias, 8, round_x);
 }
 
+// The round_x matmul of a q4 or q8 weight packed in the x16 layout (sgl/kernels/quant.py:
+// pack_x16): the AVX-512 kernel, at the levels where the CPU has AVX512-VNNI (the library packs
+// weights only there).
+Tensor linear_qx16(const Tensor& x, const Tensor& packed, int64_t bits, const OptTensor& bias) {
+  const char* op = "sgl::linear_qx16";
+  check_rows(op, "x", x);
+  TORCH_CHECK_VALUE(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
+  check_contiguous(op, "packed", packed, at::kByte);
+  const int64_t block_bytes = bits == 4 ? 320 : 576;
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == block_bytes, op,
+                    ": packed must be uint8 [N/16, K/32, ", block_bytes, "], got ",
+                    packed.sizes());
+  const int64_t m = x.size(0), n = packed.size(0) * 16, k = packed.size(1) * 32;
+  TORCH_CHECK_VALUE(x.size(1) == k, op, ": x has ", x.size(1), " columns, the weight ", k);
+  if (bias.has_value()) {
+    check_contiguous(op, "bias", *bias, at::kFloat);
+    TORCH_CHECK_VALUE(bias->numel() == n, op, ": bias has ", bias->numel(), " values, not ", n);
+  }
+  TORCH_CHECK_VALUE(g_level != AVX2, op, ": the x16 layout has no kernel at the avx2 level");
+  Tensor y = new_output({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  Call call(SGL_OP_LINEAR_QUANT_AVX512);
+  // the level's bits as linear_quant's, and bit 2: the x16 layout
+  call << ptr(x) << x.stride(0) << ptr(packed) << 0 << ptr(y) << n << m << n << k << ptr(bias)
+       << dtype_code(x) << bits << 1
+       << (4 | (g_level == AMX ? 3 : g_level == AVX512_BF16 ? 1 : 0));
+  const int rc = run(call, {x, packed, bias}, {y});
+  TORCH_CHECK_VALUE(rc != -2, op, ": this CPU has no AVX512-VNNI for the x16 layout");
+  TORCH_CHECK(rc == 0, op, ": no memory for its buffers (the input's rounded copy)");
+  return y;
+}
+
 // The int8 matmul (sgl/kernels/ops.py: linear_w8a8): the packed weight of pack_int8_weight,
 // scales float32 [N]; AVX2 at avx2 (and where the CPU lacks AVX512-VNNI: the AVX-512 kernel hands
 // over), AMX tiles at amx.
@@ -464,18 +496,26 @@ Tensor embedding_q(const Tensor& qweight, const Tensor& scales, const Tensor& id
                    at::ScalarType dtype) {
   const char* op = "sgl::embedding_q";
   const bool three_d = qweight.dim() == 3;
-  const bool q4 = three_d && qweight.scalar_type() == at::kByte && qweight.size(2) == 16;
-  const bool q8 = three_d && qweight.scalar_type() == at::kChar && qweight.size(2) == 32;
+  const bool bytes = three_d && qweight.scalar_type() == at::kByte;
+  // the x16 layouts (sgl/kernels/quant.py) come with an empty scales tensor
+  const bool x16 =
+      bytes && scales.numel() == 0 && (qweight.size(2) == 320 || qweight.size(2) == 576);
+  const bool q4 = bytes && (qweight.size(2) == 16 || (x16 && qweight.size(2) == 320));
+  const bool q8 = three_d && ((qweight.scalar_type() == at::kChar && qweight.size(2) == 32) ||
+                              (x16 && qweight.size(2) == 576));
   TORCH_CHECK_VALUE(qweight.device().is_cpu() && qweight.is_contiguous() && (q4 || q8), op,
                     ": qweight must be a contiguous CPU uint8 [N, K/32, 16] (q4) or int8 "
-                    "[N, K/32, 32] (q8) tensor, got ", qweight.scalar_type(), " ",
+                    "[N, K/32, 32] (q8) tensor, or uint8 [N/16, K/32, 320 or 576] (q4x16, "
+                    "q8x16, with empty scales), got ", qweight.scalar_type(), " ",
                     qweight.sizes());
-  const int64_t n = qweight.size(0), blocks = qweight.size(1), k = blocks * 32;
-  check_contiguous(op, "scales", scales, at::kHalf);
-  TORCH_CHECK_VALUE(scales.dim() == 3 && scales.size(0) == n && scales.size(1) == blocks &&
-                        scales.size(2) == 2,
-                    op, ": scales must be float16 [N, K/32, 2] = [", n, ", ", blocks,
-                    ", 2], got ", scales.sizes());
+  const int64_t n = qweight.size(0) * (x16 ? 16 : 1), blocks = qweight.size(1), k = blocks * 32;
+  if (!x16) {
+    check_contiguous(op, "scales", scales, at::kHalf);
+    TORCH_CHECK_VALUE(scales.dim() == 3 && scales.size(0) == n && scales.size(1) == blocks &&
+                          scales.size(2) == 2,
+                      op, ": scales must be float16 [N, K/32, 2] = [", n, ", ", blocks,
+                      ", 2], got ", scales.sizes());
+  }
   TORCH_CHECK_VALUE(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1 &&
                         ids.is_contiguous(),
                     op, ": ids must be a 1-D int64 tensor (contiguous, on the CPU), got ",
@@ -486,7 +526,7 @@ Tensor embedding_q(const Tensor& qweight, const Tensor& scales, const Tensor& id
   Tensor out = new_output({t, k}, qweight.options().dtype(dtype));
   Call call(SGL_OP_EMBEDDING_QUANT);
   call << ptr(qweight) << ptr(scales) << n << k << ptr(ids) << t << ptr(out) << k
-       << (dtype == at::kBFloat16 ? 1 : 0) << (q4 ? 4 : 8);
+       << (dtype == at::kBFloat16 ? 1 : 0) << (q4 ? 4 : 8) << (x16 ? 1 : 0);
   TORCH_CHECK_INDEX(run(call, {qweight, scales, ids}, {out}) == 0, op,
                     ": token id outside the embedding table of ", n, " rows");
   return out;
@@ -618,6 +658,7 @@ TORCH_LIBRARY_IMPL(sgl, CPU, m) {
   m.impl("linear_f32", &linear_f32);
   m.impl("linear_q4", &linear_q4);
   m.impl("linear_q8", &linear_q8);
+  m.impl("linear_qx16", &linear_qx16);
   m.impl("linear_w8a8", &linear_w8a8);
   m.impl("rmsnorm", &rmsnorm);
   m.impl("add_rmsnorm", &add_rmsnorm);

@@ -38,7 +38,7 @@ KERNEL_NAMES = {1: "sgl_linear_bf16_amx", 2: "sgl_linear_f32", 3: "sgl_rmsnorm",
                 20: "sgl_embedding_quant", 21: "sgl_linear_quant_avx512",
                 22: "sgl_linear_w8a8_avx2", 23: "sgl_linear_w8a8_avx512"}
 #: what ``sgl_kernels_version`` of a build of this source returns
-VERSION = 13
+VERSION = 14
 
 _lock = threading.Lock()
 _loaded_path: Path | None = None
@@ -85,6 +85,7 @@ class CpuKernelLibrary(KernelLibrary):
         self.path = _load()
         self._ops = torch.ops.sgl_cpu
         self.isa = "none"  # set_level's
+        self.emulated = False
 
     def detect_isa(self) -> str:
         return isa.detect_isa()
@@ -98,6 +99,7 @@ class CpuKernelLibrary(KernelLibrary):
             dot_products = self.bf16_dot_matmul(level)
         self._ops.set_level(level, dot_products, emulated)
         self.isa = level
+        self.emulated = emulated
 
     def emulated_levels(self) -> tuple[str, ...]:
         """The levels above the CPU's, where the build has them in software
@@ -171,6 +173,15 @@ class CpuKernelLibrary(KernelLibrary):
         # tiles from 16 rows) measured at least as fast as the exact ones from 1 row to 128
         # (docs/benchmarks.md, "Int8 activations in every matmul")
         return self.isa != "none"
+
+    def packs_x16(self) -> bool:
+        # the x16 layout's kernel is vpdpbusd on 512-bit vectors (AMX tiles from 16 rows at amx):
+        # at the AVX-512 levels where the CPU has AVX512-VNNI, or emulated. It reads a thread's
+        # columns as one stream with no transpose per call: against the octet tiles on the GGUF
+        # layout, 1.2-1.3x the bytes per second at 1 row and 1.5-1.9x at 8 on Zen 4
+        # (benchmarks/int8_matmul.py --kinds q4x,q4x16,q8x,q8x16)
+        return self.isa in ("amx", "avx512_bf16", "avx512") and (
+            self.emulated or isa.has_feature("avx512_vnni"))
 
     def decode_attention_fits(self, num_heads: int, num_kv_heads: int, head_dim: int,
                               v_dim: int) -> bool:
