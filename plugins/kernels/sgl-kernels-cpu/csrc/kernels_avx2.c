@@ -606,6 +606,7 @@ AVX2_TARGET INLINE void decode_item(const attention_job *j, int64_t b, int64_t h
     const char *kr[EXT_KB], *vr[EXT_KB];
     for (int64_t k0 = start & ~(int64_t)1, k1; k0 < n; k0 = k1) { /* the extend kernel's blocks */
         const int64_t nk = dec_block(j, slots, hk, k0, n, kr, vr, &k1);
+        dec_ahead_advance(j, w->ahead, nk * (D + Dv) * es);
         for (int64_t x0 = 0; x0 < nk; x0 += 16) {
             const char *rows[16]; /* a short last group repeats its first key */
             for (int i = 0; i < 16; i++) rows[i] = kr[x0 + i < nk ? x0 + i : x0];
@@ -655,6 +656,9 @@ AVX2_TARGET static void decode_attention_items(void *ctx, int64_t i0, int64_t i1
         atomic_store(&j->failed, 1);
         return;
     }
+    dec_ahead ahead = {i0, 0, i1};
+    w.ahead = &ahead;
+    dec_ahead_advance(j, &ahead, DEC_AHEAD_BYTES);
     for (int64_t i = i0; i < i1; i++) {
         if (j->dtype) decode_item(j, i / j->Hk, i % j->Hk, &w, 1);
         else decode_item(j, i / j->Hk, i % j->Hk, &w, 0);

@@ -586,6 +586,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void decode_item(
     const char *kr[EXT_KB], *vr[EXT_KB];
     for (int64_t k0 = start & ~(int64_t)1, k1; k0 < n; k0 = k1) { /* the extend kernel's blocks */
         const int64_t nk = dec_block(j, slots, hk, k0, n, kr, vr, &k1);
+        dec_ahead_advance(j, w->ahead, nk * (D + Dv) * es);
         for (int64_t x0 = 0; x0 < nk; x0 += 32) {
             const char *rows[32]; /* a short last group repeats its first key */
             for (int i = 0; i < 32; i++) rows[i] = kr[x0 + i < nk ? x0 + i : x0];
@@ -656,6 +657,9 @@ AVX512_TARGET static void decode_attention_items(void *ctx, int64_t i0, int64_t 
     /* the extend kernel's choices: scores on vdpbf16ps for bfloat16 where the CPU has it, the
        weighted sum too where Dv % 32 == 0 and D >= 32 */
     const int dp = j->dtype && j->bf16_dot, pv_dp = dp && j->Dv % 32 == 0 && j->D >= 32;
+    dec_ahead ahead = {i0, 0, i1};
+    w.ahead = &ahead;
+    dec_ahead_advance(j, &ahead, DEC_AHEAD_BYTES);
     for (int64_t i = i0; i < i1; i++) {
         const int64_t b = i / j->Hk, hk = i % j->Hk;
         if (dp && pv_dp) decode_item(j, b, hk, &w, 1, 1, 1);
