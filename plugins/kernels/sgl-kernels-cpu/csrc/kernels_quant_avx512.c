@@ -698,6 +698,18 @@ typedef struct {
     uint8_t rows[16];
 } q512_tilecfg;
 
+/* this thread's AMX tiles for one block at a time: C (0) 16 rows x 16 int32 sums, A (1) 16
+   rows x one block of x, B (2) one block of 16 columns in vpdpbusd's layout */
+QAMX_TARGET Q512_INLINE void i8g_amx_tiles(void) {
+    q512_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    cfg.rows[0] = 16; cfg.colsb[0] = 64;
+    cfg.rows[1] = 16; cfg.colsb[1] = 32;
+    cfg.rows[2] = 8; cfg.colsb[2] = 64;
+    _tile_loadconfig(&cfg);
+}
+
 /* y[m0 .. m0 + 16 (those below M), n0 .. n0 + cols] of the packed group (w, d, m); x's rounded
    rows are padded to a multiple of 16 with zero rows */
 QAMX_TARGET Q512_INLINE void i8g_tile_amx(const i8g_job *j, const __m512i *w, const float *d,
@@ -730,13 +742,7 @@ QAMX_TARGET static void i8g_groups_amx(void *ctx, int64_t g_begin, int64_t g_end
     __m512i *w;
     float *d, *m;
     if (i8g_scratch(j, &w, &d, &m)) return;
-    q512_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    cfg.rows[0] = 16; cfg.colsb[0] = 64; /* C: 16 rows x 16 int32 */
-    cfg.rows[1] = 16; cfg.colsb[1] = 32; /* A: 16 rows x one block of x */
-    cfg.rows[2] = 8; cfg.colsb[2] = 64;  /* B: one block of the 16 columns */
-    _tile_loadconfig(&cfg);
+    i8g_amx_tiles();
     for (int64_t g = g_begin; g < g_end; g++) {
         const int64_t n0 = 16 * g, cols = j->N - n0 < 16 ? j->N - n0 : 16;
         i8g_pack(j, n0, cols, w, d, m);
@@ -838,13 +844,7 @@ VNNI512_TARGET static void x16_groups(void *ctx, int64_t g_begin, int64_t g_end)
 QAMX_TARGET static void x16_groups_amx(void *ctx, int64_t g_begin, int64_t g_end) {
     i8g_job *j = ctx;
     const int64_t KB = j->KB, K = KB * 32, bb = j->bits == 4 ? 320 : 576, wb = bb - 64;
-    q512_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    cfg.rows[0] = 16; cfg.colsb[0] = 64; /* C: 16 rows x 16 int32 */
-    cfg.rows[1] = 16; cfg.colsb[1] = 32; /* A: 16 rows x one block of x */
-    cfg.rows[2] = 8; cfg.colsb[2] = 64;  /* B: one block of the 16 columns */
-    _tile_loadconfig(&cfg);
+    i8g_amx_tiles();
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512i wide[8];
     int32_t c[256] __attribute__((aligned(64)));
