@@ -167,9 +167,12 @@ def test_round_x_layers_hold_the_packed_layout_where_the_kernels_take_it(kernel_
     kernels multiply it (a multiple of 16 rows), and computes the same bits as on the blocks;
     its dense rows are the blocks' values. A layer that does not round, or whose rows are not
     whole groups, keeps the blocks."""
+    from sgl_kernels_cpu.isa import has_feature
+
     packs = cpu.packs_x16()
-    assert packs == (kernel_isa in ("amx", "avx512_bf16", "avx512"))  # this CPU has VNNI or
-    # emulates it (the levels above avx2 that the tests run)
+    # the AVX-512 levels, where the CPU has AVX512-VNNI or the level is emulated
+    assert packs == (kernel_isa in ("amx", "avx512_bf16", "avx512")
+                     and (cpu.isa_emulated() or has_feature("avx512_vnni")))
     for layout, seed in (("q4", 21), ("q8", 22)):
         with deferred_weights("gguf", round_x=True):
             layer, ragged = RowParallelLinear(96, 48), RowParallelLinear(96, 40)

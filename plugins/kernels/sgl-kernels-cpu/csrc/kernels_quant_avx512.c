@@ -763,16 +763,28 @@ QAMX_TARGET static void i8g_groups_amx(void *ctx, int64_t g_begin, int64_t g_end
 
 #define X16_AHEAD_BYTES 4096 /* how far ahead of the block being multiplied lines are asked for */
 
+/* bytes per group and block: the integers (4 or 8 vectors), then 16 d and 16 m */
 static inline int64_t x16_block_bytes(int bits) { return bits == 4 ? 4 * 64 + 64 : 8 * 64 + 64; }
+
+/* a q4 block's 8 vectors of integers from its 4 vectors of nibbles: w[i] the low nibbles
+   (values 4i .. 4i + 3 of each lane's column), w[4 + i] the high ones (16 + 4i ..) */
+VNNI512_TARGET Q512_INLINE void x16_widen_q4(const uint8_t *blk, __m512i w[8]) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(blk + 64 * i));
+        w[i] = _mm512_and_si512(raw, low);
+        w[4 + i] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+}
 
 /* y[r0 .. r0 + ROWS, the group's 16 columns] from group g's packed blocks; prefetch: whether to
    ask for the lines ahead (the first row tile of a group, which reads it from memory) */
 VNNI512_TARGET Q512_INLINE void x16_tile(const i8g_job *j, int64_t g, int64_t r0, int prefetch,
                                          const int BITS, const int ROWS) {
-    const int64_t KB = j->KB, K = KB * 32, bb = BITS == 4 ? 320 : 576, wb = bb - 64;
+    const int64_t KB = j->KB, K = KB * 32, bb = x16_block_bytes(BITS), wb = bb - 64;
     const uint8_t *blocks = j->qw + g * KB * bb;
     const int8_t *xq = j->xq + r0 * K;
-    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[I8G_ROWS];
     #pragma GCC unroll 8
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
@@ -783,12 +795,7 @@ VNNI512_TARGET Q512_INLINE void x16_tile(const i8g_job *j, int64_t g, int64_t r0
                 _mm_prefetch((const char *)blk + X16_AHEAD_BYTES + l, _MM_HINT_T0);
         __m512i w[8];
         if (BITS == 4) {
-            #pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) {
-                const __m512i raw = _mm512_loadu_si512((const void *)(blk + 64 * i));
-                w[i] = _mm512_and_si512(raw, low);
-                w[4 + i] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-            }
+            x16_widen_q4(blk, w);
         } else {
             #pragma GCC unroll 8
             for (int i = 0; i < 8; i++) w[i] = _mm512_loadu_si512((const void *)(blk + 64 * i));
@@ -843,9 +850,8 @@ VNNI512_TARGET static void x16_groups(void *ctx, int64_t g_begin, int64_t g_end)
    (q4 widened from its nibbles into the thread's stack) are the B tile, as in i8g_tile_amx */
 QAMX_TARGET static void x16_groups_amx(void *ctx, int64_t g_begin, int64_t g_end) {
     i8g_job *j = ctx;
-    const int64_t KB = j->KB, K = KB * 32, bb = j->bits == 4 ? 320 : 576, wb = bb - 64;
+    const int64_t KB = j->KB, K = KB * 32, bb = x16_block_bytes(j->bits), wb = bb - 64;
     i8g_amx_tiles();
-    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512i wide[8];
     int32_t c[256] __attribute__((aligned(64)));
     for (int64_t g = g_begin; g < g_end; g++) {
@@ -858,11 +864,7 @@ QAMX_TARGET static void x16_groups_amx(void *ctx, int64_t g_begin, int64_t g_end
                 const uint8_t *blk = blocks + kb * bb;
                 const void *b = blk;
                 if (j->bits == 4) {
-                    for (int i = 0; i < 4; i++) {
-                        const __m512i raw = _mm512_loadu_si512((const void *)(blk + 64 * i));
-                        wide[i] = _mm512_and_si512(raw, low);
-                        wide[4 + i] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-                    }
+                    x16_widen_q4(blk, wide);
                     b = wide;
                 }
                 _tile_zero(0);
