@@ -6,8 +6,9 @@ The kinds (``--kinds``): ``bf16`` (``sgl::linear_bf16``, the baseline), ``w8a8``
 (``sgl::linear_w8a8``: int8 weights per channel, int8 activations per token), ``q4`` and ``q8``
 (``sgl::linear_q4`` / ``linear_q8``: GGUF-style blocks of 32 with bfloat16 activations, exact),
 ``q4x`` and ``q8x`` (the same with ``round_x``: activations rounded per block to int8, as
-llama.cpp multiplies), ``q4x16`` and ``q8x16`` (``round_x`` on the weight packed in the x16
-layout, ``sgl::linear_qx16``: what a GGUF model's layers hold where the CPU has AVX512-VNNI).
+llama.cpp multiplies), ``q4x16``, ``q8x16`` and ``q6x16`` (``round_x`` on the weight packed in
+the x16 layout, ``sgl::linear_qx16``: what a GGUF model's layers hold where the CPU has
+AVX512-VNNI; q6 is GGUF's ``Q6_K``, random blocks).
 
 Two measurements, at the level this process runs (``SGL_CPU_ISA``), on ``--threads`` kernel
 threads:
@@ -32,7 +33,7 @@ from collections.abc import Callable
 import torch
 from roofline import _best_seconds as _best  # benchmarks/ is on the path when run
 
-KINDS = ("bf16", "w8a8", "q4", "q8", "q4x", "q8x", "q4x16", "q8x16")
+KINDS = ("bf16", "w8a8", "q4", "q8", "q4x", "q8x", "q4x16", "q8x16", "q6x16")
 
 
 def _layer(kind: str, shapes: list[tuple[int, int]]) -> list[tuple[Callable, int]]:
@@ -50,6 +51,13 @@ def _layer(kind: str, shapes: list[tuple[int, int]]) -> list[tuple[Callable, int
             packed = ops.pack_int8_weight(torch.randint(-127, 128, (n, k), dtype=torch.int8))
             scale = torch.rand(n) * 0.01
             out.append((lambda x, p=packed, s=scale: torch.ops.sgl.linear_w8a8(x, p, s, None),
+                        packed.numel()))
+        elif kind == "q6x16":  # random Q6_K-style blocks: any q, s; small d
+            qweight = torch.randint(0, 256, (n, k // 32, 26), dtype=torch.uint8)
+            scales = torch.zeros(n, k // 32, 2, dtype=torch.float16)
+            scales[..., 0] = torch.rand(n, k // 32) * 1e-4
+            packed = quant.pack_x16("q6", qweight, scales)
+            out.append((lambda x, p=packed: torch.ops.sgl.linear_qx16(x, p, 6, None),
                         packed.numel()))
         elif kind.endswith("x16"):
             fmt = kind[:2]

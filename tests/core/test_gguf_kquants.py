@@ -1,5 +1,6 @@
-"""GGUF's K-quants (Q4_K, Q5_K, Q6_K) repacked into sgl's q4/q8 blocks
-(sgl.model_loader.gguf_kquants) against ``gguf``'s own dequantization of the same bytes.
+"""GGUF's K-quants (Q4_K, Q5_K, Q6_K) repacked into sgl's q4/q8/q6 blocks
+(sgl.model_loader.gguf_kquants) against ``gguf``'s own dequantization of the same bytes, and q6
+rounded to q8 (sgl.kernels.quant.requantize_q6) for the kernels that take q4 and q8 only.
 
 The blocks are random bytes with the float16 super-block scales overwritten by finite values,
 so every scale, min and integer llama.cpp can write occurs. Each value is held to the bound the
@@ -71,10 +72,9 @@ def repacked(type_name: str, data: np.ndarray, rows: int, cols: int) -> np.ndarr
 def stated_bound(type_name: str, data: np.ndarray, rows: int, cols: int) -> np.ndarray:
     """Each value's bound from the module docstring, ``[rows, cols]``: Q4_K/Q5_K ``2^-11
     (qmax |d sc| + |dmin mn|)`` of its sub-block (``sc``, ``mn`` unpacked by ``gguf``), Q6_K
-    ``max|W| / 254`` of its 32-value block (with float16's rounding of ``d'``)."""
+    0 (q6 holds it exactly)."""
     if type_name == "Q6_K":
-        amax = np.abs(reference(type_name, data, rows, cols)).reshape(rows, -1, 32).max(-1)
-        bound = amax * (1 + 2.0 ** -10) / 254
+        bound = np.zeros((rows, cols // 32))
     else:
         blocks = data.reshape(-1, block_bytes(type_name))
         d = blocks[:, 0:2].copy().view(np.float16).astype(np.float64)
@@ -118,6 +118,20 @@ def test_q4_k_and_q5_k_are_exact_where_d_sc_and_dmin_mn_are_float16(type_name: s
     assert not np.array_equal(repacked(type_name, data, 5, 512), reference(type_name, data, 5, 512))
 
 
+def requantized(data: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """A Q6_K tensor as the kernels without q6 get it: q8 blocks (:func:`quant.requantize_q6`)."""
+    _, qweight, scales = repack_gguf_blocks("Q6_K", data, rows, cols)
+    return quant.dequantize("q8", *quant.requantize_q6(qweight, scales, rows_per_step=2)).numpy()
+
+
+def test_q6_k_is_held_exactly() -> None:
+    """Q6_K's values bit for bit, also with d a power of two and every scale byte (-128)."""
+    for seed, power_of_two in [(0, False), (1, True)]:
+        data = random_blocks("Q6_K", 5, 512, seed, power_of_two=power_of_two)
+        np.testing.assert_array_equal(repacked("Q6_K", data, 5, 512),
+                                      reference("Q6_K", data, 5, 512))
+
+
 def _q6_scales(kind: str, rows: int, blocks: int, rng: np.random.Generator) -> np.ndarray:
     if kind == "small":  # every s (q - 32) fits int8 as it is
         return rng.integers(-3, 5, (rows, blocks, 16))  # -32 * 4 = -128, -32 * -3 = 96
@@ -130,27 +144,34 @@ def _q6_scales(kind: str, rows: int, blocks: int, rng: np.random.Generator) -> n
     ("same", True, True),     # c = gcd = |s| gcd(q): d c is float16 (d a power of two)
     ("same", False, False),   # c = gcd with d c rounded: |err| <= 2^-11 max|W|
 ])
-def test_q6_k_blocks_that_fit_int8_are_exact_or_round_only_d(kind: str, power_of_two: bool,
-                                                             exact: bool) -> None:
+def test_q6_blocks_that_fit_int8_go_to_q8_exactly_or_round_only_d(kind: str,
+                                                                   power_of_two: bool,
+                                                                   exact: bool) -> None:
     rows, cols = 5, 512
     scales = _q6_scales(kind, rows, cols // 256, np.random.default_rng(3))
     data = random_blocks("Q6_K", rows, cols, 3, power_of_two=power_of_two, q6_scales=scales)
-    got, want = repacked("Q6_K", data, rows, cols), reference("Q6_K", data, rows, cols)
+    got, want = requantized(data, rows, cols), reference("Q6_K", data, rows, cols)
     if exact:
         np.testing.assert_array_equal(got, want)
         return
     amax = np.abs(want).reshape(rows, -1, 32).max(-1)
     bound = np.repeat(amax * 2.0 ** -11, 32, axis=1)
-    assert worst("Q6_K", data, rows, cols, bound) <= 1
+    err = np.abs(got.astype(np.float64) - want) - F32 * (np.abs(got) + np.abs(want))
+    assert (err <= bound).all()
     assert not np.array_equal(got, want)
 
 
-def test_q6_k_real_blocks_are_requantized_to_q8() -> None:
+def test_q6_blocks_of_real_files_are_requantized_to_q8_within_the_stated_bound() -> None:
     """Two different scales per 32 values, as llama.cpp writes them: most blocks are
-    requantized, each to ``quantize``'s own q8 of the exact values."""
+    requantized, each to ``quantize``'s own q8 of the exact values, within ``(1 + 2^-10)
+    max|W| / 254`` of its block."""
     data = random_blocks("Q6_K", 5, 512, 11)
     want = torch.from_numpy(reference("Q6_K", data, 5, 512))
-    _, qweight, scales = repack_gguf_blocks("Q6_K", data, 5, 512)
+    _, q6, s6 = repack_gguf_blocks("Q6_K", data, 5, 512)
+    qweight, scales = quant.requantize_q6(q6, s6)
+    amax = want.abs().reshape(5, -1, 32).amax(-1, keepdim=True)
+    err = (quant.dequantize("q8", qweight, scales) - want).abs().reshape(5, -1, 32)
+    assert (err <= amax * (1 + 2.0 ** -10) / 254 + F32 * amax).all()
     q_re, s_re = quant.quantize("q8", want)
     same = (qweight == q_re).all(-1) & (scales == s_re).all(-1)
     assert same.float().mean() > 0.9
@@ -180,15 +201,21 @@ def _raw_q4_k_bytes(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return packed, gguf_kquants._sub_block_scales(blocks)
 
 
-_q6_k_integers = gguf_kquants._q6_k_integers
+_q6_k_values = gguf_kquants._q6_k_values
 
 
-def _q6_k_high_bits_misordered(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _q6_k_high_bits_misordered(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
     """Q6_K with the 2-bit highs of values 32..63 and 64..95 of each 128 swapped."""
     swapped = blocks.copy()
     qh = swapped[..., 128:192]
     swapped[..., 128:192] = ((qh & 0x0C) << 2) | ((qh & 0x30) >> 2) | (qh & 0xC3)
-    return _q6_k_integers(swapped)
+    return _q6_k_values(swapped)
+
+
+def _q6_k_scales_misordered(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Q6_K with the two scales of each 32 values swapped."""
+    q, s, d = _q6_k_values(blocks)
+    return q, s[..., ::-1], d
 
 
 @pytest.mark.parametrize("type_name,name,wrong", [
@@ -196,7 +223,8 @@ def _q6_k_high_bits_misordered(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarr
     ("Q5_K", "_scales_and_mins", _wrong_scale_bits),
     ("Q4_K", "_nibbles", _interleaved_nibbles),
     ("Q5_K", "_nibbles", _interleaved_nibbles),
-    ("Q6_K", "_q6_k_integers", _q6_k_high_bits_misordered),
+    ("Q6_K", "_q6_k_values", _q6_k_high_bits_misordered),
+    ("Q6_K", "_q6_k_values", _q6_k_scales_misordered),
 ])
 def test_a_wrong_unpacking_fails_the_bound(monkeypatch: pytest.MonkeyPatch, type_name: str,
                                            name: str, wrong) -> None:
@@ -279,7 +307,7 @@ def test_gguf_weights_keep_k_quant_blocks(tmp_path: Path,
     _write(path, {f"blk.0.{kind}.weight": value for kind, value in tensors.items()})
     with caplog.at_level(logging.WARNING, logger="sgl.model_loader.gguf_weights"):
         weights = GGUFWeights(path, torch.float32, quantized=True)
-    assert weights.layouts == {"q4": 1, "q8": 2, "dense": 1}
+    assert weights.layouts == {"q4": 1, "q8": 1, "q6": 1, "dense": 1}
     assert "1 Q3_K tensor" in caplog.text
     assert not any(f"{t} tensor" in caplog.text for t in KQUANTS)
     got = dict(weights)

@@ -193,6 +193,69 @@ def test_round_x_layers_hold_the_packed_layout_where_the_kernels_take_it(kernel_
             assert torch.equal(layer(x), op(x, full.qweight, full.scales, None, True))
 
 
+def q6_blocks(n: int, k: int, seed: int) -> QuantizedTensor:
+    """A q6 weight (GGUF's Q6_K as the loader holds it) of random bytes, d about 1e-4."""
+    gen = torch.Generator().manual_seed(seed)
+    qweight = torch.randint(0, 256, (n, k // 32, 26), dtype=torch.uint8, generator=gen)
+    d = (torch.rand(n, k // 32, generator=gen) - 0.5) * 2e-4
+    return QuantizedTensor("q6", qweight, torch.stack([d, torch.zeros_like(d)], -1).half())
+
+
+def test_q6_layers_are_multiplied_packed_or_held_as_q8(kernel_isa: str) -> None:
+    """A q6 layer (a Q6_K tensor) that rounds x is packed as q6x16 where the kernels take it,
+    multiplied as the reference rounds and sums (exact weights); elsewhere on CPU, and where
+    it does not round, it is held as q8 (the other kernels' layouts, rounded per block); a
+    fused layer of q6 and q4 shards is q8 too."""
+    packs = cpu.packs_x16()
+    with deferred_weights("gguf", round_x=True):
+        layer, fused = RowParallelLinear(96, 48), MergedColumnParallelLinear(96, [32, 16])
+    with deferred_weights("gguf", round_x=False):
+        exact = RowParallelLinear(96, 48)
+    full = q6_blocks(48, 96, 31)
+    load(layer, full)
+    load(exact, full)
+    assert layer.weight_layout == ("q6x16" if packs else "q8") and exact.weight_layout == "q8"
+    q8 = full.with_layout("q8")
+    assert torch.equal(dense_rows(exact), q8.dequantize())
+    if packs:
+        assert torch.equal(dense_rows(layer), full.dequantize())
+        for rows in (1, 3, 8, 17):
+            x = inputs(rows, 96)
+            want = ops.linear_q6(x, full.qweight, full.scales, None, True)
+            torch.testing.assert_close(layer(x), want, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(dense_rows(layer), q8.dequantize())
+    assert not torch.equal(q8.dequantize(), full.dequantize())  # q8 did round
+    fused.weight.weight_loader(fused.weight, q6_blocks(32, 96, 32), 0)
+    assert fused.weight_layout == "q6"
+    gate_q4 = blocks("q4", 16, 96, 33)
+    fused.weight.weight_loader(fused.weight, gate_q4, 1)
+    assert fused.weight_layout == "q8"
+    assert torch.equal(dense_rows(fused)[32:], gate_q4.dequantize())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_q6_table_is_packed_when_tied_and_q8_otherwise(kernel_isa: str, tied: bool) -> None:
+    """A Q6_K embedding: tied to a head that rounds x, one q6x16 table for both (the rows looked
+    up exactly); untied, the lookup kernel takes q8."""
+    with deferred_weights("gguf", round_x=True):
+        embed = VocabParallelEmbedding(96, 64)
+        head = ParallelLMHead(96, 64)
+        if tied:
+            head.tie_to(embed)
+    table = q6_blocks(96, 64, 34)
+    embed.weight.weight_loader(embed.weight, table)
+    embed.process_weights_after_loading()
+    head.process_weights_after_loading()
+    packed = tied and cpu.packs_x16()
+    assert embed.weight_layout == ("q6x16" if packed else "q8")
+    ids = torch.tensor([3, 95, 0, 3])
+    want = table.dequantize() if packed else table.with_layout("q8").dequantize()
+    assert torch.equal(embed(ids), want[ids])
+    if tied:
+        assert head.weight is embed.weight
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tied_table_that_rounds_is_packed_once_for_both(kernel_isa: str,
                                                           dtype: torch.dtype) -> None:

@@ -395,7 +395,7 @@ class ModelRunner:
         layouts.update(layout for m in self.model.modules()
                        if isinstance(getattr(m, "layouts", None), dict)
                        for layout in m.layouts.values())
-        quantized = bool(layouts & {"q4", "q8", "q4x16", "q8x16"})
+        quantized = bool(layouts & {"q4", "q8", "q6", "q4x16", "q8x16", "q6x16"})
         if not quantized:
             return
         if self.round_x:

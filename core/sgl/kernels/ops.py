@@ -173,13 +173,21 @@ def linear_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return _linear_quantized("q8", x, qweight, scales, bias, round_x)
 
 
+def linear_q6(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+              bias: torch.Tensor | None, round_x: bool = False) -> torch.Tensor:
+    """:func:`linear_q4` for the 6-bit layout (GGUF's ``Q6_K``; ``qweight`` uint8 ``[N, K/32,
+    26]``), not an operator of the contract (kernels multiply it packed, ``linear_qx16``): with ``round_x`` each block's integer is ``sum x s (q - 32)`` over its two halves
+    (exact), and ``m`` is 0, so the block adds ``fma(sum, d * dx, acc)`` alone."""
+    return _linear_quantized("q6", x, qweight, scales, bias, round_x)
+
+
 def linear_qx16(x: torch.Tensor, packed: torch.Tensor, bits: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """:func:`linear_q4` (``bits`` 4) or :func:`linear_q8` (8) with ``round_x`` for the weight
-    packed in the layout ``q4x16`` or ``q8x16`` (:func:`sgl.kernels.quant.pack_x16`; N a
-    multiple of 16): the same bits."""
-    if bits not in (4, 8):
-        raise ValueError(f"linear_qx16: bits must be 4 or 8, got {bits}")
+    """:func:`linear_q4` (``bits`` 4), :func:`linear_q8` (8) or :func:`linear_q6` (6) with
+    ``round_x`` for the weight packed in the layout ``q4x16``, ``q8x16`` or ``q6x16``
+    (:func:`sgl.kernels.quant.pack_x16`; N a multiple of 16): the same bits."""
+    if bits not in (4, 6, 8):
+        raise ValueError(f"linear_qx16: bits must be 4, 6 or 8, got {bits}")
     fmt = f"q{bits}"
     qweight, scales = quant.unpack_x16(f"{fmt}x16", packed)
     return _linear_quantized(fmt, x, qweight, scales, bias, True)
@@ -299,9 +307,10 @@ def embedding(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def embedding_q(qweight: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
     """Rows ``ids`` (int64 ``[T]``) of a quantized table ``W [N, K]`` (:mod:`sgl.kernels.quant`,
-    the layout told by ``qweight``: uint8 ``[N, K/32, 16]`` is q4, int8 ``[N, K/32, 32]`` q8) as
-    ``[T, K]`` in ``dtype``: each value ``d q + m`` in float32, rounded to ``dtype`` once. A table
-    in a packed layout (``q4x16``/``q8x16``, uint8 ``[N/16, K/32, 320 or 576]``) comes with an
+    the layout told by ``qweight``: uint8 ``[N, K/32, 16]`` is q4, int8 ``[N, K/32, 32]`` q8,
+    uint8 ``[N, K/32, 26]`` q6) as ``[T, K]`` in ``dtype``: each value ``d q + m`` (q6: ``d s (q -
+    32)``, exact) in float32, rounded to ``dtype`` once. A table in a packed layout
+    (``q4x16``/``q8x16``/``q6x16``, uint8 ``[N/16, K/32, 320, 576 or 448]``) comes with an
     empty ``scales``. Only
     the selected rows are dequantized. ValueError naming the argument that is not of this form;
     IndexError for an id outside ``[0, N)``. (Kernels may take float32 and bfloat16 alone, as the
@@ -314,9 +323,12 @@ def embedding_q(qweight: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
         fmt = "q4"
     elif qweight.dim() == 3 and (qweight.dtype, qweight.shape[2]) == (torch.int8, 32):
         fmt = "q8"
+    elif qweight.dim() == 3 and (qweight.dtype, qweight.shape[2]) == (torch.uint8, 26):
+        fmt = "q6"
     else:
-        raise ValueError(f"embedding_q: qweight must be uint8 [N, K/32, 16] (q4) or int8 "
-                         f"[N, K/32, 32] (q8), got {qweight.dtype} {list(qweight.shape)}")
+        raise ValueError(f"embedding_q: qweight must be uint8 [N, K/32, 16] (q4), int8 "
+                         f"[N, K/32, 32] (q8) or uint8 [N, K/32, 26] (q6), got {qweight.dtype} "
+                         f"{list(qweight.shape)}")
     n, blocks = qweight.shape[:2]
     if scales.dtype != torch.float16 or list(scales.shape) != [n, blocks, 2]:
         raise ValueError(f"embedding_q: scales must be float16 [N, K/32, 2] = [{n}, {blocks}, 2], "

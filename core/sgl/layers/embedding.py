@@ -19,6 +19,7 @@ from sgl.layers.quantized import (
     pack_round_x_weight,
     quantized_linear,
     store_weight_rows,
+    widen_q6_weight,
     zero_weight_rows,
 )
 from sgl.layers.tp import get_tp_group, tp_all_gather, tp_all_reduce
@@ -68,9 +69,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """A table shared with LM heads that round x to int8 takes their packed layout
-        (:func:`~sgl.layers.quantized.pack_round_x_weight`; rows are looked up in it)."""
+        (:func:`~sgl.layers.quantized.pack_round_x_weight`; rows are looked up in it); a q6
+        table on CPU that is not packed becomes q8, which the lookup kernel takes."""
         if self.tied_heads:
             pack_round_x_weight(self)
+        elif self.weight.device.type == "cpu":
+            widen_q6_weight(self)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight_layout is None:

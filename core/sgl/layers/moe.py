@@ -208,7 +208,9 @@ class FusedMoE(nn.Module):
                                        else h.dequantize(self.dtype) for h in held])
                 layout, scales = None, None
             else:
-                layout = "q8" if "q8" in layouts else "q4"
+                # one layout the expert kernels take: q4 alone stays q4, any other mix
+                # (q8, q6) is held as q8
+                layout = "q4" if layouts == {"q4"} else "q8"
                 blocks = [h.with_layout(layout) for h in held]
                 stacked = torch.stack([b.qweight.contiguous() for b in blocks])
                 scales = torch.stack([b.scales.contiguous() for b in blocks])

@@ -5,8 +5,8 @@ A model built inside :func:`deferred_weights` gives its linear layers, token emb
 head a weight on the ``meta`` device: nothing is allocated until the first tensor for it
 arrives. That tensor decides how the weight is held:
 
-* a :class:`QuantizedTensor` (a GGUF file's ``Q4_0``/``Q4_1``/``Q8_0`` blocks, repacked by the
-  loader) is kept in its layout, ``q4`` or ``q8``;
+* a :class:`QuantizedTensor` (a GGUF file's ``Q4_0``/``Q4_1``/``Q8_0`` and K-quant blocks,
+  repacked by the loader) is kept in its layout, ``q4``, ``q8`` or ``q6``;
 * a dense tensor is kept dense, except under ``int8``/``int4`` (:data:`QUANTIZE_MODES`), where a
   linear layer rounds it to ``q8``/``q4`` blocks as it arrives and an embedding to ``q8``, and
   under ``w8a8_int8``, where a linear layer rounds it per output channel (``w8``, SGLang's
@@ -19,14 +19,16 @@ float32 ``[N]`` (:func:`pack_channel_weight`). A ``q4``/``q8`` linear layer, LM 
 embedding whose matmuls round x to int8, on a CPU whose kernel library takes it
 (:meth:`~sgl.kernels.library.KernelLibrary.packs_x16`), holds its blocks in the packed layout
 ``q4x16``/``q8x16`` (:func:`sgl.kernels.quant.pack_x16`: the same bytes, ordered for the
-integer products of 16 rows at once), ``weight_scales`` None (:func:`pack_round_x_weight`).
+integer products of 16 rows at once), ``weight_scales`` None (:func:`pack_round_x_weight`); a
+``q6`` weight there becomes ``q6x16``, and elsewhere on CPU is rounded to ``q8``
+(:func:`sgl.kernels.quant.requantize_q6`: the other CPU kernels take q4 and q8 only).
 
 Fused layers take their shards one by one and the shards may differ: a ``q4`` weight that
 receives a ``q8`` shard becomes ``q8`` (every 4-bit value is an 8-bit value: nothing changes),
-and a quantized weight that receives a dense shard in the ``gguf`` mode becomes dense (the
+``q6`` beside another layout becomes ``q8`` (rounded, as above), and a quantized weight that receives a dense shard in the ``gguf`` mode becomes dense (the
 blocks dequantized). A weight's module keeps ``weight`` (the dense tensor, or the blocks'
 integers), ``weight_scales`` (a float16 buffer, None when dense) and ``weight_layout``
-(``"q4"``, ``"q8"`` or None).
+(``"q4"``, ``"q8"``, ``"q6"``, a packed layout or None).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from sgl.kernels import cpu, ops, quant
 __all__ = ["INT8_ACTIVATIONS", "QUANTIZE_MODES", "QuantizedTensor",
            "deferred_mode", "deferred_round_x", "deferred_weights", "dense_rows",
            "embedding_layout", "pack_channel_weight", "pack_round_x_weight", "quantized_linear",
-           "resolve_int8_activations", "store_weight_rows"]
+           "resolve_int8_activations", "store_weight_rows", "widen_q6_weight"]
 
 #: the modes that quantize dense weights at load (to 8-/4-bit blocks), and the layout of linear
 #: layers under each; under any other mode (``gguf``, a checkpoint weight format's name) the
@@ -56,7 +58,7 @@ EMBEDDING_LAYOUT = "q8"
 
 class QuantizedTensor:
     """A weight ``[N, K]`` as blocks of 32 values along K: ``qweight`` and ``scales`` in the
-    layout ``layout`` (``"q4"`` or ``"q8"``) of :mod:`sgl.kernels.quant`."""
+    layout ``layout`` (``"q4"``, ``"q8"`` or ``"q6"``) of :mod:`sgl.kernels.quant`."""
 
     __slots__ = ("layout", "qweight", "scales")
 
@@ -113,12 +115,17 @@ class QuantizedTensor:
         return self.map_rows(lambda t: t.to(device))
 
     def with_layout(self, layout: str) -> QuantizedTensor:
-        """The same values in ``layout``: ``q4`` -> ``q8`` is exact (the nibbles become int8);
-        anything else is only the identity."""
+        """The values in ``layout``: ``q4`` -> ``q8`` is exact (the nibbles become int8), ``q6``
+        -> ``q8`` rounds where a block's two scales need it
+        (:func:`sgl.kernels.quant.requantize_q6`); anything else is only the identity."""
         if layout == self.layout:
             return self
+        if (self.layout, layout) == ("q6", "q8"):
+            return QuantizedTensor("q8", *quant.requantize_q6(self.qweight.cpu(),
+                                                              self.scales.cpu())).to(
+                self.qweight.device)
         if (self.layout, layout) != ("q4", "q8"):
-            raise ValueError(f"cannot hold {self.layout} blocks as {layout} without rounding")
+            raise ValueError(f"cannot hold {self.layout} blocks as {layout}")
         q = self.qweight
         values = torch.cat([q & 0x0F, q >> 4], dim=-1).to(torch.int8)
         return QuantizedTensor("q8", values, self.scales)
@@ -201,10 +208,11 @@ def _blocks(layout: str, rows: int, cols: int, device: torch.device) -> tuple[to
     if layout == quant.CHANNEL_LAYOUT:
         return (torch.empty((rows, cols), dtype=torch.int8, device=device),
                 torch.empty((rows, 1), dtype=torch.float32, device=device))
-    dtype = torch.uint8 if layout == "q4" else torch.int8
+    dtype = torch.int8 if layout == "q8" else torch.uint8
     nb = cols // quant.BLOCK
+    # zero scales: rows not loaded yet are zeros (a fused layer converting its layout reads them)
     return (torch.empty((rows, nb, quant.FORMATS[layout]), dtype=dtype, device=device),
-            torch.empty((rows, nb, 2), dtype=torch.float16, device=device))
+            torch.zeros((rows, nb, 2), dtype=torch.float16, device=device))
 
 
 def _hold(module: nn.Module, layout: str | None, weight: torch.Tensor,
@@ -255,10 +263,10 @@ def store_weight_rows(module: nn.Module, offset: int, loaded: torch.Tensor | Qua
             _hold(module, None, held.dequantize(module.weight_dtype), None)
             if layout is not None:
                 loaded = loaded.dequantize(module.weight_dtype)
-        elif layout == "q8":  # q4 held, q8 arrives
-            widened = held.with_layout("q8")
-            _hold(module, "q8", widened.qweight.contiguous(), widened.scales)
-        else:  # q8 held, q4 arrives
+        else:  # two block layouts: both as q8
+            if module.weight_layout != "q8":
+                widened = held.with_layout("q8")
+                _hold(module, "q8", widened.qweight.contiguous(), widened.scales.contiguous())
             loaded = loaded.with_layout("q8")
     with torch.no_grad():
         if module.weight_layout is None:
@@ -322,18 +330,30 @@ def pack_channel_weight(module: nn.Module) -> None:
 
 
 def pack_round_x_weight(module: nn.Module) -> None:
-    """Hold a loaded ``q4``/``q8`` weight of a module whose matmuls round x to int8
+    """Hold a loaded ``q4``/``q8``/``q6`` weight of a module whose matmuls round x to int8
     (``module.round_x``) in its packed layout, where the CPU kernel library multiplies that
-    layout (:func:`sgl.kernels.cpu.packs_x16`) and its rows are whole groups of 16; otherwise
-    leave it as it is. LM heads tied to the module follow it."""
-    if (module.weight_layout not in ("q4", "q8") or not module.round_x
-            or module.weight.device.type != "cpu"
-            or module.weight.shape[0] % quant.X16_GROUP or not cpu.packs_x16()):
-        return
+    layout (:func:`sgl.kernels.cpu.packs_x16`) and its rows are whole groups of 16. Otherwise a
+    ``q6`` weight on CPU becomes ``q8`` (the other CPU kernels take q4 and q8) and the rest is
+    left as it is. LM heads tied to the module follow it."""
     layout = module.weight_layout
+    if layout not in ("q4", "q8", "q6") or module.weight.device.type != "cpu":
+        return
     with torch.no_grad():
-        packed = quant.pack_x16(layout, module.weight.data, module.weight_scales)
-    _hold(module, f"{layout}x16", packed, None)
+        if (module.round_x and module.weight.shape[0] % quant.X16_GROUP == 0
+                and cpu.packs_x16()):
+            packed = quant.pack_x16(layout, module.weight.data, module.weight_scales)
+            _hold(module, f"{layout}x16", packed, None)
+        else:
+            widen_q6_weight(module)
+
+
+def widen_q6_weight(module: nn.Module) -> None:
+    """Hold a loaded ``q6`` weight as ``q8`` (:func:`sgl.kernels.quant.requantize_q6`), for
+    kernels that take q4 and q8 only; any other weight is left as it is."""
+    if module.weight_layout == "q6":
+        with torch.no_grad():
+            q8 = _current(module).with_layout("q8")
+        _hold(module, "q8", q8.qweight, q8.scales)
 
 
 def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
@@ -350,7 +370,7 @@ def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
     if layout in quant.X16_LAYOUTS:  # packed (pack_round_x_weight); every row rounded
         if not round_x:
             raise ValueError(f"a {layout} weight is multiplied with round_x only")
-        bits = 4 if layout == "q4x16" else 8
+        bits = {"q4x16": 4, "q8x16": 8, "q6x16": 6}[layout]
         cpu_kernel = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
         out = (torch.ops.sgl.linear_qx16 if cpu_kernel else ops.linear_qx16)(
             x2, qweight, bits, bias32)
@@ -361,6 +381,9 @@ def quantized_linear(x: torch.Tensor, layout: str, qweight: torch.Tensor,
         out = (torch.ops.sgl.linear_w8a8 if cpu_kernel else ops.linear_w8a8)(
             x2, qweight, scales, bias32)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+    if layout == "q6":  # no CPU kernel but the packed one's (pack_round_x_weight)
+        out = ops.linear_q6(x2, qweight, scales, bias32, round_x)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
         op = torch.ops.sgl.linear_q4 if layout == "q4" else torch.ops.sgl.linear_q8
         out = op(x2, qweight, scales, bias32, round_x)

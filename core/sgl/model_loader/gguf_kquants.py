@@ -13,9 +13,9 @@ A K-quant super-block holds 256 values of a row as 8 sub-blocks of 32 (``Q4_K``,
   ``i`` of sub-block ``j``) before the nibbles; ``q`` in 0..31. Becomes **q8**, ``|err| <=
   2^-11 (31 |d sc| + |dmin mn|)``.
 * ``Q6_K`` (210 bytes): 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales ``s`` (one
-  per 16 values), float16 ``d``; ``W = d s (q - 32)``. Becomes **q8** with ``m = 0``: exact, or
-  ``|err| <= 2^-11 max|W|``, or at most ``(1 + 2^-10) max|W| / 254`` (``W`` the 32-value
-  block), as below.
+  per 16 values), float16 ``d``; ``W = d s (q - 32)``. Becomes **q6**, exactly: the same
+  integers and scales, ``d`` repeated in each of the super-block's 8 blocks. (Kernels that take
+  q4 and q8 only get it rounded to q8, :func:`sgl.kernels.quant.requantize_q6`.)
 
 ``Q4_K`` and ``Q5_K`` map sub-block for sub-block: the integers are kept (``Q4_K``'s nibbles
 reordered into the q4 byte order, ``Q5_K``'s 5-bit ``q`` as int8) and the block gets ``d' =
@@ -24,16 +24,6 @@ and ``sc``, ``mn`` are integers), so their float16 rounding is exact below 2^-14
 an ulp, 2^-11 relative, above: that rounding is the only change, hence the bounds above (and no
 change at all where ``d sc`` and ``dmin mn`` are float16 numbers, e.g. ``d``, ``dmin`` powers of
 two). A product beyond float16's range is a ValueError.
-
-``Q6_K`` puts two scales in one 32-value block, whose integers ``n = s (q - 32)`` span up to
-+-4096: a single ``(d', m = 0)`` holds them exactly only when ``n / c`` fits int8 for a ``c``
-with ``d c`` a float16 number. Each block takes the first of these whose ``q' = n / c`` fits
-int8: ``c = gcd(n)`` with ``d c`` a float16 number (exact); ``c`` the power of two in
-``gcd(n)`` (exact); ``c = gcd(n)`` with ``d' = fp16(d c)`` rounded (``|err| <= 2^-11 max|W|``;
-e.g. both halves with the same scale). Otherwise the block's 32 values are requantized as
-:func:`sgl.kernels.quant.quantize` does for q8: ``d' = fp16(max|W| / 127)``, ``q' = round(W /
-d')``, ``|err| <= d' / 2 <= (1 + 2^-10) max|W| / 254``, at most an eighth of the block's
-coarser ``Q6_K`` step ``d |s|`` (``max|W| <= 32 d |s|``). Real files mostly take this last way.
 """
 
 from __future__ import annotations
@@ -43,17 +33,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from sgl.kernels.quant import quantize
-
 __all__ = ["KQUANT_LAYOUTS", "repack_kquant_blocks"]
 
 #: values per K-quant super-block
 QK_K = 256
 #: K-quant block type -> the layout of :mod:`sgl.kernels.quant` its blocks become
-KQUANT_LAYOUTS = {"Q4_K": "q4", "Q5_K": "q8", "Q6_K": "q8"}
+KQUANT_LAYOUTS = {"Q4_K": "q4", "Q5_K": "q8", "Q6_K": "q6"}
 _BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-# rows of a Q6_K tensor repacked at a time (bounds the int32/float32 temporaries)
-_Q6_K_VALUES_PER_CHUNK = 1 << 22
 
 
 def repack_kquant_blocks(type_name: str, data: np.ndarray, rows: int,
@@ -135,57 +121,30 @@ def _repack_q5_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(q.view(np.int8)), _sub_block_scales(blocks)
 
 
-def _q6_k_integers(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(n, d)``: each value's integer ``s (q - 32)`` as int32 ``[rows, blocks * 8, 32]`` and
-    the super-block scale ``d`` of each 32-value block, float32 ``[rows, blocks * 8, 1]``."""
+def _q6_k_values(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(q, s, d)`` of every 32-value block: the 6-bit ``q`` (0..63) as uint8 ``[rows, blocks
+    * 8, 32]``, the two int8 scales of its halves ``[rows, blocks * 8, 2]`` and the super-block
+    scale ``d`` as float16 ``[rows, blocks * 8, 1]``."""
     rows, n = blocks.shape[:2]
     ql = blocks[..., 0:128].reshape(rows, n, 2, 1, 64)  # per 128 values: 64 bytes
     qh = blocks[..., 128:192].reshape(rows, n, 2, 1, 32)  # per 128 values: 32 bytes
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=3).reshape(rows, n, 2, 128)
     high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3
-    q = (low | (high.reshape(rows, n, 2, 128) << 4)).astype(np.int32) - 32
-    s = blocks[..., 192:208].view(np.int8).astype(np.int32)  # one per 16 values
-    ints = q.reshape(rows, n, 16, 16) * s[..., None]
-    d = np.repeat(_halves(blocks, 208), 8, axis=1)
-    return ints.reshape(rows, n * 8, 32), d
+    q = low | (high.reshape(rows, n, 2, 128) << 4)
+    s = blocks[..., 192:208].view(np.int8).reshape(rows, n * 8, 2)  # one per 16 values
+    d = np.repeat(blocks[..., 208:210].copy().view(np.float16), 8, axis=1)
+    return q.reshape(rows, n * 8, 32), s, d.reshape(rows, n * 8, 1)
 
 
 def _repack_q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    rows, n = blocks.shape[:2]
-    qweight = np.empty((rows, n * 8, 32), np.int8)
-    scales = np.zeros((rows, n * 8, 2), np.float16)
-    step = max(1, _Q6_K_VALUES_PER_CHUNK // (n * QK_K))
-    for start in range(0, rows, step):
-        part = slice(start, start + step)
-        qweight[part], scales[part, :, 0] = _requantize_q6_k(blocks[part])
-    return qweight, scales
-
-
-def _requantize_q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """int8 ``q'`` and float16 ``d'`` of each 32-value block (see the module docstring)."""
-    ints, d = _q6_k_integers(blocks)
-    g = np.maximum(np.gcd.reduce(ints, axis=-1, keepdims=True), 1)  # gcd(0, ...) = 0
-    two = g & -g  # the power of two in g
-
-    def candidate(c: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        q = ints // c  # exact: c divides every integer of its block
-        fits = ((q >= -128) & (q <= 127)).all(axis=-1, keepdims=True)
-        dc = d * c  # exact in float32: 11 bits times at most 12
-        with np.errstate(over="ignore"):
-            h = dc.astype(np.float16)
-        return q, h, fits & (h.astype(np.float32) == dc), fits & np.isfinite(h)
-
-    q_g, d_g, exact_g, rounded_g = candidate(g)
-    q_two, d_two, exact_two, _ = candidate(two)
-    weight = torch.from_numpy((d * ints).reshape(ints.shape[0], -1))  # exact in float32
-    q_re, s_re = quantize("q8", weight)
-    d_re = s_re[..., :1].numpy()
-    if not np.isfinite(d_re).all():
-        raise ValueError("a Q6_K block's requantized scale overflows float16")
-    use_g = exact_g | (~exact_two & rounded_g)
-    q = np.where(use_g, q_g, np.where(exact_two, q_two, q_re.numpy()))
-    scale = np.where(use_g, d_g, np.where(exact_two, d_two, d_re))
-    return q.astype(np.int8), scale[..., 0]
+    q, s, d = _q6_k_values(blocks)
+    low = (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)  # q4's byte order
+    high = (q >> 4).reshape(*q.shape[:2], 4, 8)  # [t, j]: value j + 8t
+    high = (high << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)).sum(
+        axis=2, dtype=np.uint8)  # byte j, bits 2t: value j + 8t
+    qweight = np.concatenate([low, high, s.view(np.uint8)], axis=-1)
+    scales = np.concatenate([d, np.zeros_like(d)], axis=-1)
+    return np.ascontiguousarray(qweight), np.ascontiguousarray(scales)
 
 
 _REPACK: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]] = {

@@ -158,7 +158,8 @@ class GGUFWeights(WeightSource):
 
     @property
     def layouts(self) -> Counter[str]:
-        """How many tensors of the file come in each form: ``q4``, ``q8`` or ``dense``."""
+        """How many tensors of the file come in each form: ``q4``, ``q8``, ``q6`` or
+        ``dense``."""
         return Counter(GGUF_QUANTIZED[t.tensor_type.name] if self._keeps_blocks(t) else "dense"
                        for t in self.tensors)
 

@@ -81,6 +81,27 @@ def test_a_table_in_the_x16_layout_gives_the_same_rows(kernels: KernelLibrary, f
         torch.ops.sgl.embedding_q(packed, no_scales, torch.tensor([64]), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_q6_table_is_looked_up_packed(kernels: KernelLibrary, dtype: torch.dtype) -> None:
+    """A q6 table (GGUF's Q6_K) has a kernel in its x16 layout only (a tied LM head's, which
+    is where a Q6_K table is kept as it is): its rows are ``d s (q - 32)``, exact in float32,
+    rounded once, as the reference dequantizes them; the plain q6 layout is refused by the
+    kernel, which the layers never give it (they widen such a table to q8)."""
+    gen = torch.Generator().manual_seed(5)
+    qweight = torch.randint(0, 256, (64, 17, 26), dtype=torch.uint8, generator=gen)
+    scales = torch.zeros(64, 17, 2, dtype=torch.float16)
+    scales[..., 0] = (torch.rand(64, 17, generator=gen) - 0.5) * 1e-3
+    packed = quant.pack_x16("q6", qweight, scales)
+    ids = _ids(64, 70, seed=2)
+    no_scales = torch.empty(0, dtype=torch.float16)
+    want = quant.dequantize("q6", qweight, scales)[ids].to(dtype)
+    assert torch.equal(torch.ops.sgl.embedding_q(packed, no_scales, ids, dtype), want)
+    assert torch.equal(ops.REFERENCES["embedding_q"](packed, no_scales, ids, dtype), want)
+    assert torch.equal(ops.REFERENCES["embedding_q"](qweight, scales, ids, dtype), want)
+    with pytest.raises(ValueError, match="q6x16, with empty scales"):
+        torch.ops.sgl.embedding_q(qweight, scales, ids, dtype)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_reference_is_the_dequantized_rows(fmt: str, monkeypatch) -> None:
     """The reference is :func:`quant.dequantize`'s rows rounded once, and dequantizes only the

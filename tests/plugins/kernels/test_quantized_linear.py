@@ -295,8 +295,99 @@ def test_x16_matmul_on_two_threads_and_replayed(kernels: KernelLibrary, fmt: str
     assert torch.equal(two, sgl_ops.linear_qx16(x, packed, bits, None))
 
 
+# -- q6 (GGUF's Q6_K as it is) in its x16 layout -----------------------------------------------
+
+def q6_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random q6 weight: every byte pattern of q and the two int8 scales (-128 included), d
+    of either sign scaled so that ``W`` is of order ``1 / sqrt(k)``."""
+    gen = torch.Generator().manual_seed(seed)
+    qweight = torch.randint(0, 256, (n, k // 32, 26), dtype=torch.uint8, generator=gen)
+    d = (torch.rand(n, k // 32, generator=gen) - 0.5) / (32 * 64 * k ** 0.5)
+    return qweight, torch.stack([d, torch.zeros_like(d)], -1).half()
+
+
+def test_q6_layouts_hold_w_equal_d_s_q_minus_32() -> None:
+    """q6's bytes as the module docstring lays them out (low nibbles in q4's order, 2-bit highs
+    of value ``j + 8t`` at bits ``2t`` of byte ``16 + j``, the halves' int8 scales), and the
+    x16 packing: lossless, each value's bits where the kernel widens them from."""
+    qweight, scales = q6_weight(48, 96, 0)
+    w = quant.dequantize("q6", qweight, scales)
+    row, block = 21, 2
+    raw, d = qweight[row, block], float(scales[row, block, 0])
+    s = raw[24:26].view(torch.int8).tolist()
+    for v in range(32):
+        low = int(raw[v % 16]) >> (4 * (v // 16)) & 15
+        high = int(raw[16 + v % 8]) >> (2 * (v // 8)) & 3
+        assert float(w[row, 32 * block + v]) == d * s[v // 16] * ((low | high << 4) - 32)
+    packed = quant.pack_x16("q6", qweight, scales)
+    assert packed.shape == (3, 3, 448)
+    back = quant.unpack_x16("q6x16", packed)
+    assert torch.equal(back[0], qweight) and torch.equal(back[1], scales)
+    assert torch.equal(quant.dequantize("q6x16", packed, None), w)
+    g, c, blk = 1, 5, packed[1, 2]
+    for v in range(32):  # vector k = v // 4 holds value v at byte v % 4 of lane c
+        k, b = v // 4, v % 4
+        low = int(blk[64 * (k % 4) + 4 * c + b]) >> (4 * (k // 4)) & 15
+        high = int(blk[256 + 64 * (k // 4) + 4 * c + b]) >> (2 * (k % 4)) & 3
+        sv = int(blk[384 + 16 * (v // 16) + c:385 + 16 * (v // 16) + c].view(torch.int8))
+        dv = float(blk[416 + 2 * c:418 + 2 * c].view(torch.float16))
+        assert dv * sv * ((low | high << 4) - 32) == float(w[16 * g + c, 32 * 2 + v])
+    with pytest.raises(ValueError, match="does not round weights to it"):
+        quant.quantize("q6", torch.randn(16, 64))
+
+
+@pytest.mark.parametrize("n,k", [(96, 576), (16, 32), (48, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q6x16_matmul_is_round_x_on_the_q6_blocks(kernels: KernelLibrary, n: int, k: int,
+                                                  dtype: torch.dtype) -> None:
+    """Every row count gives each row the bits it gets alone (the float sequence is a row's
+    own), and the reference's values (``linear_q6`` with ``round_x``: exact integer sums of x
+    times ``s (q - 32)``, then ``fma(sum, d dx, acc)``); where the level has no kernel for the
+    layout the operator says why."""
+    qweight, scales = q6_weight(n, k, n + k)
+    packed = quant.pack_x16("q6", qweight, scales)
+    if not kernels.packs_x16():
+        with pytest.raises(ValueError, match="no kernel at the avx2 level|no AVX512-VNNI"):
+            sgl_ops.linear_qx16(torch.randn(1, k).to(dtype), packed, 6, None)
+        return
+    torch.manual_seed(k)
+    x = (torch.randn(70, k + 32) * 3).to(dtype)[:, 16:16 + k]  # a row-strided view
+    bias = torch.randn(n)
+    alone = torch.cat([sgl_ops.linear_qx16(x[r:r + 1], packed, 6, bias) for r in range(70)])
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 70):
+        with cpu.recording() as tape:
+            got = sgl_ops.linear_qx16(x[:rows], packed, 6, bias)
+        assert tape.names == ["sgl_linear_quant_avx512"]
+        assert torch.equal(got, alone[:rows]), rows
+    expected = ops.linear_q6(x, qweight, scales, bias, True)
+    assert torch.equal(ops.REFERENCES["linear_qx16"](x, packed, 6, bias), expected)
+    tol = 1e-6 if dtype == torch.float32 else 0.01
+    torch.testing.assert_close(alone.float(), expected.float(), rtol=tol, atol=tol)
+    # round_x moves x by at most max|x| / 254 per value: far from the exact product, not by much
+    exact = x.float() @ quant.dequantize("q6", qweight, scales).t() + bias
+    assert 0 < (alone.float() - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+@pytest.mark.usefixtures("restore_kernel_threads")
+def test_q6x16_matmul_on_two_threads_and_replayed(kernels: KernelLibrary) -> None:
+    packed = quant.pack_x16("q6", *q6_weight(1008, 576, 4))
+    x = torch.randn(9, 576)
+    if not kernels.packs_x16():
+        return  # refused at these levels: test_q6x16_matmul_is_round_x_on_the_q6_blocks
+    assert cpu.set_threads(1) == 1
+    one = sgl_ops.linear_qx16(x, packed, 6, None)
+    assert cpu.set_threads(2) == 2
+    with cpu.recording() as tape:
+        two = sgl_ops.linear_qx16(x, packed, 6, None)
+    assert torch.equal(one, two)
+    x.copy_(torch.randn(9, 576))
+    tape.replay()
+    assert torch.equal(two, sgl_ops.linear_qx16(x, packed, 6, None))
+
+
 @pytest.mark.parametrize("args, message", [
-    (lambda p: (torch.randn(2, 64), p, 5, None), "bits must be 4 or 8"),
+    (lambda p: (torch.randn(2, 64), p, 5, None), "bits must be 4, 6 or 8"),
+    (lambda p: (torch.randn(2, 64), p, 6, None), r"packed must be uint8 \[N/16, K/32, 448\]"),
     (lambda p: (torch.randn(2, 64), p, 8, None), r"packed must be uint8 \[N/16, K/32, 576\]"),
     (lambda p: (torch.randn(2, 96), p, 4, None), "x has 96 columns, the weight 64"),
     (lambda p: (torch.randn(2, 64), p, 4, torch.randn(5)), "bias has 5 values, not 16"),

@@ -7,7 +7,11 @@ to Gemma's norm weights, Qwen2-MoE experts split into gate/up/down stacks and th
 gate squeezed to a vector, Llama 3 rope scaling written as ``rope_freqs`` and Phi-3's LongRoPE
 factors as ``rope_factors_long/short``. Vectors stay F32 and the MoE router F32 (as
 ``llama-quantize`` keeps them); the other tensors are ``qtype``, except that a ``Q4_0`` file
-keeps ``token_embd`` in ``Q8_0`` (a mix of layouts, as in real files). Not a test module.
+keeps ``token_embd`` in ``Q8_0`` (a mix of layouts, as in real files) and a ``Q6_K`` file
+writes tensors whose rows are not whole 256-value super-blocks as ``Q8_0`` (as
+``llama-quantize`` falls back). gguf-py cannot quantize K-quants: :func:`_quantize_q6_k` writes
+Q6_K bytes (a plain rounding, not llama.cpp's search; gguf-py's dequantization gives the values
+they hold). Not a test module.
 """
 
 from __future__ import annotations
@@ -32,6 +36,26 @@ def _qtype(name: str) -> Any:
     return GGMLQuantizationType[name]
 
 
+def _quantize_q6_k(array: np.ndarray) -> np.ndarray:
+    """Q6_K bytes of float ``array [rows, cols]`` (cols a multiple of 256): per 16 values a
+    scale ``amax / 31``, stored as int8 ``s`` times the super-block's float16 ``d = max / 127``,
+    and ``q = round(x / (d s)) + 32`` in 0..63; llama.cpp's byte order (``block_q6_K``)."""
+    rows, cols = array.shape
+    x = array.astype(np.float32).reshape(-1, 16, 16)  # [super-blocks, 16 sub-blocks, 16]
+    sub = np.abs(x).max(-1) / 31
+    d = (sub.max(-1, keepdims=True) / 127).astype(np.float16)
+    df = d.astype(np.float32)
+    s = np.where(df > 0, np.round(sub / np.where(df > 0, df, 1)), 0).clip(-128, 127)
+    step = (df * s)[..., None]
+    q = (np.where(step > 0, np.round(x / np.where(step > 0, step, 1)), 0).clip(-32, 31) + 32)
+    q = q.astype(np.uint8).reshape(-1, 2, 128)  # two halves of 128 values
+    ql = (q[..., :64] & 0x0F) | ((q[..., 64:] & 0x0F) << 4)  # value l low, l + 64 high
+    qh = sum((q[..., 32 * t:32 * t + 32] >> 4) << (2 * t) for t in range(4))  # l % 32, bits 2t
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.astype(np.uint8).reshape(-1, 64),
+                             s.astype(np.int8).view(np.uint8), d.view(np.uint8)], axis=-1)
+    return blocks.reshape(rows, cols // 256 * 210)
+
+
 def _round_trip(array: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
     """``(bytes or floats to write, the float32 values they hold)``."""
     from gguf.quants import dequantize, quantize
@@ -41,7 +65,7 @@ def _round_trip(array: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
     if qtype == "F16":
         half = array.astype(np.float16)
         return half, half.astype(np.float32)
-    data = quantize(array, _qtype(qtype))
+    data = _quantize_q6_k(array) if qtype == "Q6_K" else quantize(array, _qtype(qtype))
     return data, dequantize(data, _qtype(qtype)).reshape(array.shape).astype(np.float32)
 
 
@@ -168,7 +192,7 @@ def _scaling(name: str) -> Any:
 
 def write_gguf(model: Any, path: Path, qtype: str, *, title: str = "tiny") -> dict[str, Any]:
     """Write ``model`` (a transformers causal LM) to ``path`` with 2-D tensors in ``qtype``
-    (``F32``, ``F16``, ``Q8_0`` or ``Q4_0``); ``title`` is ``general.name`` (transformers reads
+    (``F32``, ``F16``, ``Q8_0``, ``Q4_0`` or ``Q6_K``); ``title`` is ``general.name`` (transformers reads
     a ``llama`` file as Mistral when it holds "mistral").
 
     :returns: the state dict the file holds, under the model's own names and layout (what the
@@ -187,7 +211,8 @@ def write_gguf(model: Any, path: Path, qtype: str, *, title: str = "tiny") -> di
     for hf_name, tensor in state.items():
         keep = "F32" if tensor.dim() < 2 or hf_name.endswith(("mlp.gate.weight",
                                                                "shared_expert_gate.weight")) \
-            else "Q8_0" if (qtype == "Q4_0" and "embed_tokens" in hf_name) else qtype
+            else "Q8_0" if (qtype == "Q4_0" and "embed_tokens" in hf_name) \
+            or (qtype == "Q6_K" and tensor.shape[-1] % 256) else qtype
         _, values = _round_trip(tensor.numpy(), keep)
         reference[hf_name] = torch.from_numpy(np.ascontiguousarray(values))
         for name, part in _to_gguf(arch, config, hf_name, tensor):

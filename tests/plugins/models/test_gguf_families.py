@@ -31,6 +31,7 @@ from _gguf_writer import write_gguf
 
 from sgl.engine.batch_builder import BatchSeq, make_forward_batch, release_sequence
 from sgl.engine.model_runner import ModelRunner
+from sgl.kernels import cpu
 from sgl.layers.moe import FusedMoE
 from sgl.forward_batch import ForwardMode
 from sgl.model_loader import ModelLoadError, load_hf_config, open_weights
@@ -169,6 +170,43 @@ def test_gguf_logits_match_transformers(files: dict, variant: str, qtype: str,
         assert error <= ROUNDED_ATOL, error
         if rounded.round_x:
             assert error > ATOL
+
+
+#: a llama wide enough for K-quants (rows of whole 256-value super-blocks)
+WIDE = {**TINY, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+        "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_q6_k_file_keeps_its_blocks_and_matches_transformers(tmp_path: Path, tied: bool,
+                                                               model_isa: str) -> None:
+    """Every projection, the embedding and the head in Q6_K (as a Q6_K file and the Q6_K
+    tensors of Q4_K_M files hold them): where the kernels round x (the default) the layers hold
+    Q6_K's own integers and scales (q6x16) where the CPU multiplies that layout, q8 elsewhere;
+    the logits are transformers' on the file's values within x's rounding, and within the
+    rounding of q8 without it."""
+    import transformers
+
+    config = transformers.LlamaConfig(**WIDE, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    randomize_norms(model, std=0.3)
+    path = tmp_path / "wide-q6_k.gguf"
+    held = write_gguf(model, path, "Q6_K")
+    model.load_state_dict(held, strict=False)
+    expected = reference_logits(model, PROMPTS, batched=False)
+    rounded = make_runner(str(path), quantization="auto")
+    layouts = {m.weight_layout for m in rounded.model.modules()
+               if getattr(m, "weight_layout", None)}
+    packs = rounded.round_x and cpu.packs_x16()
+    assert layouts == ({"q6x16"} if packs and tied else {"q6x16", "q8"} if packs else {"q8"})
+    exact = make_runner(str(path), quantization="auto", int8_activations="off")
+    assert {m.weight_layout for m in exact.model.modules()
+            if getattr(m, "weight_layout", None)} == {"q8"}
+    for runner in (rounded, exact):
+        for got, want in zip(sgl_logits(runner), expected):
+            error = (got - want).abs().max()
+            assert ATOL < error <= ROUNDED_ATOL, error
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -465,10 +465,39 @@ AVX2_TARGET INLINE void embed_row(const embedding_quant_job *j, int64_t t, const
     }
 }
 
+/* out row t = row ids[t] of a q6x16 table (sgl/kernels/quant.py): each value d s (q - 32),
+   exact in float32 (an 11-bit d times an integer of at most 13 bits) */
+AVX2_TARGET INLINE void embed_row_q6x16(const embedding_quant_job *j, int64_t t) {
+    const int64_t KB = j->KB, es = j->dtype ? 2 : 4, bb = 6 * 64 + 64;
+    const int64_t group = j->ids[t] / 16, lane = j->ids[t] % 16;
+    char *row = (char *)j->out + t * j->o_stride * es;
+    for (int64_t kb = 0; kb < KB; kb++) {
+        const uint8_t *blk = j->qw + (group * KB + kb) * bb;
+        uint8_t low[16], high[8];
+        for (int i = 0; i < 4; i++) memcpy(low + 4 * i, blk + 64 * i + 4 * lane, 4);
+        for (int p = 0; p < 2; p++) memcpy(high + 4 * p, blk + 256 + 64 * p + 4 * lane, 4);
+        const int s[2] = {(int8_t)blk[384 + lane], (int8_t)blk[400 + lane]};
+        uint16_t dh;
+        memcpy(&dh, blk + 416 + 2 * lane, 2);
+        const float d = _cvtsh_ss(dh);
+        float v[32];
+        for (int k = 0; k < 32; k++) { /* value k: nibble byte k % 16, high byte 4 (k / 16) + k % 4,
+                                          bits 2 ((k % 16) / 4) */
+            const int nib = k < 16 ? low[k] & 0x0F : low[k - 16] >> 4;
+            const int hi = (high[4 * (k / 16) + k % 4] >> (2 * ((k % 16) / 4))) & 3;
+            v[k] = d * (float)(s[k / 16] * ((nib | hi << 4) - 32));
+        }
+        #pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+            store8(row + (kb * 32 + 8 * i) * es, _mm256_loadu_ps(v + 8 * i), j->dtype);
+    }
+}
+
 AVX2_TARGET static void embedding_quant_rows(void *ctx, int64_t t_begin, int64_t t_end) {
     const embedding_quant_job *j = ctx;
     for (int64_t t = t_begin; t < t_end; t++) {
         if (j->bits == 4) embed_row(j, t, 4); /* a constant width: no branch per block */
+        else if (j->bits == 6) embed_row_q6x16(j, t);
         else embed_row(j, t, 8);
     }
 }
@@ -477,12 +506,12 @@ AVX2_TARGET static void embedding_quant_rows(void *ctx, int64_t t_begin, int64_t
    q4 (bits 4) or q8 (bits 8) table qw [vocab, K/32, 16 or 32] with its float16 (d, m) sc [vocab,
    K/32, 2], each value d q + m; K a multiple of 32. Large lookups share the rows out over the
    pool's threads. x16: qw is the table in the x16 layout (sgl/kernels/quant.py; vocab a multiple
-   of 16, sc unused). -1 (nothing written) when an id is outside [0, vocab); -2: bits is neither
-   4 nor 8. */
+   of 16, sc unused; bits may be 6 too, q6x16). -1 (nothing written) when an id is outside [0,
+   vocab); -2: bits is neither 4 nor 8 (nor 6 in the x16 layout). */
 AVX2_TARGET int sgl_embedding_quant(const uint8_t *qw, const uint16_t *sc, int64_t vocab,
                                     int64_t K, const int64_t *ids, int64_t T, void *out,
                                     int64_t o_stride, int dtype, int bits, int x16) {
-    if (bits != 4 && bits != 8) return -2;
+    if (bits != 4 && bits != 8 && !(bits == 6 && x16)) return -2;
     for (int64_t t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= vocab) return -1;
     embedding_quant_job job = {qw, sc, ids, out, o_stride, K / 32, dtype, bits, x16};

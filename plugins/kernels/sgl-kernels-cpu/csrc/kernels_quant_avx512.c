@@ -536,6 +536,7 @@ typedef struct {
     const float *xd, *xs; /* per row and block: dx, dx * sum(q) */
     const int32_t *xi;    /* per row and block: sum(q) */
     atomic_int no_memory;
+    const int32_t *xh; /* q6x16: per row and block, 32 sum(q) of each half (x16_half_sums) */
 } i8g_job;
 
 /* the 16 columns n0 .. n0 + cols of every block, in vpdpbusd's layout: w[kb][i], lane c holds
@@ -759,12 +760,17 @@ QAMX_TARGET static void i8g_groups_amx(void *ctx, int64_t g_begin, int64_t g_end
  * q8: 8 vectors, lane c of vector i column c's values 4i .. 4i + 3 plus 128), then the 16
  * columns' d and m as float16. A thread's groups are one sequential stream, every byte of it
  * used. The products and the float sequence are i8g_tile's: the same bits as every other
- * round_x tile. */
+ * round_x tile. q6 (GGUF's Q6_K, W = d s (q - 32) with a scale s per 16 values) has its low
+ * nibbles as q4's, its 2-bit highs in two more vectors, and its own block step (x16_tile_q6),
+ * on vpdpbusd at every level (AMX's block sums would need the halves apart). */
 
 #define X16_AHEAD_BYTES 4096 /* how far ahead of the block being multiplied lines are asked for */
 
-/* bytes per group and block: the integers (4 or 8 vectors), then 16 d and 16 m */
-static inline int64_t x16_block_bytes(int bits) { return bits == 4 ? 4 * 64 + 64 : 8 * 64 + 64; }
+/* bytes per group and block: the integers (q4: 4 vectors, q8: 8), then 16 d and 16 m; q6: 4
+   vectors of low nibbles, 2 of high bits, 16 s0 and 16 s1 (int8), 16 d */
+static inline int64_t x16_block_bytes(int bits) {
+    return bits == 4 ? 4 * 64 + 64 : bits == 6 ? 6 * 64 + 64 : 8 * 64 + 64;
+}
 
 /* a q4 block's 8 vectors of integers from its 4 vectors of nibbles: w[i] the low nibbles
    (values 4i .. 4i + 3 of each lane's column), w[4 + i] the high ones (16 + 4i ..) */
@@ -775,6 +781,82 @@ VNNI512_TARGET Q512_INLINE void x16_widen_q4(const uint8_t *blk, __m512i w[8]) {
         const __m512i raw = _mm512_loadu_si512((const void *)(blk + 64 * i));
         w[i] = _mm512_and_si512(raw, low);
         w[4 + i] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+}
+
+/* a q6 block's 8 vectors of integers (0..63): q4's nibbles, then vector 4p + t takes bits 2t,
+   2t + 1 of each byte of high vector p as its bits 4 and 5 (16-bit shifts: the bits crossing
+   from the neighbouring byte are masked off) */
+VNNI512_TARGET Q512_INLINE void x16_widen_q6(const uint8_t *blk, __m512i w[8]) {
+    x16_widen_q4(blk, w);
+    const __m512i bits45 = _mm512_set1_epi8(0x30);
+    #pragma GCC unroll 2
+    for (int p = 0; p < 2; p++) {
+        const __m512i h = _mm512_loadu_si512((const void *)(blk + 256 + 64 * p));
+        /* 0xF8: a | (b & c) */
+        w[4 * p] = _mm512_ternarylogic_epi32(w[4 * p], _mm512_slli_epi16(h, 4), bits45, 0xF8);
+        w[4 * p + 1] =
+            _mm512_ternarylogic_epi32(w[4 * p + 1], _mm512_slli_epi16(h, 2), bits45, 0xF8);
+        w[4 * p + 2] = _mm512_ternarylogic_epi32(w[4 * p + 2], h, bits45, 0xF8);
+        w[4 * p + 3] =
+            _mm512_ternarylogic_epi32(w[4 * p + 3], _mm512_srli_epi16(h, 2), bits45, 0xF8);
+    }
+}
+
+/* y[r0 .. r0 + ROWS, the group's 16 columns] from group g's q6 blocks: per row and half the
+   exact sum of x q, minus 32 sum(x) and times the half's s, both halves added (|sum| < 2^24,
+   exact in float32 too), then acc = fma(sum, d * dx, acc): linear_q6's sequence (m = 0) */
+VNNI512_TARGET Q512_INLINE void x16_tile_q6(const i8g_job *j, int64_t g, int64_t r0, int prefetch,
+                                            const int ROWS) {
+    const int64_t KB = j->KB, K = KB * 32, bb = x16_block_bytes(6);
+    const uint8_t *blocks = j->qw + g * KB * bb;
+    const int8_t *xq = j->xq + r0 * K;
+    __m512 acc[I8G_ROWS];
+    #pragma GCC unroll 8
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < KB; kb++) {
+        const uint8_t *blk = blocks + kb * bb;
+        if (prefetch)
+            for (int64_t l = 0; l < bb; l += 64)
+                _mm_prefetch((const char *)blk + X16_AHEAD_BYTES + l, _MM_HINT_T0);
+        __m512i w[8];
+        x16_widen_q6(blk, w);
+        const __m512i s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 384)));
+        const __m512i s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 400)));
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 416)));
+        __m512i sum[I8G_ROWS][2];
+        #pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+        #pragma GCC unroll 8
+        for (int i = 0; i < 8; i++)
+            #pragma GCC unroll 8
+            for (int r = 0; r < ROWS; r++) {
+                int32_t four;
+                memcpy(&four, xq + r * K + kb * 32 + 4 * i, 4);
+                sum[r][i / 4] = _mm512_dpbusd_epi32(sum[r][i / 4], w[i], _mm512_set1_epi32(four));
+            }
+        #pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++) {
+            const int64_t at = (r0 + r) * KB + kb;
+            const __m512i t0 = _mm512_mullo_epi32(
+                _mm512_sub_epi32(sum[r][0], _mm512_set1_epi32(j->xh[2 * at])), s0);
+            const __m512i t1 = _mm512_mullo_epi32(
+                _mm512_sub_epi32(sum[r][1], _mm512_set1_epi32(j->xh[2 * at + 1])), s1);
+            const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(j->xd[at]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1)), scale, acc[r]);
+        }
+    }
+    i8g_store_rows(j, acc, r0, 16 * g, 16, ROWS);
+}
+
+/* 32 times the sum of each half of each block of x's rounded rows (xq [rows, KB * 32]) into
+   xh [rows, KB, 2]: the 32 of q6's q - 32 */
+VNNI512_TARGET static void x16_half_sums(const int8_t *xq, int64_t rows, int64_t KB, int32_t *xh) {
+    const __m128i flip = _mm_set1_epi8((char)0x80);
+    for (int64_t i = 0; i < rows * KB * 2; i++) { /* sad of x + 128 against 0: two 8-byte sums */
+        const __m128i v = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(xq + 16 * i)), flip);
+        const __m128i s = _mm_sad_epu8(v, _mm_setzero_si128());
+        xh[i] = 32 * (_mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 16 * 128);
     }
 }
 
@@ -832,11 +914,13 @@ VNNI512_TARGET static void x16_groups(void *ctx, int64_t g_begin, int64_t g_end)
         int64_t r = 0;
         for (; j->M - r >= 8; r += 8)
             if (j->bits == 4) x16_tile(j, g, r, r == 0, 4, 8);
+            else if (j->bits == 6) x16_tile_q6(j, g, r, r == 0, 8);
             else x16_tile(j, g, r, r == 0, 8, 8);
-#define X16_REST(ROWS)                                            \
-    case ROWS:                                                   \
-        if (j->bits == 4) x16_tile(j, g, r, r == 0, 4, ROWS);    \
-        else x16_tile(j, g, r, r == 0, 8, ROWS);                 \
+#define X16_REST(ROWS)                                               \
+    case ROWS:                                                      \
+        if (j->bits == 4) x16_tile(j, g, r, r == 0, 4, ROWS);       \
+        else if (j->bits == 6) x16_tile_q6(j, g, r, r == 0, ROWS);  \
+        else x16_tile(j, g, r, r == 0, 8, ROWS);                    \
         break;
         switch (j->M - r) {
             X16_REST(7) X16_REST(6) X16_REST(5) X16_REST(4) X16_REST(3) X16_REST(2) X16_REST(1)
@@ -932,13 +1016,14 @@ VNNI512_TARGET static int q512_linear_i8(const void *x, int64_t ldx, const uint8
                                          int64_t N, int64_t K, const float *bias, int dtype,
                                          int bits, int amx, int x16) {
     const int64_t KB = K / 32;
-    amx = amx && M >= I8G_AMX_ROWS;
+    amx = amx && M >= I8G_AMX_ROWS && bits != 6; /* q6: its halves' sums on vpdpbusd alone */
     const int64_t Mp = amx ? (M + 15) & ~(int64_t)15 : M; /* the AMX tiles' zero rows */
-    char *buf = sgl_scratch(1, (size_t)(Mp * K) + (size_t)(3 * Mp * KB) * 4 + 64);
+    const int64_t halves = bits == 6 ? 2 * Mp * KB : 0;
+    char *buf = sgl_scratch(1, (size_t)(Mp * K) + (size_t)(3 * Mp * KB + halves) * 4 + 64);
     if (!buf) return -1;
     float *xd = (float *)buf, *xs = xd + Mp * KB;
-    int32_t *xi = (int32_t *)(xs + Mp * KB);
-    int8_t *xq = (int8_t *)(xi + Mp * KB);
+    int32_t *xi = (int32_t *)(xs + Mp * KB), *xh = xi + Mp * KB;
+    int8_t *xq = (int8_t *)(xh + halves);
     if (Mp > M) {
         memset(xq + M * K, 0, (size_t)((Mp - M) * K));
         memset(xd + M * KB, 0, (size_t)((Mp - M) * KB) * 4);
@@ -949,7 +1034,8 @@ VNNI512_TARGET static int q512_linear_i8(const void *x, int64_t ldx, const uint8
     if (x16) {
         if (M >= I8G_FROM) sgl_parallel_for(i8_round_rows, &round, M, chunk_of(M));
         else i8_round_rows(&round, 0, M);
-        i8g_job job = {qw, NULL, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs, xi, 0};
+        i8g_job job = {qw, NULL, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs, xi, 0, xh};
+        if (bits == 6) x16_half_sums(xq, M, KB, xh);
         const int64_t groups = N / 16;
         sgl_parallel_for(amx ? x16_groups_amx : x16_groups, &job, groups,
                          panels_per_thread(groups));
@@ -973,13 +1059,13 @@ VNNI512_TARGET static int q512_linear_i8(const void *x, int64_t ldx, const uint8
 /* The arguments and return codes of sgl_linear_quant_avx2 (kernels_quant_avx2.c), and level:
    bit 0, the level has AVX512-BF16 (vdpbf16ps); bit 1, it has AMX (int8 tiles for round_x);
    bit 2, qw is the weight in the x16 layout (N a multiple of 16, sc unused, round_x only, and
-   only where the CPU has AVX512-VNNI: -2 otherwise). */
+   only where the CPU has AVX512-VNNI: -2 otherwise), where bits may be 6 too (q6x16). */
 PANEL512_TARGET int sgl_linear_quant_avx512(const void *x, int64_t ldx, const uint8_t *qw,
                                             const uint16_t *sc, void *y, int64_t ldy, int64_t M,
                                             int64_t N, int64_t K, const float *bias, int dtype,
                                             int bits, int round_x, int level) {
-    if (bits != 4 && bits != 8) return -2;
     const int bf16_dot = level & 1, x16 = (level >> 2) & 1;
+    if (bits != 4 && bits != 8 && !(bits == 6 && x16)) return -2;
     if (x16)
         return round_x && HAS_VNNI() && N % 16 == 0
                    ? q512_linear_i8(x, ldx, qw, sc, y, ldy, M, N, K, bias, dtype, bits,

@@ -11,7 +11,7 @@
 
 #if defined(__x86_64__)
 
-int sgl_kernels_version(void) { return 14; }
+int sgl_kernels_version(void) { return 15; }
 
 /* the AVX-512 levels' kernels in use: compiled for the CPU, or emulated (sgl_set_emulation) */
 static const sgl_avx512_kernels *avx512 = &sgl_avx512_kernels_native;

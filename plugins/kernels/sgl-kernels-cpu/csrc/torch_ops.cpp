@@ -318,9 +318,10 @@ Tensor linear_q8(const Tensor& x, const Tensor& qweight, const Tensor& scales,
 Tensor linear_qx16(const Tensor& x, const Tensor& packed, int64_t bits, const OptTensor& bias) {
   const char* op = "sgl::linear_qx16";
   check_rows(op, "x", x);
-  TORCH_CHECK_VALUE(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
+  TORCH_CHECK_VALUE(bits == 4 || bits == 6 || bits == 8, op, ": bits must be 4, 6 or 8, got ",
+                    bits);
   check_contiguous(op, "packed", packed, at::kByte);
-  const int64_t block_bytes = bits == 4 ? 320 : 576;
+  const int64_t block_bytes = bits == 4 ? 320 : bits == 6 ? 448 : 576;
   TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == block_bytes, op,
                     ": packed must be uint8 [N/16, K/32, ", block_bytes, "], got ",
                     packed.sizes());
@@ -498,15 +499,16 @@ Tensor embedding_q(const Tensor& qweight, const Tensor& scales, const Tensor& id
   const bool three_d = qweight.dim() == 3;
   const bool bytes = three_d && qweight.scalar_type() == at::kByte;
   // the x16 layouts (sgl/kernels/quant.py) come with an empty scales tensor
-  const bool x16 =
-      bytes && scales.numel() == 0 && (qweight.size(2) == 320 || qweight.size(2) == 576);
+  const bool x16 = bytes && scales.numel() == 0 &&
+                   (qweight.size(2) == 320 || qweight.size(2) == 576 || qweight.size(2) == 448);
+  const bool q6 = x16 && qweight.size(2) == 448;  // only packed: a plain q6 table has no kernel
   const bool q4 = bytes && (qweight.size(2) == 16 || (x16 && qweight.size(2) == 320));
   const bool q8 = three_d && ((qweight.scalar_type() == at::kChar && qweight.size(2) == 32) ||
                               (x16 && qweight.size(2) == 576));
-  TORCH_CHECK_VALUE(qweight.device().is_cpu() && qweight.is_contiguous() && (q4 || q8), op,
+  TORCH_CHECK_VALUE(qweight.device().is_cpu() && qweight.is_contiguous() && (q4 || q8 || q6), op,
                     ": qweight must be a contiguous CPU uint8 [N, K/32, 16] (q4) or int8 "
-                    "[N, K/32, 32] (q8) tensor, or uint8 [N/16, K/32, 320 or 576] (q4x16, "
-                    "q8x16, with empty scales), got ", qweight.scalar_type(), " ",
+                    "[N, K/32, 32] (q8) tensor, or uint8 [N/16, K/32, 320, 576 or 448] (q4x16, "
+                    "q8x16, q6x16, with empty scales), got ", qweight.scalar_type(), " ",
                     qweight.sizes());
   const int64_t n = qweight.size(0) * (x16 ? 16 : 1), blocks = qweight.size(1), k = blocks * 32;
   if (!x16) {
@@ -526,7 +528,7 @@ Tensor embedding_q(const Tensor& qweight, const Tensor& scales, const Tensor& id
   Tensor out = new_output({t, k}, qweight.options().dtype(dtype));
   Call call(SGL_OP_EMBEDDING_QUANT);
   call << ptr(qweight) << ptr(scales) << n << k << ptr(ids) << t << ptr(out) << k
-       << (dtype == at::kBFloat16 ? 1 : 0) << (q4 ? 4 : 8) << (x16 ? 1 : 0);
+       << (dtype == at::kBFloat16 ? 1 : 0) << (q4 ? 4 : q6 ? 6 : 8) << (x16 ? 1 : 0);
   TORCH_CHECK_INDEX(run(call, {qweight, scales, ids}, {out}) == 0, op,
                     ": token id outside the embedding table of ", n, " rows");
   return out;

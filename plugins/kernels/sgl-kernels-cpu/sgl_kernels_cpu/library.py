@@ -38,7 +38,7 @@ KERNEL_NAMES = {1: "sgl_linear_bf16_amx", 2: "sgl_linear_f32", 3: "sgl_rmsnorm",
                 20: "sgl_embedding_quant", 21: "sgl_linear_quant_avx512",
                 22: "sgl_linear_w8a8_avx2", 23: "sgl_linear_w8a8_avx512"}
 #: what ``sgl_kernels_version`` of a build of this source returns
-VERSION = 14
+VERSION = 15
 
 _lock = threading.Lock()
 _loaded_path: Path | None = None
