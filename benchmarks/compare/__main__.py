@@ -54,7 +54,7 @@ from compare.engines import (  # noqa: E402
     sgl_spec,
     vllm_spec,
 )
-from compare.models import W8A8_ENGINE, Model, gguf_kind, resolve_model  # noqa: E402
+from compare.models import NO_REPACK, W8A8_ENGINE, Model, gguf_kind, resolve_model  # noqa: E402
 from compare.peers import PeerError, Peers  # noqa: E402
 from machine_info import cpu_model  # noqa: E402
 from compare.workloads import (  # noqa: E402
@@ -99,7 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engines", type=_csv(str), default=None,
                    help="comma-separated: sgl, vllm, transformers (the bfloat16 folder), "
                         "sgl-gguf-<kind>, llama-server-<kind> (a GGUF: the given file's kind, "
-                        "bf16, q8_0, q4_k_m, q5_k_m, q6_k); default: the model's set")
+                        "bf16, q8_0, q4_k_m, q5_k_m, q6_k), llama-server-<kind>-norepack "
+                        "(with --no-repack: its blocks not repacked for its AVX2/AVX-512 "
+                        "kernels); default: the model's set")
     p.add_argument("--concurrencies", type=_csv(int), default=[1, 8, 32],
                    help="concurrent requests (default 1,8,32)")
     p.add_argument("--workloads", type=_csv(str), default=["random", "shared-prefix"],
@@ -255,8 +257,8 @@ def server_spec(name: str, args: argparse.Namespace, peers: Peers, port: int) ->
         return spec
     longest = args.system_prompt_len + args.question_len + args.output_len
     ctx = max(args.input_len + args.output_len, longest) + 64
-    spec = llama_server_spec(peers, name.removeprefix("llama-server-"), port, slots=max_c,
-                             threads=args.llama_threads, ctx_per_slot=ctx)
+    spec = llama_server_spec(peers, kind, port, slots=max_c, threads=args.llama_threads,
+                             ctx_per_slot=ctx, repack=not name.endswith(NO_REPACK))
     spec.settings += f", {_version([str(peers.llama_server), '--version'])}"
     return spec
 

@@ -155,8 +155,19 @@ def vllm_spec(peers: Peers, model: Path, port: int, *, cpus: str, kv_gib: int) -
                       settings=f"bf16, OpenMP threads bound to CPUs {cpus}, {kv_gib} GiB KV")
 
 
+def _cpu_has_amx() -> bool:
+    """Whether this CPU reports AMX's int8 tiles (Linux's /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_int8" in line.split() for line in f)
+    except OSError:
+        return False
+
+
 def llama_server_spec(peers: Peers, kind: str, port: int, *, slots: int, threads: int,
-                      ctx_per_slot: int) -> ServerSpec:
+                      ctx_per_slot: int, repack: bool = True) -> ServerSpec:
+    """llama-server on the ``kind`` GGUF; ``repack`` False adds ``--no-repack`` (engine
+    ``llama-server-<kind>-norepack``), which AMX CPUs always get."""
     binary = peers.llama_server
     if binary is None:
         raise EngineError("llama-server is not built")
@@ -166,11 +177,17 @@ def llama_server_spec(peers: Peers, kind: str, port: int, *, slots: int, threads
                "--no-webui"]
     settings = (f"{kind.upper()} GGUF, {threads} threads, {slots} slots of {ctx_per_slot} "
                 f"tokens")
-    if kind != "bf16":
+    name, label = f"llama-server-{kind}", f"llama-server {kind.upper()}"
+    if kind != "bf16" and _cpu_has_amx():
         # ggml's AMX int8 matmul (picked for quantized weights on CPUs with AMX) dies with
-        # SIGSEGV in ggml_backend_amx_mul_mat on this machine kind; --no-repack keeps the
-        # weights in ggml's plain CPU buffers
+        # SIGSEGV in ggml_backend_amx_mul_mat on AMX CPUs (a Sapphire Rapids VM); --no-repack
+        # keeps the weights in ggml's plain CPU buffers there. Elsewhere llama.cpp repacks its
+        # Q4_0/Q4_K blocks for its AVX2/AVX-512 kernels by default.
         command.append("--no-repack")
-        settings += ", --no-repack (its AMX path crashes here)"
-    return ServerSpec(f"llama-server-{kind}", f"llama-server {kind.upper()}", command,
-                      settings=settings)
+        settings += ", --no-repack (its AMX path crashes on AMX CPUs)"
+    elif not repack:
+        command.append("--no-repack")
+        settings += ", --no-repack"
+    if not repack:
+        name, label = f"{name}-norepack", f"{label} --no-repack"
+    return ServerSpec(name, label, command, settings=settings)

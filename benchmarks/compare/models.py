@@ -30,6 +30,10 @@ from compare.ladder import LADDER
 QUANTIZED_KINDS = ("q8_0", "q4_k_m", "q5_k_m", "q6_k")
 CONVERTED_KINDS = ("bf16", *QUANTIZED_KINDS)
 GGUF_ENGINES = ("sgl-gguf-", "llama-server-")
+#: the suffix of a llama-server engine run with ``--no-repack``: its quantized blocks left in
+#: ggml's plain CPU buffers instead of repacked for its AVX2/AVX-512 kernels, which is faster
+#: for it at some concurrencies and slower at others (both are its own settings)
+NO_REPACK = "-norepack"
 #: sgl on the Hugging Face folder with its int8 weights and activations (SGLang's w8a8_int8)
 W8A8_ENGINE = "sgl-w8a8"
 
@@ -56,7 +60,9 @@ class Model:
     @property
     def engines(self) -> tuple[str, ...]:
         return ("sgl", W8A8_ENGINE, *(f"sgl-gguf-{k}" for k in self.kinds), "vllm",
-                *(f"llama-server-{k}" for k in self.kinds), "transformers")
+                *(f"llama-server-{k}" for k in self.kinds),
+                *(f"llama-server-{k}{NO_REPACK}" for k in self.kinds if k != "bf16"),
+                "transformers")
 
     @property
     def default_engines(self) -> list[str]:
@@ -107,10 +113,12 @@ class Model:
 
 
 def gguf_kind(engine: str) -> str | None:
-    """The GGUF kind an engine serves (``llama-server-q8_0``: ``q8_0``); None for the others."""
+    """The GGUF kind an engine serves (``llama-server-q8_0``: ``q8_0``, as
+    ``llama-server-q8_0-norepack``); None for the others."""
     for prefix in GGUF_ENGINES:
         if engine.startswith(prefix) and len(engine) > len(prefix):
-            return engine.removeprefix(prefix)
+            kind = engine.removeprefix(prefix)
+            return kind.removesuffix(NO_REPACK) if prefix == "llama-server-" else kind
     return None
 
 

@@ -171,7 +171,7 @@ def quantize(fmt: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def requantize_q6(qweight: torch.Tensor, scales: torch.Tensor,
-                  rows_per_step: int = 1 << 17) -> tuple[torch.Tensor, torch.Tensor]:
+                  rows_per_step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A q6 weight as q8 ``(qweight, scales)``, for the kernels that take q4 and q8 only.
 
     A q6 block's integers ``n = s (q - 32)`` span up to +-4096: a single ``(d', m = 0)`` holds
@@ -182,8 +182,11 @@ def requantize_q6(qweight: torch.Tensor, scales: torch.Tensor,
     scale). Otherwise the block's 32 values are requantized as :func:`quantize` does for q8:
     ``d' = fp16(max|W| / 127)``, ``q' = round(W / d')``, ``|err| <= d' / 2 <= (1 + 2^-10)
     max|W| / 254``, at most an eighth of the block's coarser step ``d |s|`` (``max|W| <= 32 d
-    |s|``). Real files mostly take this last way. ``rows_per_step`` bounds the temporaries."""
+    |s|``). Real files mostly take this last way. ``rows_per_step`` bounds the temporaries
+    (default: about 4M values at a time)."""
     check("q6", qweight, scales)
+    if rows_per_step is None:
+        rows_per_step = max(1, (1 << 22) // max(1, qweight.shape[1] * BLOCK))
     q8 = torch.empty(qweight.shape[:2] + (32,), dtype=torch.int8)
     s8 = torch.zeros(scales.shape, dtype=torch.float16)
     for start in range(0, qweight.shape[0], rows_per_step):

@@ -129,15 +129,15 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], tup
     return out
 
 
-def sgl_logits(runner: ModelRunner) -> list[torch.Tensor]:
-    """sgl's logits at every position of :data:`PROMPTS`, both in one ragged extend."""
-    rows = [runner.req_to_token_pool.alloc() for _ in PROMPTS]
+def sgl_logits(runner: ModelRunner, prompts: list[list[int]] = PROMPTS) -> list[torch.Tensor]:
+    """sgl's logits at every position of ``prompts``, all in one ragged extend."""
+    rows = [runner.req_to_token_pool.alloc() for _ in prompts]
     batch = make_forward_batch(runner, ForwardMode.EXTEND,
-                               [BatchSeq(r, 0, p) for r, p in zip(rows, PROMPTS)])
+                               [BatchSeq(r, 0, p) for r, p in zip(rows, prompts)])
     logits = runner.logits_at(runner.forward(batch), torch.arange(batch.num_tokens))
-    for row, prompt in zip(rows, PROMPTS):
+    for row, prompt in zip(rows, prompts):
         release_sequence(runner, row, len(prompt))
-    return list(logits.split([len(p) for p in PROMPTS]))
+    return list(logits.split([len(p) for p in prompts]))
 
 
 @pytest.mark.parametrize(("qtype", "quantization"),
@@ -204,9 +204,12 @@ def test_a_q6_k_file_keeps_its_blocks_and_matches_transformers(tmp_path: Path, t
     assert {m.weight_layout for m in exact.model.modules()
             if getattr(m, "weight_layout", None)} == {"q8"}
     for runner in (rounded, exact):
-        for got, want in zip(sgl_logits(runner), expected):
+        together = sgl_logits(runner)
+        for got, want in zip(together, expected):
             error = (got - want).abs().max()
             assert ATOL < error <= ROUNDED_ATOL, error
+        for prompt, got in zip(PROMPTS, together):  # a prompt's bits do not depend on the batch
+            assert torch.equal(sgl_logits(runner, [prompt])[0], got)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
