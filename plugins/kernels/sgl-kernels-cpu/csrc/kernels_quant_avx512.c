@@ -761,7 +761,7 @@ QAMX_TARGET static void i8g_groups_amx(void *ctx, int64_t g_begin, int64_t g_end
  * columns' d and m as float16. A thread's groups are one sequential stream, every byte of it
  * used. The products and the float sequence are i8g_tile's: the same bits as every other
  * round_x tile. q6 (GGUF's Q6_K, W = d s (q - 32) with a scale s per 16 values) has its low
- * nibbles as q4's, its 2-bit highs in two more vectors, and its own block step (x16_tile_q6),
+ * nibbles as q4's, its 2-bit highs in two more vectors, and its own block step in x16_tile,
  * on vpdpbusd at every level (AMX's block sums would need the halves apart). */
 
 #define X16_AHEAD_BYTES 4096 /* how far ahead of the block being multiplied lines are asked for */
@@ -803,52 +803,6 @@ VNNI512_TARGET Q512_INLINE void x16_widen_q6(const uint8_t *blk, __m512i w[8]) {
     }
 }
 
-/* y[r0 .. r0 + ROWS, the group's 16 columns] from group g's q6 blocks: per row and half the
-   exact sum of x q, minus 32 sum(x) and times the half's s, both halves added (|sum| < 2^24,
-   exact in float32 too), then acc = fma(sum, d * dx, acc): linear_q6's sequence (m = 0) */
-VNNI512_TARGET Q512_INLINE void x16_tile_q6(const i8g_job *j, int64_t g, int64_t r0, int prefetch,
-                                            const int ROWS) {
-    const int64_t KB = j->KB, K = KB * 32, bb = x16_block_bytes(6);
-    const uint8_t *blocks = j->qw + g * KB * bb;
-    const int8_t *xq = j->xq + r0 * K;
-    __m512 acc[I8G_ROWS];
-    #pragma GCC unroll 8
-    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t kb = 0; kb < KB; kb++) {
-        const uint8_t *blk = blocks + kb * bb;
-        if (prefetch)
-            for (int64_t l = 0; l < bb; l += 64)
-                _mm_prefetch((const char *)blk + X16_AHEAD_BYTES + l, _MM_HINT_T0);
-        __m512i w[8];
-        x16_widen_q6(blk, w);
-        const __m512i s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 384)));
-        const __m512i s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 400)));
-        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 416)));
-        __m512i sum[I8G_ROWS][2];
-        #pragma GCC unroll 8
-        for (int r = 0; r < ROWS; r++) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
-        #pragma GCC unroll 8
-        for (int i = 0; i < 8; i++)
-            #pragma GCC unroll 8
-            for (int r = 0; r < ROWS; r++) {
-                int32_t four;
-                memcpy(&four, xq + r * K + kb * 32 + 4 * i, 4);
-                sum[r][i / 4] = _mm512_dpbusd_epi32(sum[r][i / 4], w[i], _mm512_set1_epi32(four));
-            }
-        #pragma GCC unroll 8
-        for (int r = 0; r < ROWS; r++) {
-            const int64_t at = (r0 + r) * KB + kb;
-            const __m512i t0 = _mm512_mullo_epi32(
-                _mm512_sub_epi32(sum[r][0], _mm512_set1_epi32(j->xh[2 * at])), s0);
-            const __m512i t1 = _mm512_mullo_epi32(
-                _mm512_sub_epi32(sum[r][1], _mm512_set1_epi32(j->xh[2 * at + 1])), s1);
-            const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(j->xd[at]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1)), scale, acc[r]);
-        }
-    }
-    i8g_store_rows(j, acc, r0, 16 * g, 16, ROWS);
-}
-
 /* 32 times the sum of each half of each block of x's rounded rows (xq [rows, KB * 32]) into
    xh [rows, KB, 2]: the 32 of q6's q - 32 */
 VNNI512_TARGET static void x16_half_sums(const int8_t *xq, int64_t rows, int64_t KB, int32_t *xh) {
@@ -861,7 +815,10 @@ VNNI512_TARGET static void x16_half_sums(const int8_t *xq, int64_t rows, int64_t
 }
 
 /* y[r0 .. r0 + ROWS, the group's 16 columns] from group g's packed blocks; prefetch: whether to
-   ask for the lines ahead (the first row tile of a group, which reads it from memory) */
+   ask for the lines ahead (the first row tile of a group, which reads it from memory). q6 (BITS
+   6): each half's products in its own chain, then per row s0 (sum0 - 32 xh0) + s1 (sum1 - 32
+   xh1), exact in int32 and in float32 (|sum| < 2^24), and acc = fma(sum, d * dx, acc):
+   linear_q6's sequence (m = 0) */
 VNNI512_TARGET Q512_INLINE void x16_tile(const i8g_job *j, int64_t g, int64_t r0, int prefetch,
                                          const int BITS, const int ROWS) {
     const int64_t KB = j->KB, K = KB * 32, bb = x16_block_bytes(BITS), wb = bb - 64;
@@ -878,15 +835,19 @@ VNNI512_TARGET Q512_INLINE void x16_tile(const i8g_job *j, int64_t g, int64_t r0
         __m512i w[8];
         if (BITS == 4) {
             x16_widen_q4(blk, w);
+        } else if (BITS == 6) {
+            x16_widen_q6(blk, w);
         } else {
             #pragma GCC unroll 8
             for (int i = 0; i < 8; i++) w[i] = _mm512_loadu_si512((const void *)(blk + 64 * i));
         }
-        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + wb)));
-        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + wb + 32)));
+        /* the 16 d: q6's after its two vectors of int8 scales; the others' before their m */
+        const __m512 dv = _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)(blk + (BITS == 6 ? bb - 32 : wb))));
         /* a row's 8 products in one chain where 4 or more rows interleave theirs, in two
-           (even and odd vectors) below, so that few rows do not wait on vpdpbusd's latency */
-        const int CH = ROWS >= 4 ? 1 : 2;
+           (even and odd vectors) below, so that few rows do not wait on vpdpbusd's latency;
+           q6: the two halves' chains */
+        const int CH = BITS == 6 || ROWS < 4 ? 2 : 1;
         __m512i sum[I8G_ROWS][2];
         #pragma GCC unroll 8
         for (int r = 0; r < ROWS; r++) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
@@ -894,10 +855,28 @@ VNNI512_TARGET Q512_INLINE void x16_tile(const i8g_job *j, int64_t g, int64_t r0
         for (int i = 0; i < 8; i++)
             #pragma GCC unroll 8
             for (int r = 0; r < ROWS; r++) {
+                const int c = BITS == 6 ? i / 4 : i % CH;
                 int32_t four;
                 memcpy(&four, xq + r * K + kb * 32 + 4 * i, 4);
-                sum[r][i % CH] = _mm512_dpbusd_epi32(sum[r][i % CH], w[i], _mm512_set1_epi32(four));
+                sum[r][c] = _mm512_dpbusd_epi32(sum[r][c], w[i], _mm512_set1_epi32(four));
             }
+        if (BITS == 6) {
+            const __m512i s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 384)));
+            const __m512i s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 400)));
+            #pragma GCC unroll 8
+            for (int r = 0; r < ROWS; r++) {
+                const int64_t at = (r0 + r) * KB + kb;
+                const __m512i t0 = _mm512_mullo_epi32(
+                    _mm512_sub_epi32(sum[r][0], _mm512_set1_epi32(j->xh[2 * at])), s0);
+                const __m512i t1 = _mm512_mullo_epi32(
+                    _mm512_sub_epi32(sum[r][1], _mm512_set1_epi32(j->xh[2 * at + 1])), s1);
+                const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(j->xd[at]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1)), scale,
+                                         acc[r]);
+            }
+            continue;
+        }
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + wb + 32)));
         #pragma GCC unroll 8
         for (int r = 0; r < ROWS; r++)
             acc[r] = i8g_block_step(j, acc[r],
@@ -914,12 +893,12 @@ VNNI512_TARGET static void x16_groups(void *ctx, int64_t g_begin, int64_t g_end)
         int64_t r = 0;
         for (; j->M - r >= 8; r += 8)
             if (j->bits == 4) x16_tile(j, g, r, r == 0, 4, 8);
-            else if (j->bits == 6) x16_tile_q6(j, g, r, r == 0, 8);
+            else if (j->bits == 6) x16_tile(j, g, r, r == 0, 6, 8);
             else x16_tile(j, g, r, r == 0, 8, 8);
 #define X16_REST(ROWS)                                               \
     case ROWS:                                                      \
         if (j->bits == 4) x16_tile(j, g, r, r == 0, 4, ROWS);       \
-        else if (j->bits == 6) x16_tile_q6(j, g, r, r == 0, ROWS);  \
+        else if (j->bits == 6) x16_tile(j, g, r, r == 0, 6, ROWS);  \
         else x16_tile(j, g, r, r == 0, 8, ROWS);                    \
         break;
         switch (j->M - r) {
