@@ -155,15 +155,6 @@ def vllm_spec(peers: Peers, model: Path, port: int, *, cpus: str, kv_gib: int) -
                       settings=f"bf16, OpenMP threads bound to CPUs {cpus}, {kv_gib} GiB KV")
 
 
-def _cpu_has_amx() -> bool:
-    """Whether this CPU reports AMX's int8 tiles (Linux's /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_int8" in line.split() for line in f)
-    except OSError:
-        return False
-
-
 def llama_server_spec(peers: Peers, kind: str, port: int, *, slots: int, threads: int,
                       ctx_per_slot: int, repack: bool = True) -> ServerSpec:
     """llama-server on the ``kind`` GGUF; ``repack`` False adds ``--no-repack`` (engine
@@ -178,7 +169,9 @@ def llama_server_spec(peers: Peers, kind: str, port: int, *, slots: int, threads
     settings = (f"{kind.upper()} GGUF, {threads} threads, {slots} slots of {ctx_per_slot} "
                 f"tokens")
     name, label = f"llama-server-{kind}", f"llama-server {kind.upper()}"
-    if kind != "bf16" and _cpu_has_amx():
+    from sgl_kernels_cpu.isa import has_feature
+
+    if kind != "bf16" and has_feature("amx_int8"):
         # ggml's AMX int8 matmul (picked for quantized weights on CPUs with AMX) dies with
         # SIGSEGV in ggml_backend_amx_mul_mat on AMX CPUs (a Sapphire Rapids VM); --no-repack
         # keeps the weights in ggml's plain CPU buffers there. Elsewhere llama.cpp repacks its

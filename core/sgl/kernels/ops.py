@@ -176,8 +176,9 @@ def linear_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 def linear_q6(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
               bias: torch.Tensor | None, round_x: bool = False) -> torch.Tensor:
     """:func:`linear_q4` for the 6-bit layout (GGUF's ``Q6_K``; ``qweight`` uint8 ``[N, K/32,
-    26]``), not an operator of the contract (kernels multiply it packed, ``linear_qx16``): with ``round_x`` each block's integer is ``sum x s (q - 32)`` over its two halves
-    (exact), and ``m`` is 0, so the block adds ``fma(sum, d * dx, acc)`` alone."""
+    26]``), not an operator of the contract (kernels multiply it packed, ``linear_qx16``): with
+    ``round_x`` each block's integer is ``sum x s (q - 32)`` over its two halves (exact), and
+    ``m`` is 0, so the block adds ``fma(sum, d * dx, acc)`` alone."""
     return _linear_quantized("q6", x, qweight, scales, bias, round_x)
 
 

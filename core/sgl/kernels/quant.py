@@ -55,8 +55,8 @@ import numpy as np
 import torch
 
 __all__ = ["BLOCK", "CHANNEL_LAYOUT", "FORMATS", "LAYOUTS", "X16_GROUP", "X16_LAYOUTS", "check",
-           "dequantize", "integers", "pack_x16", "q6_integers", "quantize", "requantize_q6",
-           "unpack_x16"]
+           "dequantize", "integers", "pack_x16", "q6_integers", "q6_weight", "quantize",
+           "requantize_q6", "unpack_x16"]
 
 #: values per block along K
 BLOCK = 32
@@ -105,14 +105,42 @@ def integers(fmt: str, qweight: torch.Tensor) -> torch.Tensor:
     return torch.cat([qweight & 0x0F, qweight >> 4], dim=-1)
 
 
+def _pairs(raw: torch.Tensor) -> torch.Tensor:
+    """The four 2-bit fields of each byte of ``raw [...]`` as ``[..., 4]`` (field ``t``: bits
+    ``2t, 2t + 1``)."""
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=raw.device)
+    return (raw[..., None] >> shifts) & 3
+
+
+def _pack_pairs(fields: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_pairs`: ``[..., 4]`` 2-bit fields as bytes ``[...]``."""
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=fields.device)
+    return (fields << shifts).sum(-1, dtype=torch.uint8)
+
+
+def _q6_highs(qweight: torch.Tensor) -> torch.Tensor:
+    """The high 2 bits of every value of a q6 weight, in value order ``[N, K/32, 32]``."""
+    return _pairs(qweight[..., 16:24]).transpose(-1, -2).reshape(*qweight.shape[:2], 32)
+
+
+def _q6_high_bytes(highs: torch.Tensor) -> torch.Tensor:
+    """q6's 8 bytes of high bits (byte ``j``, bits ``2t``: value ``j + 8t``) from ``[..., 32]``
+    in value order."""
+    return _pack_pairs(highs.reshape(*highs.shape[:-1], 4, 8).transpose(-1, -2))
+
+
+def q6_weight(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The ``qweight`` of a q6 weight from its values ``q`` (0..63, uint8 ``[N, K/32, 32]``)
+    and the int8 scales of each block's halves ``s [N, K/32, 2]``."""
+    low = (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)  # q4's byte order
+    return torch.cat([low, _q6_high_bytes(q >> 4), s.view(torch.uint8)], -1).contiguous()
+
+
 def q6_integers(qweight: torch.Tensor) -> torch.Tensor:
     """``s (q - 32)`` of every value of a q6 weight, int32 ``[N, K/32, 32]`` (at most 4096 in
     magnitude: ``W = d`` times it)."""
     low = torch.cat([qweight[..., :16] & 0x0F, qweight[..., :16] >> 4], dim=-1)
-    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=qweight.device)
-    high = (qweight[..., 16:24, None] >> shifts) & 3  # [N, KB, byte j, t]: value j + 8t
-    high = high.transpose(-1, -2).reshape(*qweight.shape[:2], 32)
-    q = (low | (high << 4)).to(torch.int32) - 32
+    q = (low | (_q6_highs(qweight) << 4)).to(torch.int32) - 32
     s = qweight[..., 24:26].view(torch.int8).to(torch.int32)
     return q * s.repeat_interleave(16, dim=-1)
 
@@ -248,13 +276,10 @@ def pack_x16(fmt: str, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Ten
                          f"got {fmt} with {n} rows")
     g = n // X16_GROUP
     if fmt == "q6":
-        raw = qweight[..., 16:24]  # byte j, bits 2t: value j + 8t
-        shifts = torch.arange(0, 8, 2, dtype=torch.uint8)
-        high = ((raw[..., None] >> shifts) & 3).transpose(-1, -2).reshape(n, kb, 32)
         # byte 4p + b, bits 2t: value 16p + 4t + b (so that vector 4p + t's byte b finds its
         # bits at 2t of the high vector p)
-        high = high.reshape(n, kb, 2, 4, 4).permute(0, 1, 2, 4, 3)  # [.., p, b, t]
-        high = (high << shifts).sum(-1, dtype=torch.uint8).reshape(n, kb, 8)
+        high = _q6_highs(qweight).reshape(n, kb, 2, 4, 4).permute(0, 1, 2, 4, 3)  # [p, b, t]
+        high = _pack_pairs(high).reshape(n, kb, 8)
         s = qweight[..., 24:26].reshape(g, X16_GROUP, kb, 2).permute(0, 2, 3, 1)
         d = scales[..., 0].reshape(g, X16_GROUP, kb).permute(0, 2, 1).contiguous()
         return torch.cat([_lanes(qweight[..., :16], g, kb), _lanes(high, g, kb),
@@ -278,11 +303,8 @@ def unpack_x16(layout: str, packed: torch.Tensor) -> tuple[torch.Tensor, torch.T
     if fmt == "q6":
         low = _rows(packed[..., :256], 16)
         high = _rows(packed[..., 256:384], 8)  # byte 4p + b, bits 2t: value 16p + 4t + b
-        shifts = torch.arange(0, 8, 2, dtype=torch.uint8)
-        bits = ((high[..., None] >> shifts) & 3).reshape(n, kb, 2, 4, 4)  # [.., p, b, t]
-        bits = bits.permute(0, 1, 2, 4, 3).reshape(n, kb, 32)  # value order
-        raw = (bits.reshape(n, kb, 4, 8).transpose(-1, -2) << shifts).sum(
-            -1, dtype=torch.uint8)  # byte j, bits 2t: value j + 8t
+        bits = _pairs(high).reshape(n, kb, 2, 4, 4)  # [.., p, b, t]
+        raw = _q6_high_bytes(bits.permute(0, 1, 2, 4, 3).reshape(n, kb, 32))
         s = packed[..., 384:416].reshape(g, kb, 2, X16_GROUP).permute(0, 3, 1, 2)
         d = packed[..., 416:448].contiguous().view(torch.float16).reshape(g, kb, X16_GROUP)
         d = d.permute(0, 2, 1).reshape(n, kb, 1)

@@ -33,6 +33,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from sgl.kernels.quant import q6_weight
+
 __all__ = ["KQUANT_LAYOUTS", "repack_kquant_blocks"]
 
 #: values per K-quant super-block
@@ -138,13 +140,10 @@ def _q6_k_values(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 def _repack_q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     q, s, d = _q6_k_values(blocks)
-    low = (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)  # q4's byte order
-    high = (q >> 4).reshape(*q.shape[:2], 4, 8)  # [t, j]: value j + 8t
-    high = (high << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)).sum(
-        axis=2, dtype=np.uint8)  # byte j, bits 2t: value j + 8t
-    qweight = np.concatenate([low, high, s.view(np.uint8)], axis=-1)
+    qweight = q6_weight(torch.from_numpy(np.ascontiguousarray(q)),
+                        torch.from_numpy(np.ascontiguousarray(s)))
     scales = np.concatenate([d, np.zeros_like(d)], axis=-1)
-    return np.ascontiguousarray(qweight), np.ascontiguousarray(scales)
+    return qweight.numpy(), np.ascontiguousarray(scales)
 
 
 _REPACK: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]] = {

@@ -803,11 +803,11 @@ VNNI512_TARGET Q512_INLINE void x16_widen_q6(const uint8_t *blk, __m512i w[8]) {
     }
 }
 
-/* 32 times the sum of each half of each block of x's rounded rows (xq [rows, KB * 32]) into
-   xh [rows, KB, 2]: the 32 of q6's q - 32 */
-VNNI512_TARGET static void x16_half_sums(const int8_t *xq, int64_t rows, int64_t KB, int32_t *xh) {
+/* 32 times the sum of each half of each block of one rounded row (xq [KB * 32]) into xh [KB,
+   2]: the 32 of q6's q - 32 */
+VNNI512_TARGET static void x16_half_sums(const int8_t *xq, int64_t KB, int32_t *xh) {
     const __m128i flip = _mm_set1_epi8((char)0x80);
-    for (int64_t i = 0; i < rows * KB * 2; i++) { /* sad of x + 128 against 0: two 8-byte sums */
+    for (int64_t i = 0; i < KB * 2; i++) { /* sad of x + 128 against 0: two 8-byte sums */
         const __m128i v = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(xq + 16 * i)), flip);
         const __m128i s = _mm_sad_epu8(v, _mm_setzero_si128());
         xh[i] = 32 * (_mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 16 * 128);
@@ -958,6 +958,7 @@ typedef struct {
     int8_t *xq;
     float *xd, *xs;
     int32_t *xi;
+    int32_t *xh; /* q6x16: the halves' sums too (x16_half_sums); NULL otherwise */
 } i8_round_job;
 
 /* rows r_begin .. r_end of x rounded per block (sgl_round_x_blocks), a bfloat16 row widened to
@@ -971,19 +972,20 @@ VNNI512_TARGET static void i8_round_rows(void *ctx, int64_t r_begin, int64_t r_e
         int32_t *xi = j->xi + r * KB;
         if (!j->dtype) {
             sgl_round_x_blocks((const float *)j->x + r * j->ldx, KB * 32, 1, KB, xq, xd, xs, xi);
-            continue;
-        }
-        const uint16_t *row = (const uint16_t *)j->x + r * j->ldx;
-        float wide[8 * 32];
-        for (int64_t kb = 0; kb < KB; kb += 8) {
-            const int64_t n = KB - kb < 8 ? KB - kb : 8;
-            for (int64_t k = 0; k < n * 32; k += 16) {
-                const __m512i h = _mm512_cvtepu16_epi32(
-                    _mm256_loadu_si256((const __m256i *)(row + kb * 32 + k)));
-                _mm512_storeu_ps(wide + k, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+        } else {
+            const uint16_t *row = (const uint16_t *)j->x + r * j->ldx;
+            float wide[8 * 32];
+            for (int64_t kb = 0; kb < KB; kb += 8) {
+                const int64_t n = KB - kb < 8 ? KB - kb : 8;
+                for (int64_t k = 0; k < n * 32; k += 16) {
+                    const __m512i h = _mm512_cvtepu16_epi32(
+                        _mm256_loadu_si256((const __m256i *)(row + kb * 32 + k)));
+                    _mm512_storeu_ps(wide + k, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+                }
+                sgl_round_x_blocks(wide, n * 32, 1, n, xq + kb * 32, xd + kb, xs + kb, xi + kb);
             }
-            sgl_round_x_blocks(wide, n * 32, 1, n, xq + kb * 32, xd + kb, xs + kb, xi + kb);
         }
+        if (j->xh) x16_half_sums(xq, KB, j->xh + r * KB * 2); /* while the row is in cache */
     }
 }
 
@@ -1009,12 +1011,11 @@ VNNI512_TARGET static int q512_linear_i8(const void *x, int64_t ldx, const uint8
         memset(xs + M * KB, 0, (size_t)((Mp - M) * KB) * 4);
         memset(xi + M * KB, 0, (size_t)((Mp - M) * KB) * 4);
     }
-    i8_round_job round = {x, ldx, KB, dtype, xq, xd, xs, xi};
+    i8_round_job round = {x, ldx, KB, dtype, xq, xd, xs, xi, bits == 6 ? xh : NULL};
     if (x16) {
         if (M >= I8G_FROM) sgl_parallel_for(i8_round_rows, &round, M, chunk_of(M));
         else i8_round_rows(&round, 0, M);
         i8g_job job = {qw, NULL, y, bias, ldy, M, N, KB, dtype, bits, xq, xd, xs, xi, 0, xh};
-        if (bits == 6) x16_half_sums(xq, M, KB, xh);
         const int64_t groups = N / 16;
         sgl_parallel_for(amx ? x16_groups_amx : x16_groups, &job, groups,
                          panels_per_thread(groups));
